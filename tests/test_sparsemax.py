@@ -1,0 +1,366 @@
+"""Tests of the normalizers and Fenchel–Young losses in ``sparse_jax.sparsemax``.
+
+Exactness is checked against the float64 sort-based references in ``tests/reference.py``;
+properties (non-negativity, sums, masking, shift invariance) with hypothesis; derivatives with
+``jax.test_util.check_grads`` in float64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.test_util import check_grads
+
+import sparse_jax as sj
+from tests.reference import entmax15_ref, entmax_ref, sparsemax_ref
+
+# Jitted once per (function, shape, dtype): hypothesis varies lengths, so rows are padded to a
+# power of two with masked (-inf) entries, which also exercises masking on every example.
+_sparsemax = jax.jit(sj.sparsemax)
+_entmax15 = jax.jit(sj.entmax15)
+_entmax = jax.jit(sj.entmax)
+
+NORMALIZERS = {
+    "sparsemax": (lambda x: _sparsemax(x), sparsemax_ref),
+    "entmax15": (lambda x: _entmax15(x), entmax15_ref),
+    "entmax-1.3": (
+        lambda x: _entmax(x, jnp.float32(1.3)),
+        functools.partial(entmax_ref, alpha=1.3),
+    ),
+    "entmax-2.5": (
+        lambda x: _entmax(x, jnp.float32(2.5)),
+        functools.partial(entmax_ref, alpha=2.5),
+    ),
+    "entmax-array2": (lambda x: _entmax(x, jnp.float32(2.0)), sparsemax_ref),
+    "entmax-array1.5": (lambda x: _entmax(x, jnp.float32(1.5)), entmax15_ref),
+}
+
+SCALES = [1e-6, 1e-3, 1.0, 30.0, 1e4]
+
+
+@st.composite
+def score_rows(draw):
+    """A batch of 3 rows of one length n in [1, 4096], padded with -inf to a power of two.
+
+    Rows mix Gaussian scores at a drawn magnitude, optional rounding (ties), optional masked
+    entries, and one row that is entirely masked when ``all_masked`` is drawn.
+    """
+    n = draw(st.one_of(st.integers(1, 64), st.integers(65, 4096)))
+    scale = draw(st.sampled_from(SCALES))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    rows = rng.normal(size=(3, n)) * scale
+    if draw(st.booleans()):  # ties: a handful of distinct values
+        rows = np.round(rows / scale * 2) * scale / 2
+    if draw(st.booleans()):  # masked entries, never all of a row
+        masked = rng.random((3, n)) < draw(st.floats(0.0, 0.9))
+        masked[:, rng.integers(n)] = False
+        rows[masked] = -np.inf
+    if draw(st.booleans()):
+        rows[2] = -np.inf
+    width = 1 << (n - 1).bit_length()
+    padded = np.full((3, width), -np.inf)
+    padded[:, :n] = rows
+    return padded.astype(np.float32)
+
+
+def _check_distribution(p, x, atol):
+    p = np.asarray(p, np.float64)
+    allowed = np.isfinite(x)
+    assert (p >= 0).all()
+    assert (p[~allowed] == 0).all(), "masked entries must be exactly zero"
+    has_any = allowed.any(-1)
+    np.testing.assert_allclose(p.sum(-1)[has_any], 1.0, atol=atol)
+    assert (p[~has_any] == 0).all(), "fully masked rows must be all zeros"
+    assert np.isfinite(p).all()
+
+
+@pytest.mark.parametrize("name", list(NORMALIZERS))
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(x=score_rows())
+def test_matches_sort_reference_and_is_a_distribution(name, x):
+    fn, ref = NORMALIZERS[name]
+    p = np.asarray(fn(jnp.asarray(x)))
+    _check_distribution(p, x, atol=2e-5)
+    # The reference is exact in float64 on the float32 inputs; float32 rounding of the scores
+    # relative to the row maximum bounds what any float32 implementation can reach.
+    np.testing.assert_allclose(p, ref(x), atol=2e-6 + 2e-6 * np.sqrt(x.shape[-1]))
+
+
+@pytest.mark.parametrize("name", list(NORMALIZERS))
+@hypothesis.settings(max_examples=10, deadline=None, derandomize=True)
+@hypothesis.given(x=score_rows(), shift=st.sampled_from([-1e3, -3.0, 0.5, 100.0]))
+def test_invariant_to_adding_a_constant(name, x, shift):
+    fn, _ = NORMALIZERS[name]
+    finite = x[np.isfinite(x)]
+    hypothesis.assume(finite.size == 0 or np.abs(finite).max() < 1e3)
+    p = np.asarray(fn(jnp.asarray(x)))
+    p_shifted = np.asarray(fn(jnp.asarray(x + np.float32(shift))))
+    # Shifting a float32 score by c changes its rounding by ~|c| * 2^-24.
+    np.testing.assert_allclose(p_shifted, p, atol=1e-5 * max(1.0, abs(shift)))
+
+
+@hypothesis.settings(max_examples=10, deadline=None, derandomize=True)
+@hypothesis.given(x=score_rows())
+def test_bfloat16_and_float16_inputs_compute_in_float32(x):
+    for dtype in (jnp.bfloat16, jnp.float16):
+        low = jnp.asarray(np.clip(x, -6e4, 6e4), dtype)
+        exact = np.asarray(low.astype(jnp.float32))
+        for fn, ref in (
+            (_sparsemax, sparsemax_ref),
+            (_entmax15, entmax15_ref),
+            (lambda v: _entmax(v, jnp.float32(1.7)), functools.partial(entmax_ref, alpha=1.7)),
+        ):
+            p = fn(low)
+            assert p.dtype == dtype
+            # One rounding of the result to the low-precision dtype, nothing more.
+            np.testing.assert_allclose(np.asarray(p, np.float64), ref(exact), atol=1e-2, rtol=1e-2)
+            _check_distribution(p, exact, atol=2e-2)
+
+
+def test_special_alphas_agree_exactly_with_closed_forms():
+    x = jax.random.normal(jax.random.key(0), (4, 6, 300)) * 3
+    np.testing.assert_array_equal(sj.entmax(x, 2.0), sj.sparsemax(x))
+    np.testing.assert_array_equal(sj.entmax(x, 1.5), sj.entmax15(x))
+    np.testing.assert_allclose(sj.entmax(x, jnp.array(2.0)), sj.sparsemax(x), atol=1e-6)
+    np.testing.assert_allclose(sj.entmax(x, jnp.array(1.5)), sj.entmax15(x), atol=1e-6)
+
+
+def test_alpha_towards_one_approaches_softmax():
+    x = jax.random.normal(jax.random.key(1), (8, 50))
+    soft = jax.nn.softmax(x)
+    errors = [float(jnp.abs(sj.entmax(x, a) - soft).max()) for a in (1.5, 1.1, 1.01, 1.001)]
+    assert errors == sorted(errors, reverse=True), errors
+    assert errors[-1] < 2e-3, errors
+
+
+def test_known_values():
+    x = jnp.array([1.0, 0.8, -1.0])
+    np.testing.assert_allclose(sj.sparsemax(x), [0.6, 0.4, 0.0], atol=1e-7)
+    # 1.5-entmax: z = x/2 - 1/2 = [0, -0.1, -1]; t² + (t - 0.1)² = 1 gives t = (0.2 + √7.96)/4.
+    t = (0.2 + np.sqrt(7.96)) / 4
+    np.testing.assert_allclose(sj.entmax15(x), [t**2, (t - 0.1) ** 2, 0.0], atol=1e-7)
+    # Ties and one-hot outputs.
+    np.testing.assert_array_equal(sj.sparsemax(jnp.array([3.0, 1.0, 1.0])), [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(sj.entmax15(jnp.array([1.0, 1.0, -1.0])), [0.5, 0.5, 0.0], atol=1e-7)
+
+
+def test_huge_scores_ties_and_minus_inf():
+    x = jnp.array([[1e4, 1e4 - 0.5, -1e4, -jnp.inf], [1e4, 1e4, 1e4, 1e4]])
+    for fn in (sj.sparsemax, sj.entmax15, lambda v: sj.entmax(v, 1.2)):
+        p = np.asarray(fn(x))
+        assert np.isfinite(p).all()
+        np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-6)
+        np.testing.assert_allclose(p[1], 0.25, atol=1e-6)
+        assert p[0, 2] == 0 and p[0, 3] == 0
+    np.testing.assert_allclose(sj.sparsemax(x)[0], [0.75, 0.25, 0.0, 0.0], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [sj.sparsemax, sj.entmax15, lambda x, where=None: sj.entmax(x, 1.3, where=where)],
+    ids=["sparsemax", "entmax15", "entmax-1.3"],
+)
+def test_where_mask_and_fully_masked_rows_have_zero_values_and_gradients(fn):
+    x = jax.random.normal(jax.random.key(2), (3, 7))
+    where = jnp.array([[True] * 7, [True, False] * 3 + [True], [False] * 7])
+    p = fn(x, where=where)
+    assert (p[~where] == 0).all()
+    np.testing.assert_array_equal(p[2], 0.0)
+    np.testing.assert_allclose(p[:2].sum(-1), 1.0, atol=1e-6)
+    # The same through -inf scores.
+    np.testing.assert_array_equal(fn(jnp.where(where, x, -jnp.inf)), p)
+    cotangent = jax.random.normal(jax.random.key(3), x.shape)
+    grad = jax.grad(lambda v: jnp.sum(fn(v, where=where) * cotangent))(x)
+    assert np.isfinite(grad).all()
+    assert (grad[~where] == 0).all()
+    grad_inf = jax.grad(lambda v: jnp.sum(fn(jnp.where(where, v, -jnp.inf)) * cotangent))(x)
+    assert np.isfinite(grad_inf).all()
+    np.testing.assert_array_equal(grad_inf[2], 0.0)
+
+
+def test_alpha_gradient_on_fully_masked_row_is_zero():
+    x = jnp.full((2, 5), -jnp.inf).at[0].set(jnp.arange(5.0))
+    g = jax.grad(lambda a: jnp.sum(sj.entmax(x, a) * jnp.arange(5.0)))(jnp.array([1.4, 1.4]))
+    assert np.isfinite(g).all() and g[1] == 0 and g[0] != 0
+
+
+def test_axis_and_per_head_alpha():
+    scores = jax.random.normal(jax.random.key(4), (2, 3, 5, 6))  # [batch, heads, q, kv]
+    alpha = jnp.array([1.2, 1.5, 2.0])[:, None]  # one α per head: [heads, 1]
+    p = sj.entmax(scores, alpha)
+    for h, a in enumerate([1.2, 1.5, 2.0]):
+        np.testing.assert_allclose(p[:, h], entmax_ref(np.asarray(scores[:, h]), a), atol=1e-6)
+    # A different axis is the same as moving that axis last.
+    q = sj.entmax(scores, 1.3, axis=2)
+    np.testing.assert_allclose(q, jnp.moveaxis(sj.entmax(jnp.moveaxis(scores, 2, -1), 1.3), -1, 2))
+    np.testing.assert_allclose(
+        sj.sparsemax(scores, axis=1), jnp.moveaxis(sj.sparsemax(jnp.moveaxis(scores, 1, -1)), -1, 1)
+    )
+
+
+def test_composes_with_jit_vmap_and_grad():
+    x = jax.random.normal(jax.random.key(5), (4, 9)) * 2
+    g = jax.random.normal(jax.random.key(6), (4, 9))
+    for fn in (sj.sparsemax, sj.entmax15, lambda v: sj.entmax(v, 1.7)):
+        chex.assert_trees_all_close(jax.vmap(fn)(x), fn(x), atol=1e-7)
+        chex.assert_trees_all_close(jax.jit(fn)(x), fn(x), atol=1e-7)
+        loss = lambda v, fn=fn: jnp.sum(fn(v) * g)
+        per_row = jax.vmap(jax.grad(lambda v, c, fn=fn: jnp.sum(fn(v) * c)))(x, g)
+        chex.assert_trees_all_close(jax.jit(jax.grad(loss))(x), per_row, atol=1e-6)
+    # vmap over rows with a per-row α, and the α gradient under jit.
+    alphas = jnp.linspace(1.2, 2.5, 4)
+    chex.assert_trees_all_close(jax.vmap(sj.entmax)(x, alphas), sj.entmax(x, alphas), atol=1e-6)
+    grad_alpha = jax.jit(jax.grad(lambda a: jnp.sum(sj.entmax(x, a) * g)))(alphas)
+    chex.assert_shape(grad_alpha, (4,))
+    chex.assert_tree_all_finite(grad_alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# Derivatives, checked numerically in float64. Scores are spread out so that no entry sits
+# within the finite-difference step of the support boundary (where the derivative jumps).
+# ---------------------------------------------------------------------------------------------
+
+
+def _spread_scores(key, shape):
+    base = jax.random.permutation(key, jnp.arange(np.prod(shape), dtype=jnp.float64))
+    return (base.reshape(shape) * 0.37) % 3.1 + 0.013 * jnp.arange(shape[-1])
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def test_check_grads_normalizers(x64):
+    x = _spread_scores(jax.random.key(7), (3, 8))
+    where = jnp.ones((3, 8), bool).at[1, 2].set(False).at[2].set(False)
+    for fn in (
+        sj.sparsemax,
+        sj.entmax15,
+        lambda v: sj.entmax(v, 1.3),
+        lambda v: sj.entmax(v, 2.6),
+        lambda v: sj.sparsemax(v, where=where),
+        lambda v: sj.entmax15(v, where=where),
+    ):
+        check_grads(fn, (x,), order=1, modes=("fwd", "rev"), eps=1e-6, atol=1e-5, rtol=1e-5)
+
+
+def test_check_grads_alpha(x64):
+    x = _spread_scores(jax.random.key(8), (2, 3, 7))  # [batch, heads, kv]
+    alpha = jnp.array([1.25, 1.6, 2.4])[None, :]  # per head, broadcast over the batch
+    check_grads(lambda a: sj.entmax(x, a), (alpha,), order=1, modes=("fwd", "rev"), eps=1e-6)
+    check_grads(lambda v, a: sj.entmax(v, a), (x, alpha), order=1, modes=("fwd", "rev"), eps=1e-6)
+
+
+def test_check_grads_losses(x64):
+    logits = _spread_scores(jax.random.key(9), (4, 6))
+    labels = jnp.array([0, 3, 5, 2])
+    alpha = jnp.array([1.3, 1.5, 1.9, 2.2])
+    for fn in (
+        lambda v: sj.sparsemax_loss(v, labels),
+        lambda v: sj.entmax15_loss(v, labels),
+        lambda v: sj.entmax_loss(v, labels, 1.4),
+        lambda v: sj.entmax_loss(v, labels, alpha),
+    ):
+        check_grads(fn, (logits,), order=1, modes=("fwd", "rev"), eps=1e-6, atol=1e-5)
+    check_grads(lambda a: sj.entmax_loss(logits, labels, a), (alpha,), order=1, eps=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fenchel–Young losses.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "norm_fn"),
+    [
+        (sj.sparsemax_loss, sj.sparsemax),
+        (sj.entmax15_loss, sj.entmax15),
+        (lambda z, y, **kw: sj.entmax_loss(z, y, 1.3, **kw), lambda z: sj.entmax(z, 1.3)),
+    ],
+    ids=["sparsemax", "entmax15", "entmax-1.3"],
+)
+def test_loss_gradient_is_p_minus_onehot_and_padding_is_ignored(loss_fn, norm_fn):
+    logits = jax.random.normal(jax.random.key(10), (5, 11)) * 3
+    labels = jnp.array([0, 4, 10, 3, 3])
+    where = jnp.array([True, True, False, True, True])
+    losses = loss_fn(logits, labels, where=where)
+    assert (losses >= -1e-6).all() and losses[2] == 0
+    grad = jax.grad(lambda z: jnp.sum(loss_fn(z, labels, where=where)))(logits)
+    expected = (norm_fn(logits) - jax.nn.one_hot(labels, 11)) * where[:, None]
+    np.testing.assert_allclose(grad, expected, atol=1e-6)
+    # A padding row full of NaN does not leak into the loss or the gradient.
+    poisoned = logits.at[2].set(jnp.nan)
+    assert np.isfinite(loss_fn(poisoned, labels, where=where)).all()
+    assert np.isfinite(jax.grad(lambda z: jnp.sum(loss_fn(z, labels, where=where)))(poisoned)).all()
+
+
+def test_sparsemax_loss_equals_optax_multiclass_and_is_zero_at_onehot():
+    logits = jax.random.normal(jax.random.key(11), (6, 9)) * 2
+    labels = jnp.arange(6) % 9
+    np.testing.assert_allclose(
+        sj.sparsemax_loss(logits, labels),
+        optax.losses.multiclass_sparsemax_loss(logits, labels),
+        atol=1e-5,
+    )
+    separated = jnp.array([[5.0, 0.0, -1.0]])
+    for loss in (sj.sparsemax_loss, sj.entmax15_loss, lambda z, y: sj.entmax_loss(z, y, 1.2)):
+        assert abs(float(loss(separated * 10, jnp.array([0]))[0])) < 1e-6
+        assert float(loss(separated, jnp.array([2]))[0]) > 1.0
+
+
+def test_losses_with_labels_closed_over_under_jit():
+    labels = jnp.array([0, 1])
+    out = jax.jit(lambda z: sj.sparsemax_loss(z, labels))(jnp.zeros((2, 3)))
+    np.testing.assert_allclose(out, 1 / 3, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: sj.entmax(jnp.ones(3), 1.0), ValueError, "alpha.*> 1.*alpha=1.0"),
+        (lambda: sj.entmax(jnp.ones(3), 0.5), ValueError, "alpha"),
+        (lambda: sj.entmax(jnp.ones((2, 3)), jnp.array([1.5, 0.9])), ValueError, r"\[0.9"),
+        (lambda: sj.entmax(jnp.ones((2, 3)), jnp.ones(3) * 1.5), ValueError, "shape"),
+        (lambda: sj.entmax(jnp.ones(3), True), TypeError, "alpha"),
+        (lambda: sj.sparsemax(jnp.ones((2, 3)), axis=2), ValueError, "axis.*2.*-2 <= axis < 2"),
+        (lambda: sj.entmax15(jnp.ones(3), axis=-2), ValueError, "axis"),
+        (lambda: sj.sparsemax(jnp.ones(3), axis=0.5), TypeError, "axis"),
+        (lambda: sj.sparsemax(jnp.arange(3)), TypeError, "floating dtype.*int"),
+        (lambda: sj.sparsemax(jnp.float32(1.0)), ValueError, "at least one dimension"),
+        (lambda: sj.sparsemax(jnp.ones(3), where=jnp.ones(3)), TypeError, "where.*boolean"),
+        (
+            lambda: sj.sparsemax(jnp.ones(3), where=jnp.ones(4, bool)),
+            ValueError,
+            "where.*broadcast",
+        ),
+        (
+            lambda: sj.sparsemax_loss(jnp.ones((2, 3)), jnp.array([0, 3])),
+            ValueError,
+            r"labels.*\[0, 3\).*\[0, 3\]",
+        ),
+        (lambda: sj.entmax15_loss(jnp.ones((2, 3)), jnp.array([-1, 0])), ValueError, "labels"),
+        (lambda: sj.sparsemax_loss(jnp.ones((2, 3)), jnp.array([0.0, 1.0])), TypeError, "integer"),
+        (lambda: sj.sparsemax_loss(jnp.ones((2, 3)), jnp.array([0])), ValueError, r"shape.*\(2,\)"),
+        (lambda: sj.entmax_loss(jnp.ones((2, 3)), jnp.array([0, 1]), 1.0), ValueError, "alpha"),
+        (lambda: sj.sparsemax_loss(jnp.ones((2, 3), int), jnp.array([0, 1])), TypeError, "logits"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
