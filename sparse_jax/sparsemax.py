@@ -12,25 +12,32 @@ How the threshold τ is found (the part that decides speed)
 -----------------------------------------------------------
 The textbook algorithm sorts every row. On XLA:CPU a row sort costs about 10x the rest of
 attention, so nothing here sorts. Every row is shifted so that its maximum is 0; then
-τ ∈ [-1, -(1/n)^(α-1)] and the function f(τ) = Σ_i [z_i - τ]_+^(1/(α-1)) - 1 is decreasing
-(and convex for α ≤ 2). Each iteration is *one* pass over the row that gathers a few sums over
-the current support S(τ) = {i : z_i > τ}:
+τ ∈ [-1, -(1/n)^(α-1)] and f(τ) = Σ_i [z_i - τ]_+^(1/(α-1)) - 1 is decreasing. Each iteration
+is *one* pass over the row that gathers a few sums over the current support
+S(τ) = {i : z_i > τ} in a single variadic reduction; all rows iterate together until the last
+one is finished.
 
-* ``sparsemax``: Michelot's fixed point, which is Newton's method on the piecewise linear f started
-  left of the root: τ ← (Σ_S z - 1) / |S|. The iterates increase monotonically, the support
-  shrinks strictly until it is the true support, and the last τ is the closed-form threshold on
-  that support: exact, in at most n (in practice 3-8) passes.
-* ``entmax15``: Newton steps on f(τ) = Σ_S (z - τ)² - 1 from the left (monotone, since f is
-  convex). In the same pass the exact quadratic root τ_S on the current support is computed; as
-  soon as τ_S leaves every element of S above it, τ_S is the exact threshold (KKT conditions
-  hold) and the row is finished.
-* general α (``entmax`` with a non-special or array α): safeguarded Newton on f with a bisection
-  bracket, until |f(τ)| reaches float rounding; the output is divided by its sum at the final
-  τ (computed in the same pass), so it sums to one up to rounding.
+* ``sparsemax``: Michelot's fixed point τ ← (Σ_S z - 1) / |S| from τ = -1, which is Newton's
+  method on the piecewise linear f started left of the root. The iterates increase, the
+  support shrinks strictly until it is the true support, and an unchanged support size ends
+  the row: τ is then the closed-form threshold of its own support, i.e. exact. At most n
+  passes; on attention scores 3-7.
+* ``entmax15``: Newton steps on ||[z - τ]_+||_2 - 1 from τ = -1 (convex and nearly linear, so
+  the iterates rise monotonically and fast). Each pass also forms the exact root τ_c of
+  Σ_S (z - τ)² = 1 on the current support and the next pass checks that the entries >= τ_c
+  cover S (the KKT conditions); a final pass recomputes the same closed form from sums centred
+  on τ_c, which makes it exact to float rounding.
+* general α (``entmax`` with any other α, or an array of α): Newton on
+  ||[z - τ]_+||_(1/(α-1)) - 1, safeguarded by a bisection bracket (a step that leaves the
+  bracket, or fails to halve the previous step, is replaced by bisection; this matters for
+  α > 2), until the step is at rounding level; the output is divided by its sum.
 
-The iterations never enter the derivative: ``jax.custom_jvp`` rules use the closed form
-``dp = s ⊙ dx - s (sᵀdx) / Σs`` with s_i = p_i^(2-α) on the support, which is linear in the row
-length, and the α derivative of Correia et al. (2019), re-derived in ``_entmax_general_jvp``.
+The iterations never enter the derivative: custom rules use the closed form
+``dp = s ⊙ dx - s (sᵀdx) / Σs`` with s_i = p_i^(2-α) on the support (a symmetric Jacobian, so
+the same product serves forward and reverse mode), which is linear in the row length, and the
+α derivative of Correia et al. (2019), re-derived in ``_entmax_rows_bwd``. ``sparsemax`` has a
+custom JVP (forward and reverse mode); ``entmax15`` and ``entmax`` have custom VJPs (reverse
+mode only), whose only residual is the output: see the comment above ``_entmax15_rows``.
 
 Conventions shared by every function here: the row is ``axis`` (default last); positions where
 ``where`` is False, or whose score is ``-inf``, get probability exactly 0; a row with no allowed
@@ -183,6 +190,11 @@ def _shift_to_zero_max(x):
     return x - jnp.where(has_any, row_max, 0.0), has_any
 
 
+def _start(z):
+    """τ = -1 for every row: a lower bound of the threshold once the row maximum is 0."""
+    return jnp.full((*z.shape[:-1], 1), -1.0, z.dtype)
+
+
 def _row_sums(*operands):
     """Sums of several arrays over the last axis in *one* pass (a variadic reduce), keepdims.
 
@@ -214,14 +226,13 @@ def _row_loop(body, init, max_iter: int):
     return jax.lax.while_loop(cond, step, (jnp.int32(0), init))[1]
 
 
-def _sparsemax_threshold(z, has_any):
+def _sparsemax_threshold(z, tau0, done0):
     """Exact sparsemax threshold of rows z (max 0) by Michelot's iteration; τ shape [..., 1].
 
-    Each pass takes τ ← (Σ_S z - 1)/|S| on S = {z > τ}. The supports are nested and shrink, so
-    an unchanged support size means an unchanged support: τ is then the closed form on its own
-    support, which is the exact threshold.
+    Each pass takes τ ← (Σ_S z - 1)/|S| on S = {z > τ}, from a start τ0 <= τ*. The supports are
+    nested and shrink, so an unchanged support size means an unchanged support: τ is then the
+    closed form on its own support, which is the exact threshold.
     """
-    row_shape = (*z.shape[:-1], 1)
 
     def body(state):
         tau, previous_size, done = state
@@ -230,19 +241,19 @@ def _sparsemax_threshold(z, has_any):
         new_tau = (total - 1.0) / jnp.maximum(size, 1.0)
         return jnp.where(done, tau, new_tau), size, done | (size == previous_size)
 
-    init = (jnp.full(row_shape, -1.0, z.dtype), jnp.full(row_shape, -1.0, z.dtype), ~has_any)
+    init = (tau0, jnp.full_like(tau0, -1.0), done0)
     tau, _, _ = _row_loop(body, init, max_iter=z.shape[-1] + 1)
     return tau
 
 
-def _entmax15_threshold(z, has_any):
+def _entmax15_threshold(z, tau0, done0):
     """Exact 1.5-entmax threshold of rows z = (x - max)/2 (p = [z - τ]_+²); τ shape [..., 1].
 
-    Newton steps on f(τ) = Σ_S (z - τ)² - 1 from the left (monotone: f is convex). Every pass
-    also forms the exact quadratic root τ_c on its support S and, in the next pass, counts the
-    entries >= τ_c: if they cover S, the KKT conditions hold and τ_c is the threshold.
+    Newton steps on ||[z - τ]_+||_2 - 1 from a start τ0 <= τ* (monotone: the function is convex
+    and decreasing). Every pass also forms the exact quadratic root τ_c of Σ_S (z - τ)² = 1 on
+    its support S and, in the next pass, counts the entries >= τ_c: if they cover S, the KKT
+    conditions hold and τ_c is the threshold.
     """
-    row_shape = (*z.shape[:-1], 1)
 
     def body(state):
         tau, candidate, candidate_size, done = state
@@ -252,11 +263,13 @@ def _entmax15_threshold(z, has_any):
             in_support.astype(z.dtype), u, u * u, (z >= candidate).astype(z.dtype)
         )
         finished = covered >= candidate_size
-        excess = s2 - 1.0  # f(τ) >= 0 left of the root
+        excess = s2 - 1.0  # >= 0 left of the root
         # Smaller root δ of Σ_S (u - δ)² = 1, written without cancellation.
         disc = s1 * s1 - size * excess
         new_candidate = tau + excess / (s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
-        newton = tau + excess / (2.0 * s1)
+        # Newton on ||u||_2 - 1, which is nearly linear, rather than on s2 - 1.
+        norm = jnp.sqrt(s2)
+        newton = tau + (norm - 1.0) * norm / s1
         return (
             jnp.where(done, tau, jnp.where(finished, candidate, newton)),
             new_candidate,
@@ -264,50 +277,52 @@ def _entmax15_threshold(z, has_any):
             done | finished,
         )
 
-    start = jnp.full(row_shape, -1.0, z.dtype)
-    init = (start, start, jnp.full(row_shape, jnp.inf, z.dtype), ~has_any)
+    init = (tau0, tau0, jnp.full_like(tau0, jnp.inf), done0)
     tau, _, _, _ = _row_loop(body, init, max_iter=_ENTMAX15_MAX_ITER)
     # Polish: the candidate was formed at a Newton iterate that may still have been far from the
     # root, where Σ(u - δ)² = 1 loses digits to cancellation. The same closed form taken once
-    # more, from sums centred on the (now nearly exact) τ, is exact to float32 rounding.
+    # more, from sums centred on the (now nearly exact) τ, is exact to float rounding.
     in_support = z > tau
     u = jnp.where(in_support, z - tau, 0.0)
     size, s1, s2 = _row_sums(in_support.astype(z.dtype), u, u * u)
     excess = s2 - 1.0
     disc = jnp.maximum(s1 * s1 - size * excess, 0.0)
     polished = tau + excess / jnp.maximum(s1 + jnp.sqrt(disc), jnp.finfo(z.dtype).tiny)
-    return jnp.where(has_any, polished, tau)
+    return jnp.where(size > 0.0, polished, tau)
 
 
-def _entmax_general_probs(z, power, has_any):
-    """α-entmax of rows z = (α-1)(x - max) with power = 1/(α-1) (shape [..., 1]).
+def _entmax_powers(z, tau, power):
+    """([z - τ]_+^power, [z - τ]_+^(power - 1)) elementwise, zero off the support."""
+    u = z - tau
+    positive = u > 0.0
+    log_u = jnp.log(jnp.where(positive, u, 1.0))
+    u_pow_m1 = jnp.where(positive, jnp.exp((power - 1.0) * log_u), 0.0)
+    return u_pow_m1 * jnp.where(positive, u, 0.0), u_pow_m1
 
-    Safeguarded Newton: the bracket [lo, hi] always holds the root, a Newton step that leaves it
-    is replaced by bisection. Returns p = [z - τ]_+^power / Σ_i [z_i - τ]_+^power.
+
+def _entmax_threshold(z, power, tau0, done0):
+    """α-entmax threshold of rows z = (α-1)(x - max), power = 1/(α-1), from τ0 <= τ*.
+
+    Safeguarded Newton: the bracket [lo, hi] always holds the root; a Newton step that leaves
+    it, or does not at least halve the previous step, is replaced by bisection.
     """
     n_valid = jnp.sum(z > -jnp.inf, axis=-1, keepdims=True, dtype=z.dtype)
-    lo = jnp.full((*z.shape[:-1], 1), -1.0, z.dtype)
     hi = -jnp.exp(-jnp.log(jnp.maximum(n_valid, 1.0)) / power)  # -(1/n)^(α-1): f(hi) <= 0
     eps = jnp.finfo(z.dtype).eps
     tol = jnp.sqrt(eps)  # quadratic convergence: one more step from here reaches rounding
 
-    def powers(tau):
-        u = z - tau
-        positive = u > 0.0
-        log_u = jnp.log(jnp.where(positive, u, 1.0))
-        u_pow_m1 = jnp.where(positive, jnp.exp((power - 1.0) * log_u), 0.0)
-        return u_pow_m1 * jnp.where(positive, u, 0.0), u_pow_m1
-
     def body(state):
         tau, lo, hi, previous_step, done = state
-        mass, slope = _row_sums(*powers(tau))
+        mass, slope = _row_sums(*_entmax_powers(z, tau, power))
         excess = mass - 1.0
         lo = jnp.where(excess >= 0.0, tau, lo)
         hi = jnp.where(excess <= 0.0, tau, hi)
-        newton = tau + excess / (power * slope)
-        # Newton's step is kept while it stays in the bracket and at least halves the previous
-        # step; otherwise bisect. For α > 2 the slope blows up next to a support boundary and
-        # pure Newton would crawl.
+        # Newton on g(τ) = mass^(α-1) - 1 = ||[z - τ]_+||_(1/(α-1)) - 1 rather than on mass - 1:
+        # g is convex too (for α <= 2) but nearly linear (exactly so when one entry dominates),
+        # so the steps from the left are long where Newton on the mass crawls.
+        root = jnp.exp(jnp.log(jnp.maximum(mass, jnp.finfo(z.dtype).tiny)) / power)
+        newton = tau + (root - 1.0) * mass / (root * slope)
+        # For α > 2 the slope blows up next to a support boundary and pure Newton would crawl.
         use_newton = (newton >= lo) & (newton <= hi)
         use_newton &= jnp.abs(newton - tau) <= 0.5 * previous_step
         new_tau = jnp.where(use_newton, newton, 0.5 * (lo + hi))
@@ -317,15 +332,15 @@ def _entmax_general_probs(z, power, has_any):
         finished = (jnp.abs(excess) <= tol) | (step <= 2.0 * eps * jnp.abs(tau))
         return jnp.where(done, tau, new_tau), lo, hi, step, done | finished
 
-    init = (lo, lo, hi, jnp.full_like(lo, jnp.inf), ~has_any)
-    tau = _row_loop(body, init, max_iter=_ENTMAX_MAX_ITER)[0]
-    u_pow, _ = powers(tau)
-    mass = jnp.sum(u_pow, axis=-1, keepdims=True)
-    return u_pow / jnp.where(mass > 0.0, mass, 1.0)
+    init = (tau0, tau0, jnp.maximum(hi, tau0), jnp.full_like(tau0, jnp.inf), done0)
+    return _row_loop(body, init, max_iter=_ENTMAX_MAX_ITER)[0]
 
 
-def _simplex_jvp(s, dx):
-    """Tangent of an entmax output: s ⊙ dx - s (sᵀdx) / Σs, with s zero off the support."""
+def _jacobian_product(s, dx):
+    """J·dx = s ⊙ dx - s (sᵀdx) / Σs, the Jacobian of entmax (symmetric, so also Jᵀ·dx).
+
+    s_i = p_i^(2-α) on the support and 0 elsewhere: 1[p > 0] for sparsemax, √p for entmax15.
+    """
     s_dx = jnp.where(s > 0.0, s * dx, 0.0)
     s_sum = jnp.sum(s, axis=-1, keepdims=True)
     return s_dx - s * jnp.sum(s_dx, axis=-1, keepdims=True) / jnp.where(s_sum > 0.0, s_sum, 1.0)
@@ -334,7 +349,7 @@ def _simplex_jvp(s, dx):
 @jax.custom_jvp
 def _sparsemax_rows(x):
     z, has_any = _shift_to_zero_max(x)
-    tau = _sparsemax_threshold(z, has_any)
+    tau = _sparsemax_threshold(z, _start(z), ~has_any)
     return jnp.maximum(z - tau, 0.0)
 
 
@@ -342,57 +357,74 @@ def _sparsemax_rows(x):
 def _sparsemax_rows_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     p = _sparsemax_rows(x)
-    return p, _simplex_jvp((p > 0.0).astype(p.dtype), dx)
+    return p, _jacobian_product((p > 0.0).astype(p.dtype), dx)
 
 
-@jax.custom_jvp
+# entmax15 and α-entmax use custom VJPs whose only residual is the output p, which attention
+# keeps anyway for its value product: a custom JVP would also store s = p^(2-α) as a second
+# [.., n, n] array, and whole-attention forward+backward measured 1.5x slower for it. The cost
+# is forward-mode autodiff (jax.jvp, jacfwd), which these two do not support; sparsemax does.
+@jax.custom_vjp
 def _entmax15_rows(x):
     z, has_any = _shift_to_zero_max(x)
     z = 0.5 * z
-    tau = _entmax15_threshold(z, has_any)
+    tau = _entmax15_threshold(z, _start(z), ~has_any)
     u = jnp.maximum(z - tau, 0.0)
     return u * u
 
 
-@_entmax15_rows.defjvp
-def _entmax15_rows_jvp(primals, tangents):
-    (x,), (dx,) = primals, tangents
+def _entmax15_rows_fwd(x):
     p = _entmax15_rows(x)
-    return p, _simplex_jvp(jnp.sqrt(p), dx)
+    return p, p
 
 
-@jax.custom_jvp
+def _entmax15_rows_bwd(p, cotangent):
+    return (_jacobian_product(jnp.sqrt(p), cotangent),)
+
+
+_entmax15_rows.defvjp(_entmax15_rows_fwd, _entmax15_rows_bwd)
+
+
+@jax.custom_vjp
 def _entmax_rows(x, alpha):
     """α-entmax of rows x [..., n] with alpha [..., 1] (any α > 1)."""
     z, has_any = _shift_to_zero_max(x)
-    return _entmax_general_probs((alpha - 1.0) * z, 1.0 / (alpha - 1.0), has_any)
+    power = 1.0 / (alpha - 1.0)
+    z = (alpha - 1.0) * z
+    tau = _entmax_threshold(z, power, _start(z), ~has_any)
+    # Divided by its sum, so rows sum to one although τ comes from a stopped iteration.
+    p, _ = _entmax_powers(z, tau, power)
+    mass = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(mass > 0.0, mass, 1.0)
 
 
-def _entmax_general_jvp(primals, tangents):
-    x, alpha = primals
-    dx, dalpha = tangents
+def _entmax_rows_fwd(x, alpha):
     p = _entmax_rows(x, alpha)
+    return p, (p, alpha)
+
+
+def _entmax_rows_bwd(residuals, cotangent):
+    p, alpha = residuals
     support = p > 0.0
-    s = jnp.where(support, jnp.exp((2.0 - alpha) * jnp.log(jnp.where(support, p, 1.0))), 0.0)
-    symbolic_zero = jax.custom_derivatives.SymbolicZero
-    dp = jnp.zeros_like(p) if type(dx) is symbolic_zero else _simplex_jvp(s, dx)
-    if type(dalpha) is not symbolic_zero:
-        # With u_i = (α-1) x_i - τ(α) and p_i = u_i^(1/(α-1)) on the support:
-        #   ∂p_i/∂α = [-p_i log p_i + s_i (x_i - τ'(α))] / (α - 1),
-        # and Σ_i ∂p_i/∂α = 0 gives τ'(α) = (Σ s_i x_i - Σ p_i log p_i) / Σ s_i.
-        # Only differences x_i - τ' enter, so x may be shifted by the row maximum.
-        z, _ = _shift_to_zero_max(x)
-        z = jnp.where(support, z, 0.0)
-        p_log_p = jnp.where(support, p * jnp.log(jnp.where(support, p, 1.0)), 0.0)
-        s_sum = jnp.sum(s, axis=-1, keepdims=True)
-        tau_prime = jnp.sum(s * z, axis=-1, keepdims=True) - jnp.sum(p_log_p, -1, keepdims=True)
-        tau_prime = tau_prime / jnp.where(s_sum > 0.0, s_sum, 1.0)
-        dp_dalpha = jnp.where(support, (s * (z - tau_prime) - p_log_p) / (alpha - 1.0), 0.0)
-        dp = dp + dp_dalpha * dalpha
-    return p, dp
+    log_p = jnp.log(jnp.where(support, p, 1.0))
+    s = jnp.where(support, jnp.exp((2.0 - alpha) * log_p), 0.0)
+    dx = _jacobian_product(s, cotangent)
+    # α: with u_i = (α-1) x_i - τ(α) and p_i = u_i^(1/(α-1)) on the support,
+    #   ∂p_i/∂α = [-p_i log p_i + s_i (x_i - τ'(α))] / (α - 1),
+    # and Σ_i ∂p_i/∂α = 0 gives τ'(α) = (Σ s_i x_i - Σ p_i log p_i) / Σ s_i. Only differences
+    # x_i - τ' enter, and on the support x_i = (p_i^(α-1) + τ) / (α-1), so x is recovered from
+    # p up to a per-row constant. (XLA drops all this when α is not differentiated.)
+    x_support = jnp.where(support, jnp.exp((alpha - 1.0) * log_p), 0.0) / (alpha - 1.0)
+    p_log_p = jnp.where(support, p * log_p, 0.0)
+    s_sum = jnp.sum(s, axis=-1, keepdims=True)
+    tau_prime = jnp.sum(s * x_support - p_log_p, axis=-1, keepdims=True)
+    tau_prime = tau_prime / jnp.where(s_sum > 0.0, s_sum, 1.0)
+    dp_dalpha = jnp.where(support, (s * (x_support - tau_prime) - p_log_p) / (alpha - 1.0), 0.0)
+    dalpha = jnp.sum(jnp.where(support, cotangent * dp_dalpha, 0.0), axis=-1, keepdims=True)
+    return dx, dalpha
 
 
-_entmax_rows.defjvp(_entmax_general_jvp, symbolic_zeros=True)
+_entmax_rows.defvjp(_entmax_rows_fwd, _entmax_rows_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,13 +562,13 @@ def _fenchel_young_loss(logits, labels, alpha, where, name):
     if where is not None:
         # Padding rows become all-zero logits, so nothing NaN reaches the masked-out gradient.
         theta = jnp.where(where[..., None], theta, 0.0)
+    # p enters as a constant (Danskin), so no derivative, forward or reverse, reaches entmax.
     if isinstance(alpha, float):
-        p = entmax(theta, alpha)
         alpha_rows = alpha
+        p = entmax(jax.lax.stop_gradient(theta), alpha)
     else:
         alpha_rows = jnp.broadcast_to(jnp.asarray(alpha, theta.dtype), labels.shape)
-        p = entmax(theta, jax.lax.stop_gradient(alpha_rows))
-    p = jax.lax.stop_gradient(p)
+        p = entmax(jax.lax.stop_gradient(theta), jax.lax.stop_gradient(alpha_rows))
     theta = theta - jax.lax.stop_gradient(jnp.max(theta, axis=-1, keepdims=True))
     support = p > 0.0
     inner = jnp.sum(jnp.where(support, p * theta, 0.0), axis=-1)
