@@ -1,0 +1,1 @@
+"""Runnable experiments and benchmarks: ``python -m experiments.<name>``."""

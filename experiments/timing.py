@@ -1,0 +1,203 @@
+"""Small helpers shared by the benchmarks: timing, compiled memory, markdown tables.
+
+Example::
+
+    import jax.numpy as jnp
+    from experiments import timing
+
+    stats = timing.time_fn(lambda x: x @ x.T, jnp.ones((512, 512)), repeats=5)
+    print(timing.markdown_table(["op", "ms"], [["matmul", f"{stats.median_ms:.2f}"]]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingStats:
+    """Wall-clock figures of one timed function.
+
+    Compilation is measured but excluded from ``times_s``; so is the first (warm-up) call,
+    except for a slow function (see ``time_fn``).
+    """
+
+    times_s: tuple[float, ...]  # seconds of each timed call, in order
+    requested: int  # how many timed calls were asked for (may exceed len(times_s))
+    compile_s: float  # seconds spent in `lower(...).compile()`
+    warmup_s: float  # seconds of the first call of the compiled function (see `time_fn`)
+    peak_bytes: int | None  # compiled memory need (see `peak_memory_bytes`), None if unknown
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+    @property
+    def median_ms(self) -> float:
+        return 1e3 * self.median_s
+
+    @property
+    def min_ms(self) -> float:
+        return 1e3 * self.min_s
+
+    @property
+    def truncated(self) -> bool:
+        """True when fewer calls than requested were timed (a slow function)."""
+        return len(self.times_s) < self.requested
+
+
+def peak_memory_bytes(compiled: Any) -> int | None:
+    """Memory a compiled JAX executable needs, from XLA's buffer assignment.
+
+    Returns arguments + outputs + temporaries - aliased bytes of ``memory_analysis()``: a
+    compile-time figure (temporaries are one arena with buffer reuse already applied), not a
+    measured resident size. ``peak_memory_in_bytes`` is not used because on XLA:CPU (jax 0.10.2)
+    it counts only arguments and outputs. Returns None where a backend reports nothing.
+
+    Example::
+
+        compiled = jax.jit(f).lower(x).compile()
+        mib = peak_memory_bytes(compiled) / 2**20
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    parts = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+    if stats is None or not all(hasattr(stats, p) for p in parts):
+        return None
+    total = sum(int(getattr(stats, p)) for p in parts)
+    return total - int(getattr(stats, "alias_size_in_bytes", 0))
+
+
+def time_fn(
+    fn: Callable[..., Any],
+    *args: Any,
+    repeats: int = 5,
+    slow_s: float | None = None,
+    budget_s: float | None = None,
+) -> TimingStats:
+    """Times ``fn(*args)`` under ``jax.jit``, compilation excluded.
+
+    ``fn`` is jitted (unless it already has ``.lower``), lowered and compiled ahead of time;
+    the compiled executable is called once as a warm-up (excluded) and then up to ``repeats``
+    times, each call followed by ``jax.block_until_ready`` on its outputs. Two optional limits
+    keep slow functions affordable; ``stats.truncated`` tells when they cut timing short:
+
+    - ``slow_s``: if the warm-up call takes longer than this, it becomes the only sample (no
+      further calls). Compilation is already excluded and, at that duration, first-call costs
+      are a negligible part of the call.
+    - ``budget_s``: stop repeating once the timed calls have used this many seconds (at least
+      one timed call is always made).
+
+    Example::
+
+        stats = time_fn(lambda x: jnp.sort(x, axis=-1), x, repeats=5, slow_s=10.0)
+        print(f"{stats.median_ms:.1f} ms (min {stats.min_ms:.1f}), compile {stats.compile_s:.1f} s")
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    peak = peak_memory_bytes(compiled)
+
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    warmup_s = time.perf_counter() - start
+    if slow_s is not None and warmup_s > slow_s:
+        return TimingStats((warmup_s,), repeats, compile_s, warmup_s, peak)
+
+    times: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = compiled(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+        del out
+        if budget_s is not None and sum(times) >= budget_s:
+            break
+    return TimingStats(tuple(times), repeats, compile_s, warmup_s, peak)
+
+
+def markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None
+) -> str:
+    """Formats ``rows`` as a GitHub markdown table with padded columns.
+
+    ``align`` has one character per column, ``"l"`` or ``"r"`` (default: first column left,
+    the others right). Cells are converted with ``str``.
+
+    Example::
+
+        >>> print(markdown_table(["x", "y"], [["a", 1.5]]))
+        | x   |   y |
+        |:----|----:|
+        | a   | 1.5 |
+    """
+    ncol = len(headers)
+    if align is None:
+        align = "l" + "r" * (ncol - 1)
+    if len(align) != ncol or set(align) - {"l", "r"}:
+        raise ValueError(f"align must have {ncol} characters from 'l'/'r', got {align!r}")
+    cells = [[str(h) for h in headers]]
+    for row in rows:
+        if len(row) != ncol:
+            raise ValueError(f"row {row!r} has {len(row)} cells, expected {ncol}")
+        cells.append([str(c) for c in row])
+    widths = [max(3, *(len(r[i]) for r in cells)) for i in range(ncol)]
+
+    def line(row: list[str]) -> str:
+        padded = (
+            c.ljust(w) if a == "l" else c.rjust(w)
+            for c, w, a in zip(row, widths, align, strict=True)
+        )
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        ":" + "-" * (w + 1) if a == "l" else "-" * (w + 1) + ":"
+        for w, a in zip(widths, align, strict=True)
+    )
+    sep = "|" + "|".join(rule) + "|"
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def environment_line(command: str) -> str:
+    """One line describing where and when a benchmark ran, for the top of its table.
+
+    Example::
+
+        print(environment_line("python -m experiments.bench normalizers"))
+    """
+    device = jax.devices()[0]
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    return (
+        f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"device {device.device_kind} x{jax.device_count()}, "
+        f"{os.cpu_count()} CPUs ({platform.machine()}), load average {load_average()}, {now}; "
+        f"command: `{command}`"
+    )
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages as text, e.g. ``"1.02/0.80/0.55"`` (other processes
+    competing for the CPUs make timings unreliable)."""
+    try:
+        return "{:.2f}/{:.2f}/{:.2f}".format(*os.getloadavg())
+    except OSError:
+        return "unknown"

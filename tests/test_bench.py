@@ -1,0 +1,52 @@
+"""The benchmark program runs end to end on tiny shapes (timings are not asserted here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import bench
+
+
+def test_normalizers_benchmark_prints_a_table_with_every_row(tmp_path, capsys):
+    output = tmp_path / "table.md"
+    bench.main(
+        [
+            "normalizers",
+            "--lengths",
+            "16",
+            "32",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--repeats",
+            "1",
+            "--output",
+            str(output),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert output.read_text() == printed
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "ms" not in line]
+    names = {row.split("|")[1].strip() for row in rows}
+    assert names == {"softmax", "sparsemax", "entmax15", "entmax α=1.3", "projection_simplex"}
+    assert len(rows) == 2 * 5
+    assert "FAILED" not in printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--lengths", "0"], "lengths"),
+        (["--entmax-alpha", "1.0"], "entmax_alpha"),
+        (["--repeats", "0"], "repeats"),
+    ],
+)
+def test_bad_benchmark_flags_are_refused_before_anything_runs(flags, match, capsys):
+    # tyro turns the config's ValueError into a usage error naming the flag's problem.
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["normalizers", *flags])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert match in captured.err + captured.out
+    assert "|" not in captured.out  # no table: nothing was timed
