@@ -84,15 +84,15 @@ def _check_distribution(p, x, atol):
 
 
 @pytest.mark.parametrize("name", list(NORMALIZERS))
-@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.settings(max_examples=60, deadline=None, derandomize=True)
 @hypothesis.given(x=score_rows())
 def test_matches_sort_reference_and_is_a_distribution(name, x):
     fn, ref = NORMALIZERS[name]
     p = np.asarray(fn(jnp.asarray(x)))
     _check_distribution(p, x, atol=2e-5)
-    # The reference is exact in float64 on the float32 inputs; float32 rounding of the scores
-    # relative to the row maximum bounds what any float32 implementation can reach.
-    np.testing.assert_allclose(p, ref(x), atol=2e-6 + 2e-6 * np.sqrt(x.shape[-1]))
+    # The reference is exact in float64 on the float32 inputs: 1e-6 is a few float32 roundings
+    # of probabilities <= 1, for rows of up to 4096 entries and magnitudes up to 1e4.
+    np.testing.assert_allclose(p, ref(x), atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(NORMALIZERS))
