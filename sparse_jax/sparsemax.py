@@ -309,7 +309,6 @@ def _entmax_threshold(z, power, tau0, done0):
     n_valid = jnp.sum(z > -jnp.inf, axis=-1, keepdims=True, dtype=z.dtype)
     hi = -jnp.exp(-jnp.log(jnp.maximum(n_valid, 1.0)) / power)  # -(1/n)^(α-1): f(hi) <= 0
     eps = jnp.finfo(z.dtype).eps
-    tol = jnp.sqrt(eps)  # quadratic convergence: one more step from here reaches rounding
 
     def body(state):
         tau, lo, hi, previous_step, done = state
@@ -327,9 +326,11 @@ def _entmax_threshold(z, power, tau0, done0):
         use_newton &= jnp.abs(newton - tau) <= 0.5 * previous_step
         new_tau = jnp.where(use_newton, newton, 0.5 * (lo + hi))
         step = jnp.abs(new_tau - tau)
-        # Converged when the step is at rounding level, or the mass is so close to one that the
-        # step just taken (quadratically convergent) leaves only rounding error.
-        finished = (jnp.abs(excess) <= tol) | (step <= 2.0 * eps * jnp.abs(tau))
+        # Converged when the step is at rounding level, or the mass is one to rounding and the
+        # Newton step just taken polishes τ further. (A looser test on the mass is not enough
+        # for α > 2, where p = u^(1/(α-1)) is steep next to the threshold.)
+        close = use_newton & (jnp.abs(excess) <= 4.0 * eps)
+        finished = close | (step <= 2.0 * eps * jnp.abs(tau))
         return jnp.where(done, tau, new_tau), lo, hi, step, done | finished
 
     init = (tau0, tau0, jnp.maximum(hi, tau0), jnp.full_like(tau0, jnp.inf), done0)
