@@ -4,8 +4,11 @@ The functional API is re-exported here::
 
     import sparse_jax as sj
     p = sj.sparsemax(scores, axis=-1, where=mask)
+    out = sj.attention(q, k, v, mask=sj.masks.causal(), normalizer="entmax15")
 """
 
+from sparse_jax import masks
+from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.sparsemax import (
     entmax,
     entmax15,
@@ -16,10 +19,15 @@ from sparse_jax.sparsemax import (
 )
 
 __all__ = [
+    "ImplChoice",
+    "attention",
+    "attention_fn",
+    "attention_impl",
     "entmax",
     "entmax15",
     "entmax15_loss",
     "entmax_loss",
+    "masks",
     "sparsemax",
     "sparsemax_loss",
 ]

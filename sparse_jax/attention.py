@@ -1,0 +1,786 @@
+"""Attention with sparse normalizers and masks: ``attention(q, k, v, mask=, normalizer=, impl=)``.
+
+One function, :func:`attention`, computes
+
+    out[b, i, n] = Σ_j p[b, n, i, j] v[b, j, n // G],
+    p[b, n, i, :] = normalizer(scale · q[b, i, n] · k[b, :, n // G] + bias[b, n, i, :], mask)
+
+in the layout of ``jax.nn.dot_product_attention`` (``[batch, seq, heads, head_dim]``, "BTNH"),
+with grouped-query attention when the ``K`` key/value heads divide the ``N`` query heads
+(query head ``n`` reads key head ``n // (N // K)``, the convention of jax and flax). The
+normalizer is softmax, sparsemax, 1.5-entmax or α-entmax with a fixed or learnable α per head
+(see :mod:`sparse_jax.sparsemax`); the mask is a :class:`sparse_jax.masks.Mask` description or
+a bool array.
+
+Implementations and dispatch
+----------------------------
+``impl`` picks how the same function is computed; :func:`attention_impl` says which one
+``impl="auto"`` would take and why, without computing anything.
+
+* ``"xla"`` (implemented): the dense reference in plain ``jax.numpy``, **chunked over
+  queries**. The queries are cut into equal chunks of a static size of at most
+  ``query_chunk`` rows (by default as many as keep one chunk's scores within
+  ``CHUNK_SCORES`` = 2**22 elements; Tq is padded internally to a multiple, padded rows are
+  masked and dropped) and ``jax.lax.map`` runs one chunk at a time (a problem that fits in one
+  chunk runs without the loop). Each chunk forms its ``[B, N, chunk, Tk]`` scores,
+  evaluates its part of the mask *inside the chunk* (from ``Mask.predicate`` on ``iota``
+  indices, or a slice of a bool-array mask; the ``[Tq, Tk]`` mask is never materialised),
+  normalizes and multiplies by ``v``. The chunk function is wrapped in ``jax.checkpoint``, so
+  the backward pass recomputes one chunk at a time too: peak memory is O(B·N·chunk·Tk) in both
+  directions instead of O(B·N·Tq·Tk). Why bother for a reference: sparse normalizers are
+  evaluated row by row with a few passes over each row, the whole score matrix of a long
+  sequence does not fit, and the reference must run wherever the kernels are compared with it.
+  Work is still dense (O(Tq·Tk) per head, masked entries included).
+* ``"blocksparse"`` (planned, "attention" issue): the block-sparse kernel driven by
+  ``mask.blocks(Tq, Tk, *block_size)`` (:class:`sparse_jax.masks.BlockLayout`), which only
+  computes the kept blocks. It plugs in behind the same argument checks (``_check_all``) as
+  one more branch of the dispatch policy (``_resolve_impl``, which :func:`attention_impl`
+  reports) and of :func:`attention`; ``"auto"`` will choose it for static
+  :class:`~sparse_jax.masks.Mask` masks whose block density makes it pay, and keep ``"xla"``
+  for array masks, ``return_weights=True`` and small problems. ``block_size`` is already
+  validated for it.
+* ``"splash"`` (TPU splash attention, softmax only) and ``"cudnn"`` (``jax.nn``'s cuDNN
+  flash attention, softmax only) are planned; today they raise a ``ValueError`` that lists the
+  implemented choices, as does any unknown name.
+
+Numerics: scores, the normalizer and the accumulation of ``p @ v`` are in float32 (float64
+stays float64); like ``jax.nn.dot_product_attention``, ``p`` is cast to ``v``'s dtype for the
+product and the output has the input dtype. A query row with no allowed key (fully masked, or
+whose biased scores are all ``-inf``) gives output 0 and zero gradients for every normalizer
+(softmax included, where ``jax.nn`` would average the values). Arguments are checked in Python
+before anything is traced: bad input raises ``ValueError``/``TypeError`` naming the argument,
+its value or shape and what is allowed.
+
+:func:`attention_fn` adapts :func:`attention` to the ``attention_fn`` argument of
+``flax.nnx.MultiHeadAttention``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax import masks as masks_lib
+from sparse_jax.sparsemax import entmax, entmax15, sparsemax
+
+__all__ = [
+    "CHUNK_SCORES",
+    "IMPLEMENTED_IMPLS",
+    "NORMALIZERS",
+    "PLANNED_IMPLS",
+    "ImplChoice",
+    "attention",
+    "attention_fn",
+    "attention_impl",
+]
+
+#: Normalizer names accepted by ``normalizer=`` (besides an α, a float > 1 or an array).
+NORMALIZERS = ("softmax", "sparsemax", "entmax15")
+#: Values of ``impl=`` that run today.
+IMPLEMENTED_IMPLS = ("auto", "xla")
+#: Values of ``impl=`` that are planned (they raise a ValueError saying so).
+PLANNED_IMPLS = ("blocksparse", "splash", "cudnn")
+#: With ``query_chunk=None``, ``impl="xla"`` takes as many query rows per chunk as keep one
+#: chunk's scores ``[B, N, chunk, Tk]`` within this many elements (16 MiB in float32), and at
+#: least 8 rows.
+CHUNK_SCORES = 2**22
+
+_NAME = "attention"
+
+
+class ImplChoice(NamedTuple):
+    """Which implementation :func:`attention` uses, and why (see :func:`attention_impl`)."""
+
+    impl: str  # the concrete implementation, e.g. "xla"
+    reason: str  # one sentence on why it was chosen
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checking (all in Python, on static shapes: runs before anything is compiled).
+
+
+def _check_qkv(q: Any, k: Any, v: Any, where: str, abstract: bool = False) -> tuple[Any, Any, Any]:
+    """Checks q, k, v; ``abstract`` also accepts ``jax.ShapeDtypeStruct`` (only shapes are read)."""
+    kinds = (jax.Array, np.ndarray, jax.ShapeDtypeStruct) if abstract else (jax.Array, np.ndarray)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, kinds):
+            raise TypeError(
+                f"{where}: `{name}` must be a jax or numpy array [batch, seq, heads, head_dim]; "
+                f"got {type(x).__name__}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16, "
+                f"float64); got dtype {x.dtype}"
+            )
+        if x.ndim != 4:
+            raise ValueError(
+                f"{where}: `{name}` must have rank 4 [batch, seq, heads, head_dim]; got shape "
+                f"{tuple(x.shape)} (rank {x.ndim})"
+            )
+        if 0 in x.shape:
+            raise ValueError(f"{where}: `{name}` must have no empty axis; got shape {x.shape}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"{where}: `q`, `k` and `v` must have the same dtype; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype} (cast them first, e.g. `k.astype(q.dtype)`)"
+        )
+    (b, _, n, h), (bk, tk, kh, hk), (bv, tv, vh, _) = q.shape, k.shape, v.shape
+    if not b == bk == bv:
+        raise ValueError(
+            f"{where}: batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}; axis 0 of "
+            "q, k and v must be equal"
+        )
+    if tk != tv:
+        raise ValueError(
+            f"{where}: `k` and `v` must have the same sequence length (axis 1); got k "
+            f"{k.shape} and v {v.shape}"
+        )
+    if kh != vh:
+        raise ValueError(
+            f"{where}: `k` and `v` must have the same number of heads (axis 2); got k "
+            f"{k.shape} and v {v.shape}"
+        )
+    if hk != h:
+        raise ValueError(
+            f"{where}: `q` and `k` must have the same head_dim (axis 3); got q {q.shape} and "
+            f"k {k.shape} (only v's head_dim may differ)"
+        )
+    if n % kh:
+        raise ValueError(
+            f"{where}: the number of key/value heads ({kh}, axis 2 of k) must divide the number "
+            f"of query heads ({n}, axis 2 of q) for grouped-query attention; got q {q.shape}, "
+            f"k {k.shape}"
+        )
+    return q, k, v
+
+
+def _as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], where: str) -> jax.Array:
+    """``x`` left-padded to rank 4; checks that it broadcasts to ``target``."""
+    shape = tuple(x.shape)
+    ok = len(shape) <= 4
+    if ok:
+        try:
+            ok = tuple(np.broadcast_shapes(shape, target)) == target
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{where}: `{name}` with shape {shape} does not broadcast to [batch, heads, q_len, "
+            f"kv_len] = {list(target)}"
+        )
+    return jnp.reshape(jnp.asarray(x), (1,) * (4 - len(shape)) + shape)
+
+
+def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any:
+    if mask is None:
+        return None
+    b, n, tq, tk = target
+    if isinstance(mask, masks_lib.Mask):
+        shape = mask.shape
+        if shape is not None and (tq > shape[0] or tk > shape[1]):
+            raise ValueError(
+                f"{where}: `mask` has the fixed shape {shape} (from_array) but the inputs need "
+                f"(q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {shape[0]}, "
+                f"kv_len <= {shape[1]}"
+            )
+        if mask.num_heads is not None and mask.num_heads != n:
+            raise ValueError(
+                f"{where}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} "
+                f"query heads; allowed: a per-head mask with exactly {n} heads, or a "
+                "head-agnostic mask"
+            )
+        if mask.batch_size is not None and mask.batch_size != b:
+            raise ValueError(
+                f"{where}: `mask` is a run-time (padding) mask for batch size "
+                f"{mask.batch_size} but q has batch size {b}"
+            )
+        return mask
+    if isinstance(mask, (jax.Array, np.ndarray)):
+        if mask.dtype != np.bool_:
+            raise TypeError(
+                f"{where}: an array `mask` must have dtype bool (True = may attend); got dtype "
+                f"{mask.dtype} (convert with `mask.astype(bool)` if that is what you mean)"
+            )
+        return _as_4d_broadcastable(mask, "mask", target, where)
+    raise TypeError(
+        f"{where}: `mask` must be None, a sparse_jax.masks.Mask or a bool array broadcastable "
+        f"to [batch, heads, q_len, kv_len]; got {type(mask).__name__}"
+    )
+
+
+def _check_bias(bias: Any, target: tuple[int, int, int, int], where: str) -> Any:
+    if bias is None:
+        return None
+    if not isinstance(bias, (jax.Array, np.ndarray)):
+        raise TypeError(
+            f"{where}: `bias` must be None or a float array broadcastable to [batch, heads, "
+            f"q_len, kv_len]; got {type(bias).__name__}"
+        )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"{where}: `bias` must have a floating dtype; got dtype {bias.dtype}")
+    return _as_4d_broadcastable(bias, "bias", target, where)
+
+
+def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> str | float | jax.Array:
+    """Returns a name of NORMALIZERS, a python float α > 1 or a float array α of shape [N, 1]."""
+    allowed = (
+        f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
+        f"[heads] = [{num_heads}] (one α per query head)"
+    )
+    if isinstance(normalizer, str):
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"{where}: unknown `normalizer`={normalizer!r}; allowed: {allowed}")
+        return normalizer
+    if isinstance(normalizer, (bool, np.bool_)):
+        raise TypeError(f"{where}: `normalizer` must be {allowed}; got {normalizer!r}")
+    if isinstance(normalizer, numbers.Real):
+        alpha = float(normalizer)
+        if not alpha > 1.0:
+            raise ValueError(
+                f"{where}: `normalizer` α must be > 1 (α -> 1 is softmax: pass "
+                f'normalizer="softmax"); got {alpha}'
+            )
+        return alpha
+    if isinstance(normalizer, (jax.Array, np.ndarray)):
+        if not jnp.issubdtype(normalizer.dtype, jnp.floating):
+            raise TypeError(
+                f"{where}: an array `normalizer` (α) must have a floating dtype; got dtype "
+                f"{normalizer.dtype}"
+            )
+        shape = tuple(normalizer.shape)
+        if shape not in ((), (1,), (num_heads,)):
+            raise ValueError(
+                f"{where}: an array `normalizer` (α) must have shape [], [1] or [heads] = "
+                f"[{num_heads}] (one α per query head); got shape {list(shape)}"
+            )
+        if not isinstance(normalizer, jax.core.Tracer):
+            values = np.asarray(normalizer)
+            if not (values > 1.0).all():
+                raise ValueError(
+                    f"{where}: every α of `normalizer` must be > 1; got {values.tolist()!r:.200} "
+                    "(parametrise a learned α as 1 + softplus(θ))"
+                )
+        alpha = jnp.asarray(normalizer)
+        return jnp.reshape(alpha, (-1, 1)) if alpha.ndim else alpha
+    raise TypeError(f"{where}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
+
+
+def _check_scale(scale: Any, head_dim: int, where: str) -> Any:
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{where}: `scale` must be None or a real number; got {scale!r}")
+    if isinstance(scale, numbers.Real):
+        if not math.isfinite(scale):
+            raise ValueError(f"{where}: `scale` must be finite; got {scale!r}")
+        return float(scale)
+    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"{where}: an array `scale` must be a float scalar; got {scale.dtype}")
+        return jnp.asarray(scale)
+    raise TypeError(
+        f"{where}: `scale` must be None (head_dim ** -0.5), a real number or a scalar float "
+        f"array; got {type(scale).__name__} {getattr(scale, 'shape', '')}"
+    )
+
+
+def _check_impl(impl: Any, where: str) -> str:
+    if isinstance(impl, str) and impl in IMPLEMENTED_IMPLS:
+        return impl
+    implemented = ", ".join(repr(i) for i in IMPLEMENTED_IMPLS)
+    if isinstance(impl, str) and impl in PLANNED_IMPLS:
+        raise ValueError(
+            f"{where}: `impl`={impl!r} is planned but not implemented yet (see the 'attention' "
+            f"issue); implemented: {implemented}"
+        )
+    planned = ", ".join(repr(i) for i in PLANNED_IMPLS)
+    raise ValueError(
+        f"{where}: unknown `impl`={impl!r}; implemented: {implemented}; planned: {planned}"
+    )
+
+
+def _check_positive_int(value: Any, name: str, where: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: `{name}` must be an int >= 1; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}: `{name}` must be an int >= 1; got {value!r}")
+    return int(value)
+
+
+def _check_block_size(block_size: Any, where: str) -> tuple[int, int]:
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise TypeError(
+            f"{where}: `block_size` must be a pair of ints (block_q, block_kv); got {block_size!r}"
+        )
+    return (
+        _check_positive_int(block_size[0], "block_size[0]", where),
+        _check_positive_int(block_size[1], "block_size[1]", where),
+    )
+
+
+class _Args(NamedTuple):
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    mask_obj: Any  # sparse_jax.masks.Mask or None
+    mask_arr: Any  # bool [b', n', tq', tk'] broadcastable to [B, N, Tq, Tk], or None
+    bias: Any  # float [b', n', tq', tk'] or None
+    normalizer: Any  # name, python float α, or float array α [N, 1] / []
+    scale: Any  # python float or float scalar array
+    impl: str
+    query_chunk: int
+
+
+def _check_all(
+    q,
+    k,
+    v,
+    mask,
+    bias,
+    normalizer,
+    scale,
+    impl,
+    block_size,
+    query_chunk,
+    return_weights,
+    where,
+    abstract=False,
+) -> _Args:
+    q, k, v = _check_qkv(q, k, v, where, abstract)
+    b, tq, n, h = q.shape
+    target = (b, n, tq, k.shape[1])
+    mask = _check_mask(mask, target, where)
+    is_obj = isinstance(mask, masks_lib.Mask)
+    bias = _check_bias(bias, target, where)
+    normalizer = _check_normalizer(normalizer, n, where)
+    scale = _check_scale(scale, h, where)
+    impl = _check_impl(impl, where)
+    _check_block_size(block_size, where)
+    if query_chunk is None:
+        query_chunk = max(8, CHUNK_SCORES // (b * n * k.shape[1]))
+    query_chunk = _check_positive_int(query_chunk, "query_chunk", where)
+    if not isinstance(return_weights, (bool, np.bool_)):
+        raise TypeError(f"{where}: `return_weights` must be a bool; got {return_weights!r}")
+    return _Args(
+        q,
+        k,
+        v,
+        mask if is_obj else None,
+        None if is_obj else mask,
+        bias,
+        normalizer,
+        scale,
+        impl,
+        query_chunk,
+    )
+
+
+def _resolve_impl(args: _Args) -> ImplChoice:
+    if args.impl == "xla":
+        return ImplChoice("xla", "impl='xla' was requested explicitly")
+    return ImplChoice(
+        "xla",
+        "impl='auto': 'xla' (the query-chunked dense reference) is the only implementation so "
+        f"far; planned: {', '.join(PLANNED_IMPLS)}",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The query-chunked XLA implementation.
+
+
+def _softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0.
+
+    ``jax.nn.softmax(where=...)`` gives zeros on such rows too, but NaN on a row whose allowed
+    scores are all ``-inf`` (a ``-inf`` bias), and ``jax.nn.dot_product_attention`` averages
+    the values of a fully masked row instead of returning 0.
+    """
+    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(row_max > -jnp.inf, row_max, 0.0))
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, row_max) - row_max), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(total > 0.0, total, 1.0)
+
+
+def _normalize(s: jax.Array, allowed: jax.Array | None, normalizer: Any) -> jax.Array:
+    if isinstance(normalizer, str):
+        if normalizer == "softmax":
+            finite = s > -jnp.inf
+            return _softmax(s, finite if allowed is None else finite & allowed)
+        if normalizer == "sparsemax":
+            return sparsemax(s, axis=-1, where=allowed)
+        return entmax15(s, axis=-1, where=allowed)
+    return entmax(s, normalizer, axis=-1, where=allowed)
+
+
+def _chunk_layout(tq: int, query_chunk: int) -> tuple[int, int]:
+    """(number of chunks, chunk size): equal chunks of at most ``query_chunk`` rows, a multiple
+    of 8 when that costs nothing, and as little padding as possible."""
+    num = -(-tq // query_chunk)
+    if num == 1:
+        return 1, tq
+    size = -(-tq // num)
+    size = min(query_chunk, -(-size // 8) * 8)
+    return -(-tq // size), size
+
+
+def _split_rows(x: jax.Array, num: int, size: int, fill: Any) -> jax.Array:
+    """[b, n, tq, tk] -> [num, b, n, size, tk], padding the query axis with ``fill``."""
+    pad = num * size - x.shape[2]
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=fill)
+    x = x.reshape(x.shape[0], x.shape[1], num, size, x.shape[3])
+    return jnp.moveaxis(x, 2, 0)
+
+
+def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
+    q, k, v = args.q, args.k, args.v
+    b, tq, n, h = q.shape
+    _, tk, kh, hv = v.shape
+    g = n // kh
+    compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    num, size = _chunk_layout(tq, args.query_chunk)
+    mask_obj, normalizer, scale = args.mask_obj, args.normalizer, args.scale
+
+    def chunk(q_c, start, mask_c, bias_c):
+        # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
+        c = q_c.shape[1]
+        s = jnp.einsum(
+            "bckgh,bskh->bkgcs",
+            q_c.reshape(b, c, kh, g, h),
+            k,
+            preferred_element_type=compute,
+            precision=precision,
+        ).reshape(b, n, c, tk)
+        s = s * jnp.asarray(scale, compute)
+        if bias_c is not None:
+            s = s + bias_c.astype(compute)
+        allowed = mask_c
+        if mask_obj is not None:
+            q_idx = start + jnp.arange(c, dtype=jnp.int32)
+            kv_idx = jnp.arange(tk, dtype=jnp.int32)
+            m = mask_obj.predicate(q_idx[:, None], kv_idx[None, :])  # [(B,) (N,) C, Tk]
+            if mask_obj.num_heads is None:
+                m = m[..., None, :, :]
+            if mask_obj.batch_size is None:
+                m = m[None]
+            allowed = m if allowed is None else allowed & m
+        p = _normalize(s, allowed, normalizer)  # [B, N, C, Tk]
+        out = jnp.einsum(
+            "bkgcs,bskh->bckgh",
+            p.reshape(b, kh, g, c, tk).astype(v.dtype),
+            v,
+            preferred_element_type=compute,
+            precision=precision,
+        ).reshape(b, c, n, hv)
+        out = out.astype(q.dtype)
+        return (out, p.astype(q.dtype)) if return_weights else out
+
+    def per_query(x):  # the query axis of a [b', n', tq', tk'] mask/bias: 1 or Tq
+        return x is not None and x.shape[2] != 1
+
+    if num == 1:
+        result = chunk(q, jnp.int32(0), args.mask_arr, args.bias)
+        out, weights = result if return_weights else (result, None)
+    else:
+        pad = num * size - tq
+        q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else q
+        xs = {
+            "q": jnp.moveaxis(q_p.reshape(b, num, size, n, h), 1, 0),
+            "start": jnp.arange(num, dtype=jnp.int32) * size,
+        }
+        if per_query(args.mask_arr):
+            xs["mask"] = _split_rows(args.mask_arr, num, size, False)
+        if per_query(args.bias):
+            xs["bias"] = _split_rows(args.bias, num, size, 0)
+
+        def body(x):
+            mask_c = x["mask"] if "mask" in x else args.mask_arr
+            bias_c = x["bias"] if "bias" in x else args.bias
+            return chunk(x["q"], x["start"], mask_c, bias_c)
+
+        result = jax.lax.map(jax.checkpoint(body, prevent_cse=False), xs)
+        out, weights = result if return_weights else (result, None)
+        out = jnp.moveaxis(out, 0, 1).reshape(b, num * size, n, hv)[:, :tq]
+        if weights is not None:
+            weights = jnp.moveaxis(weights, 0, 2).reshape(b, n, num * size, tk)[:, :, :tq]
+    return (out, weights) if return_weights else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+
+def attention_impl(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: Any = None,
+    bias: jax.Array | None = None,
+    normalizer: Any = "softmax",
+    impl: str = "auto",
+    block_size: tuple[int, int] = (128, 128),
+    return_weights: bool = False,
+) -> ImplChoice:
+    """The implementation :func:`attention` would run for these arguments, and why.
+
+    Takes the arguments of :func:`attention` (``q``, ``k``, ``v`` may be ``jax.ShapeDtypeStruct``
+    -like arrays; only shapes and dtypes are read, nothing is computed) and checks them exactly
+    as :func:`attention` does, so bad arguments raise the same errors.
+
+    Returns:
+      ``ImplChoice(impl, reason)``, e.g. ``("xla", "impl='auto': ...")``.
+
+    Example:
+      >>> q = jnp.zeros((1, 8, 2, 4))
+      >>> attention_impl(q, q, q, normalizer="sparsemax").impl
+      'xla'
+    """
+    args = _check_all(
+        q, k, v, mask, bias, normalizer, None, impl, block_size, None, return_weights, _NAME, True
+    )
+    return _resolve_impl(args)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: Any = None,
+    bias: jax.Array | None = None,
+    normalizer: Any = "softmax",
+    scale: float | jax.Array | None = None,
+    impl: str = "auto",
+    block_size: tuple[int, int] = (128, 128),
+    return_weights: bool = False,
+    query_chunk: int | None = None,
+    precision: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Multi-head attention with a sparse or dense normalizer and an optional mask.
+
+    Shapes (``jax.nn.dot_product_attention``'s layout): ``B`` batch, ``Tq``/``Tk`` query/key
+    lengths, ``N`` query heads, ``K`` key/value heads (``K`` divides ``N``: ``K == N`` is
+    multi-head, ``K == 1`` multi-query, otherwise grouped-query attention, query head ``n``
+    using key head ``n // (N // K)``), ``H`` head dim of q/k, ``Hv`` head dim of v.
+
+    Args:
+      q: ``[B, Tq, N, H]`` float queries.
+      k: ``[B, Tk, K, H]`` keys, same dtype as ``q``.
+      v: ``[B, Tk, K, Hv]`` values, same dtype as ``q``.
+      mask: None (everything allowed), a :class:`sparse_jax.masks.Mask` (evaluated chunk by chunk
+        inside the computation; a per-head mask needs ``N`` heads, a ``padding`` mask batch
+        size ``B``; row ``i`` is query position ``i``, use ``mask.with_offset`` when decoding),
+        or a bool array broadcastable to ``[B, N, Tq, Tk]``. True = may attend.
+      bias: optional float array broadcastable to ``[B, N, Tq, Tk]``, added to the scaled
+        scores (``-inf`` entries are masked).
+      normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
+        float > 1 (2.0 and 1.5 use the exact sparsemax/entmax15 algorithms), or a float array
+        of shape ``[]`` or ``[N]`` (one α per *query* head). An array α is differentiable:
+        parametrise a learned α as ``1 + softplus(θ)`` (a traced α cannot be checked).
+      scale: multiplier of ``q·k``; default ``H ** -0.5``. A scalar float array is accepted.
+      impl: ``"auto"`` (today always ``"xla"``; see :func:`attention_impl`) or ``"xla"``.
+        ``"blocksparse"``, ``"splash"`` and ``"cudnn"`` are planned and raise ``ValueError``.
+      block_size: ``(block_q, block_kv)`` of the planned block-sparse kernel; validated, unused
+        by ``"xla"``.
+      return_weights: also return the attention weights. This materialises a
+        ``[B, N, Tq, Tk]`` array: O(Tq·Tk) memory, which the chunking otherwise avoids.
+      query_chunk: the most query rows ``"xla"`` processes at once; peak memory is about
+        ``B·N·query_chunk·Tk`` floats times a small constant (about 1 forward, 5-6 for
+        forward+backward), independent of ``Tq``. ``Tq`` is split into equal chunks of at
+        most this size (a multiple of 8 where possible) and padded internally. Default (None):
+        as many rows as keep ``B·N·chunk·Tk <= CHUNK_SCORES`` (2**22), at least 8, so small
+        problems run as one chunk (no loop, no recomputation in the backward pass).
+      precision: passed to the two einsums (``jax.lax.Precision``), as in flax.
+
+    Returns:
+      ``[B, Tq, N, Hv]`` in ``q``'s dtype; with ``return_weights``, ``(out, weights)`` with
+      weights ``[B, N, Tq, Tk]`` in ``q``'s dtype (rows sum to 1, or are 0 where fully masked).
+
+    Raises:
+      ValueError, TypeError: for bad arguments, before anything is traced or compiled.
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> q = k = v = jnp.ones((1, 3, 2, 4))  # [batch, seq, heads, head_dim]
+      >>> out, w = attention(q, k, v, mask=causal(), normalizer="sparsemax",
+      ...                    return_weights=True)
+      >>> out.shape, w.shape
+      ((1, 3, 2, 4), (1, 2, 3, 3))
+      >>> (6 * w[0, 0]).round().astype(int).tolist()  # equal scores: uniform on allowed keys
+      [[6, 0, 0], [3, 3, 0], [2, 2, 2]]
+    """
+    args = _check_all(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        normalizer,
+        scale,
+        impl,
+        block_size,
+        query_chunk,
+        return_weights,
+        _NAME,
+    )
+    choice = _resolve_impl(args)
+    assert choice.impl == "xla", choice  # the only implementation so far
+    return _xla_attention(args, return_weights=bool(return_weights), precision=precision)
+
+
+def attention_fn(
+    normalizer: Any = "softmax",
+    *,
+    mask: masks_lib.Mask | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+    block_size: tuple[int, int] = (128, 128),
+    query_chunk: int | None = None,
+) -> Callable[..., jax.Array]:
+    """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` that calls :func:`attention`.
+
+    The returned function has the signature of ``flax.nnx.dot_product_attention``
+    (``query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+    dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+    promote_dtype=None, is_causal=False``) with flax's shapes: ``[batch..., length, heads,
+    depth]`` (any number of batch axes, possibly none) and flax masks/biases broadcastable to
+    ``[batch..., heads, q_len, kv_len]``. The flax ``mask`` is combined (AND) with this
+    adapter's ``mask`` and with ``is_causal``.
+
+    Attention dropout is not supported: a call with ``dropout_rate > 0`` and
+    ``deterministic=False`` raises ``ValueError`` (use ``dropout_rate=0`` or pass
+    ``deterministic=True``). When flax asks for the weights to be sown (``sow_weights=True``,
+    i.e. ``module`` is given), they are materialised and sown as ``attention_weights`` in
+    ``nnx.Intermediate``, as flax does (this is the only place flax is imported, lazily).
+    A learnable α must live in a module that calls :func:`attention` itself; here α is fixed.
+
+    Args:
+      normalizer, scale, impl, block_size, query_chunk: as in :func:`attention`.
+      mask: a static :class:`sparse_jax.masks.Mask` applied on top of flax's mask (for
+        example ``causal() & local(255, 0)``).
+
+    Returns:
+      The attention function.
+
+    Example:
+      >>> from flax import nnx
+      >>> layer = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False,
+      ...     attention_fn=attention_fn("sparsemax"), rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((1, 5, 8))).shape
+      (1, 5, 8)
+    """
+    where = "attention_fn"
+    if mask is not None and not isinstance(mask, masks_lib.Mask):
+        raise TypeError(
+            f"{where}: `mask` must be None or a sparse_jax.masks.Mask (array masks are passed "
+            f"per call by flax); got {type(mask).__name__}"
+        )
+    if isinstance(normalizer, (str, numbers.Real)):
+        _check_normalizer(normalizer, 1, where)
+    if scale is not None:
+        _check_scale(scale, 1, where)
+    _check_impl(impl, where)
+    _check_block_size(block_size, where)
+    if query_chunk is not None:
+        _check_positive_int(query_chunk, "query_chunk", where)
+    static_mask = mask
+
+    def fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        promote_dtype=None,
+        is_causal=False,
+    ):
+        del broadcast_dropout, dropout_rng
+        if dropout_rate > 0.0 and not deterministic:
+            raise ValueError(
+                f"{where}: attention dropout is not supported (dropout_rate={dropout_rate}, "
+                "deterministic=False); use dropout_rate=0.0 or deterministic=True"
+            )
+        if promote_dtype is not None:
+            query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        else:
+            common = dtype or jnp.result_type(query, key, value)
+            query, key, value = (jnp.asarray(x, common) for x in (query, key, value))
+        shapes = [getattr(x, "shape", ()) for x in (query, key, value)]
+        if (
+            min(len(s) for s in shapes) < 3
+            or not shapes[0][:-3] == shapes[1][:-3] == shapes[2][:-3]
+        ):
+            raise ValueError(
+                f"{where}: query, key and value must be [batch..., length, heads, depth] with the "
+                f"same batch axes; got {query.shape}, {key.shape}, {value.shape}"
+            )
+        batch = query.shape[:-3]
+        flat = math.prod(batch)
+
+        def to_4d(x):  # [batch..., a, b, c] -> [B or 1, a, b, c]
+            return x.reshape((flat, *x.shape[-3:]))
+
+        def to_4d_bcast(x):  # flax mask/bias [batch..., heads, q, kv] (broadcastable)
+            if x is None:
+                return None
+            x = jnp.asarray(x)
+            x = x.reshape((1,) * max(0, len(batch) + 3 - x.ndim) + x.shape)
+            lead, rest = x.shape[: x.ndim - 3], x.shape[x.ndim - 3 :]
+            if all(d == 1 for d in lead):
+                return x.reshape((1, *rest))
+            return jnp.broadcast_to(x, batch + rest).reshape((flat, *rest))
+
+        m = static_mask
+        if is_causal:
+            m = masks_lib.causal() if m is None else m & masks_lib.causal()
+        mask_arr = to_4d_bcast(mask)
+        if mask_arr is not None:
+            mask_arr = mask_arr.astype(bool)
+        q4, k4, v4 = to_4d(query), to_4d(key), to_4d(value)
+        args = _check_all(
+            q4,
+            k4,
+            v4,
+            m,
+            to_4d_bcast(bias),
+            normalizer,
+            scale,
+            impl,
+            block_size,
+            query_chunk,
+            False,
+            where,
+        )
+        if mask_arr is not None:
+            target = (q4.shape[0], q4.shape[2], q4.shape[1], k4.shape[1])
+            args = args._replace(mask_arr=_check_mask(mask_arr, target, where))
+        sow = module is not None
+        result = _xla_attention(args, return_weights=sow, precision=precision)
+        if sow:
+            from flax import nnx  # only to sow the weights, as flax's own function does
+
+            out, weights = result
+            weights = weights.reshape((*batch, *weights.shape[1:]))
+            module.sow(nnx.Intermediate, "attention_weights", weights)
+        else:
+            out = result
+        return out.reshape((*batch, *out.shape[1:]))
+
+    return fn
