@@ -9,6 +9,7 @@ The functional API is re-exported here::
 
 from sparse_jax import masks
 from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
+from sparse_jax.blocksparse import BlockSparseCost, blocksparse_attention, blocksparse_cost
 from sparse_jax.sparsemax import (
     entmax,
     entmax15,
@@ -19,10 +20,13 @@ from sparse_jax.sparsemax import (
 )
 
 __all__ = [
+    "BlockSparseCost",
     "ImplChoice",
     "attention",
     "attention_fn",
     "attention_impl",
+    "blocksparse_attention",
+    "blocksparse_cost",
     "entmax",
     "entmax15",
     "entmax15_loss",

@@ -31,14 +31,14 @@ Implementations and dispatch
   evaluated row by row with a few passes over each row, the whole score matrix of a long
   sequence does not fit, and the reference must run wherever the kernels are compared with it.
   Work is still dense (O(Tq·Tk) per head, masked entries included).
-* ``"blocksparse"`` (planned, "attention" issue): the block-sparse kernel driven by
-  ``mask.blocks(Tq, Tk, *block_size)`` (:class:`sparse_jax.masks.BlockLayout`), which only
-  computes the kept blocks. It plugs in behind the same argument checks (``_check_all``) as
-  one more branch of the dispatch policy (``_resolve_impl``, which :func:`attention_impl`
-  reports) and of :func:`attention`; ``"auto"`` will choose it for static
-  :class:`~sparse_jax.masks.Mask` masks whose block density makes it pay, and keep ``"xla"``
-  for array masks, ``return_weights=True`` and small problems. ``block_size`` is already
-  validated for it.
+* ``"blocksparse"``: :func:`sparse_jax.blocksparse.blocksparse_attention` driven by
+  ``mask.blocks(Tq, Tk, *block_size)`` (:class:`sparse_jax.masks.BlockLayout`): it gathers the
+  key blocks each query block keeps and normalizes over that compact row, so work and memory
+  follow the kept blocks. Needs a :class:`~sparse_jax.masks.Mask`. ``"auto"`` takes it when
+  the kernel would form at most ``BLOCKSPARSE_MAX_FRACTION`` (50%) of the dense score
+  entries (``blocksparse_cost``; every query block computes as many key blocks as the widest
+  one, so a plain causal mask gains nothing and stays on ``"xla"``), and says so in
+  :func:`attention_impl`'s reason.
 * ``"splash"`` (TPU splash attention, softmax only) and ``"cudnn"`` (``jax.nn``'s cuDNN
   flash attention, softmax only) are planned; today they raise a ``ValueError`` that lists the
   implemented choices, as does any unknown name.
@@ -67,9 +67,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
+from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
 from sparse_jax.sparsemax import entmax, entmax15, sparsemax
 
 __all__ = [
+    "BLOCKSPARSE_MAX_FRACTION",
     "CHUNK_SCORES",
     "IMPLEMENTED_IMPLS",
     "NORMALIZERS",
@@ -83,9 +85,9 @@ __all__ = [
 #: Normalizer names accepted by ``normalizer=`` (besides an α, a float > 1 or an array).
 NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 #: Values of ``impl=`` that run today.
-IMPLEMENTED_IMPLS = ("auto", "xla")
+IMPLEMENTED_IMPLS = ("auto", "xla", "blocksparse")
 #: Values of ``impl=`` that are planned (they raise a ValueError saying so).
-PLANNED_IMPLS = ("blocksparse", "splash", "cudnn")
+PLANNED_IMPLS = ("splash", "cudnn")
 #: With ``query_chunk=None``, ``impl="xla"`` takes as many query rows per chunk as keep one
 #: chunk's scores ``[B, N, chunk, Tk]`` within this many elements (16 MiB in float32), and at
 #: least 8 rows.
@@ -336,6 +338,7 @@ class _Args(NamedTuple):
     scale: Any  # python float or float scalar array
     impl: str
     query_chunk: int
+    block_size: tuple[int, int]
 
 
 def _check_all(
@@ -362,7 +365,14 @@ def _check_all(
     normalizer = _check_normalizer(normalizer, n, where)
     scale = _check_scale(scale, h, where)
     impl = _check_impl(impl, where)
-    _check_block_size(block_size, where)
+    block_size = _check_block_size(block_size, where)
+    if impl == "blocksparse" and not isinstance(mask, masks_lib.Mask):
+        raise ValueError(
+            f"{where}: `impl`='blocksparse' needs `mask` to be a sparse_jax.masks.Mask (the "
+            f"kernel skips the blocks the mask leaves out); got "
+            f"{'None' if mask is None else 'a bool array'}. Use impl='xla', or describe the "
+            "pattern with sparse_jax.masks (masks.from_array for a fixed numpy array)."
+        )
     if query_chunk is None:
         query_chunk = max(8, CHUNK_SCORES // (b * n * k.shape[1]))
     query_chunk = _check_positive_int(query_chunk, "query_chunk", where)
@@ -379,16 +389,36 @@ def _check_all(
         scale,
         impl,
         query_chunk,
+        block_size,
     )
 
 
+# impl="auto" takes the block-sparse kernel when it forms at most this fraction of the dense
+# score entries (its gathers cost extra work per entry; see docs/benchmarks.md).
+BLOCKSPARSE_MAX_FRACTION = 0.5
+
+
+def _layout(args: _Args) -> masks_lib.BlockLayout:
+    return args.mask_obj.blocks(args.q.shape[1], args.k.shape[1], *args.block_size)
+
+
 def _resolve_impl(args: _Args) -> ImplChoice:
-    if args.impl == "xla":
-        return ImplChoice("xla", "impl='xla' was requested explicitly")
+    if args.impl != "auto":
+        return ImplChoice(args.impl, f"impl={args.impl!r} was requested explicitly")
+    if args.mask_obj is None:
+        return ImplChoice(
+            "xla",
+            "impl='auto': no sparse_jax.masks.Mask, so no block structure to exploit: 'xla' "
+            f"(query-chunked dense); planned: {', '.join(PLANNED_IMPLS)}",
+        )
+    b, _, n, h = args.q.shape
+    cost = blocksparse_cost(_layout(args), batch=b, num_heads=n, head_dim=h)
+    fraction = cost.computed_scores / cost.dense_scores
+    verdict = "<=" if fraction <= BLOCKSPARSE_MAX_FRACTION else ">"
     return ImplChoice(
-        "xla",
-        "impl='auto': 'xla' (the query-chunked dense reference) is the only implementation so "
-        f"far; planned: {', '.join(PLANNED_IMPLS)}",
+        "blocksparse" if fraction <= BLOCKSPARSE_MAX_FRACTION else "xla",
+        f"impl='auto': with blocks {args.block_size} the block-sparse kernel would form "
+        f"{fraction:.1%} of the dense score entries ({verdict} {BLOCKSPARSE_MAX_FRACTION:.0%})",
     )
 
 
@@ -588,10 +618,11 @@ def attention(
         of shape ``[]`` or ``[N]`` (one α per *query* head). An array α is differentiable:
         parametrise a learned α as ``1 + softplus(θ)`` (a traced α cannot be checked).
       scale: multiplier of ``q·k``; default ``H ** -0.5``. A scalar float array is accepted.
-      impl: ``"auto"`` (today always ``"xla"``; see :func:`attention_impl`) or ``"xla"``.
-        ``"blocksparse"``, ``"splash"`` and ``"cudnn"`` are planned and raise ``ValueError``.
-      block_size: ``(block_q, block_kv)`` of the planned block-sparse kernel; validated, unused
-        by ``"xla"``.
+      impl: ``"auto"`` (``"blocksparse"`` for a Mask that leaves at least half of the dense
+        score entries out, else ``"xla"``; :func:`attention_impl` tells which and why),
+        ``"xla"`` or ``"blocksparse"``. ``"splash"`` and ``"cudnn"`` are planned and raise
+        ``ValueError``.
+      block_size: ``(block_q, block_kv)`` of the block-sparse kernel; unused by ``"xla"``.
       return_weights: also return the attention weights. This materialises a
         ``[B, N, Tq, Tk]`` array: O(Tq·Tk) memory, which the chunking otherwise avoids.
       query_chunk: the most query rows ``"xla"`` processes at once; peak memory is about
@@ -634,7 +665,22 @@ def attention(
         _NAME,
     )
     choice = _resolve_impl(args)
-    assert choice.impl == "xla", choice  # the only implementation so far
+    if choice.impl == "blocksparse":
+        normalizer = args.normalizer  # the kernel takes an α array as [N], not [N, 1]
+        if not isinstance(normalizer, (str, float)) and normalizer.ndim == 2:
+            normalizer = normalizer[:, 0]
+        return blocksparse_attention(
+            args.q,
+            args.k,
+            args.v,
+            _layout(args),
+            mask=args.mask_obj,
+            normalizer=normalizer,
+            scale=args.scale,
+            bias=args.bias,
+            return_weights=bool(return_weights),
+            precision=precision,
+        )
     return _xla_attention(args, return_weights=bool(return_weights), precision=precision)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import sparse_jax as sj
 from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
-from sparse_jax.masks import causal, from_array, local, padding, per_head
+from sparse_jax.masks import causal, from_array, local, padding, per_head, sink
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
 
@@ -340,7 +340,7 @@ def test_attention_impl_reports_choice():
     q, k, v, _, _ = _inputs("self")
     choice = attention_impl(q, k, v, mask=causal(), normalizer="sparsemax")
     assert isinstance(choice, ImplChoice) and choice.impl == "xla"
-    assert "auto" in choice.reason and "blocksparse" in choice.reason
+    assert "auto" in choice.reason and "block-sparse" in choice.reason
     assert attention_impl(q, k, v, impl="xla").reason.startswith("impl='xla'")
     abstract = jax.ShapeDtypeStruct(q.shape, q.dtype)
     assert attention_impl(abstract, abstract, abstract).impl == "xla"
@@ -447,7 +447,8 @@ _K = jnp.zeros((2, 6, 2, 8))
         ({"normalizer": jnp.array([1.5, 0.9, 2.0, 2.0])}, ValueError, r"every α .* > 1"),
         ({"normalizer": jnp.ones((2,)) * 1.5}, ValueError, r"shape \[\], \[1\] or \[heads\]"),
         ({"normalizer": jnp.array([2, 2, 2, 2])}, TypeError, r"floating dtype"),
-        ({"impl": "blocksparse"}, ValueError, r"'blocksparse' is planned .*'auto', 'xla'"),
+        ({"impl": "splash"}, ValueError, r"'splash' is planned .*'auto', 'xla', 'blocksparse'"),
+        ({"impl": "blocksparse"}, ValueError, r"'blocksparse' needs `mask` to be a .*Mask"),
         ({"impl": "flash"}, ValueError, r"unknown `impl`='flash'.*planned"),
         ({"block_size": 128}, TypeError, r"`block_size` must be a pair"),
         ({"block_size": (128, 0)}, ValueError, r"block_size\[1\]"),
@@ -503,3 +504,28 @@ def test_chunked_path_memory_is_far_below_naive():
     assert temp_bytes(naive) >= scores  # the reference does materialise the scores
     assert temp_bytes(chunked) < temp_bytes(naive) / 3
     assert temp_bytes(with_grad(chunked)) < temp_bytes(with_grad(naive)) / 3
+
+
+def test_auto_dispatch_follows_the_mask_density():
+    long = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
+    window = attention_impl(long, long, long, mask=causal() & local(256, 0))
+    assert window.impl == "blocksparse" and "9.4%" in window.reason
+    assert attention_impl(long, long, long, mask=causal()).impl == "xla"  # no block to skip
+    assert attention_impl(long, long, long).impl == "xla"
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "entmax15", "alpha_per_head"])
+def test_blocksparse_impl_equals_xla_values_and_gradients(normalizer):
+    q, k, v, ct, alpha = _inputs("gqa", seed=7)
+    norm = _normalizer_arg(normalizer, alpha)
+    mask = (causal() & local(5, 0)) | sink(2)
+
+    def loss(impl):
+        def f(q, k, v, a):
+            n = a if normalizer == "alpha_per_head" else norm
+            out = attention(q, k, v, mask=mask, normalizer=n, impl=impl, block_size=(8, 8))
+            return jnp.sum(out * ct)
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(q, k, v, alpha)
+
+    jax.tree.map(_close, loss("blocksparse"), loss("xla"))
