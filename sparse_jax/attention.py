@@ -67,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
+from sparse_jax._attention_common import check_scale, normalize
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
-from sparse_jax.sparsemax import entmax, entmax15, sparsemax
 
 __all__ = [
     "BLOCKSPARSE_MAX_FRACTION",
@@ -274,25 +274,6 @@ def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> str | floa
     raise TypeError(f"{where}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
 
 
-def _check_scale(scale: Any, head_dim: int, where: str) -> Any:
-    if scale is None:
-        return head_dim**-0.5
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"{where}: `scale` must be None or a real number; got {scale!r}")
-    if isinstance(scale, numbers.Real):
-        if not math.isfinite(scale):
-            raise ValueError(f"{where}: `scale` must be finite; got {scale!r}")
-        return float(scale)
-    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
-        if not jnp.issubdtype(scale.dtype, jnp.floating):
-            raise TypeError(f"{where}: an array `scale` must be a float scalar; got {scale.dtype}")
-        return jnp.asarray(scale)
-    raise TypeError(
-        f"{where}: `scale` must be None (head_dim ** -0.5), a real number or a scalar float "
-        f"array; got {type(scale).__name__} {getattr(scale, 'shape', '')}"
-    )
-
-
 def _check_impl(impl: Any, where: str) -> str:
     if isinstance(impl, str) and impl in IMPLEMENTED_IMPLS:
         return impl
@@ -363,7 +344,7 @@ def _check_all(
     is_obj = isinstance(mask, masks_lib.Mask)
     bias = _check_bias(bias, target, where)
     normalizer = _check_normalizer(normalizer, n, where)
-    scale = _check_scale(scale, h, where)
+    scale = check_scale(scale, h, where)
     impl = _check_impl(impl, where)
     block_size = _check_block_size(block_size, where)
     if impl == "blocksparse" and not isinstance(mask, masks_lib.Mask):
@@ -426,31 +407,6 @@ def _resolve_impl(args: _Args) -> ImplChoice:
 # The query-chunked XLA implementation.
 
 
-def _softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0.
-
-    ``jax.nn.softmax(where=...)`` gives zeros on such rows too, but NaN on a row whose allowed
-    scores are all ``-inf`` (a ``-inf`` bias), and ``jax.nn.dot_product_attention`` averages
-    the values of a fully masked row instead of returning 0.
-    """
-    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(jnp.where(row_max > -jnp.inf, row_max, 0.0))
-    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, row_max) - row_max), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(total > 0.0, total, 1.0)
-
-
-def _normalize(s: jax.Array, allowed: jax.Array | None, normalizer: Any) -> jax.Array:
-    if isinstance(normalizer, str):
-        if normalizer == "softmax":
-            finite = s > -jnp.inf
-            return _softmax(s, finite if allowed is None else finite & allowed)
-        if normalizer == "sparsemax":
-            return sparsemax(s, axis=-1, where=allowed)
-        return entmax15(s, axis=-1, where=allowed)
-    return entmax(s, normalizer, axis=-1, where=allowed)
-
-
 def _chunk_layout(tq: int, query_chunk: int) -> tuple[int, int]:
     """(number of chunks, chunk size): equal chunks of at most ``query_chunk`` rows, a multiple
     of 8 when that costs nothing, and as little padding as possible."""
@@ -503,7 +459,7 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             if mask_obj.batch_size is None:
                 m = m[None]
             allowed = m if allowed is None else allowed & m
-        p = _normalize(s, allowed, normalizer)  # [B, N, C, Tk]
+        p = normalize(s, allowed, normalizer)  # [B, N, C, Tk]
         out = jnp.einsum(
             "bkgcs,bskh->bckgh",
             p.reshape(b, kh, g, c, tk).astype(v.dtype),
@@ -734,7 +690,7 @@ def attention_fn(
     if isinstance(normalizer, (str, numbers.Real)):
         _check_normalizer(normalizer, 1, where)
     if scale is not None:
-        _check_scale(scale, 1, where)
+        check_scale(scale, 1, where)
     _check_impl(impl, where)
     _check_block_size(block_size, where)
     if query_chunk is not None:

@@ -59,7 +59,6 @@ naming the argument.
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -68,8 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
+from sparse_jax._attention_common import check_scale, normalize
 from sparse_jax.masks import SENTINEL, BlockLayout
-from sparse_jax.sparsemax import entmax, entmax15, sparsemax
 
 __all__ = [
     "NORMALIZERS",
@@ -243,25 +242,6 @@ def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> Any:
     raise TypeError(f"{where}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
 
 
-def _check_scale(scale: Any, head_dim: int, where: str) -> Any:
-    if scale is None:
-        return head_dim**-0.5
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"{where}: `scale` must be None or a real number; got {scale!r}")
-    if isinstance(scale, numbers.Real):
-        if not math.isfinite(scale):
-            raise ValueError(f"{where}: `scale` must be finite; got {scale!r}")
-        return float(scale)
-    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
-        if not jnp.issubdtype(scale.dtype, jnp.floating):
-            raise TypeError(f"{where}: an array `scale` must be a float scalar; got {scale.dtype}")
-        return jnp.asarray(scale)
-    raise TypeError(
-        f"{where}: `scale` must be None (head_dim ** -0.5), a real number or a scalar float "
-        f"array; got {type(scale).__name__}"
-    )
-
-
 def _check_steps(value: Any, where: str) -> int | None:
     if value is None:
         return None
@@ -294,26 +274,6 @@ class _Plan(NamedTuple):
     width: int  # K, gathered key blocks per query block
     step: int  # query blocks per step
     steps: int  # number of steps
-
-
-def _softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0
-    (and zero gradients, also when the allowed scores are all ``-inf``)."""
-    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(jnp.where(row_max > -jnp.inf, row_max, 0.0))
-    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, row_max) - row_max), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(total > 0.0, total, 1.0)
-
-
-def _normalize(s: jax.Array, allowed: jax.Array, normalizer: Any) -> jax.Array:
-    if isinstance(normalizer, str):
-        if normalizer == "softmax":
-            return _softmax(s, allowed & (s > -jnp.inf))
-        if normalizer == "sparsemax":
-            return sparsemax(s, axis=-1, where=allowed)
-        return entmax15(s, axis=-1, where=allowed)
-    return entmax(s, normalizer, axis=-1, where=allowed)
 
 
 def _make_plan(q, v, layout: BlockLayout, steps_arg: int | None) -> _Plan:
@@ -454,7 +414,7 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
         s_rows = s.reshape(*s.shape[:5], p_.width * p_.bkv)
         allowed = jnp.broadcast_to(allowed, (allowed.shape[0], *s.shape[1:]))
         allowed = allowed.reshape(*allowed.shape[:5], p_.width * p_.bkv)
-        p = _normalize(s_rows, allowed, normalizer).reshape(s.shape)
+        p = normalize(s_rows, allowed, normalizer).reshape(s.shape)
         out = jnp.einsum(
             "bagcikj,backje->bagcie",
             p.astype(v.dtype),
@@ -577,7 +537,7 @@ def blocksparse_attention(
     mask = _check_mask(mask, layout, b, where)
     bias = _check_bias(bias, (b, n, tq, tk), where)
     normalizer = _check_normalizer(normalizer, n, where)
-    scale = _check_scale(scale, d, where)
+    scale = check_scale(scale, d, where)
     steps = _check_steps(query_blocks_per_step, where)
     if not isinstance(return_weights, (bool, np.bool_)):
         raise TypeError(f"{where}: `return_weights` must be a bool; got {return_weights!r}")

@@ -1,0 +1,63 @@
+"""Pieces shared by the attention engines (``attention.py``'s XLA path and ``blocksparse.py``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax.sparsemax import entmax, entmax15, sparsemax
+
+
+def masked_softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0.
+
+    Zero gradients there too, also when the allowed scores are all ``-inf`` (a ``-inf`` bias),
+    where ``jax.nn.softmax(where=...)`` gives NaN; ``jax.nn.dot_product_attention`` averages
+    the values of a fully masked row instead of returning 0.
+    """
+    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(row_max > -jnp.inf, row_max, 0.0))
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, row_max) - row_max), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(total > 0.0, total, 1.0)
+
+
+def normalize(s: jax.Array, allowed: jax.Array | None, normalizer: Any) -> jax.Array:
+    """Scores ``s [..., keys]`` to weights under a checked normalizer (a name or an α).
+
+    ``allowed`` (bool, broadcastable to ``s``, or None) masks keys; ``-inf`` scores are masked
+    too. An α array must already broadcast to ``s`` without its last axis.
+    """
+    if isinstance(normalizer, str):
+        if normalizer == "softmax":
+            finite = s > -jnp.inf
+            return masked_softmax(s, finite if allowed is None else finite & allowed)
+        if normalizer == "sparsemax":
+            return sparsemax(s, axis=-1, where=allowed)
+        return entmax15(s, axis=-1, where=allowed)
+    return entmax(s, normalizer, axis=-1, where=allowed)
+
+
+def check_scale(scale: Any, head_dim: int, where: str) -> Any:
+    """``scale`` of the scores: None -> ``head_dim ** -0.5``, a finite real, or a float scalar."""
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{where}: `scale` must be None or a real number; got {scale!r}")
+    if isinstance(scale, numbers.Real):
+        if not math.isfinite(scale):
+            raise ValueError(f"{where}: `scale` must be finite; got {scale!r}")
+        return float(scale)
+    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"{where}: an array `scale` must be a float scalar; got {scale.dtype}")
+        return jnp.asarray(scale)
+    raise TypeError(
+        f"{where}: `scale` must be None (head_dim ** -0.5), a real number or a scalar float "
+        f"array; got {type(scale).__name__} {getattr(scale, 'shape', '')}"
+    )
