@@ -321,15 +321,17 @@ def _entmax_threshold(z, power, tau0, done0):
         # so the steps from the left are long where Newton on the mass crawls.
         root = jnp.exp(jnp.log(jnp.maximum(mass, jnp.finfo(z.dtype).tiny)) / power)
         newton = tau + (root - 1.0) * mass / (root * slope)
-        # For α > 2 the slope blows up next to a support boundary and pure Newton would crawl.
-        use_newton = (newton >= lo) & (newton <= hi)
-        use_newton &= jnp.abs(newton - tau) <= 0.5 * previous_step
+        # For α > 2 the slope blows up next to a support boundary and pure Newton would crawl,
+        # so a Newton step that does not halve the previous one is replaced by bisection --
+        # except at the float32 noise floor of the mass, where Newton's step is the last one.
+        inside = (newton >= lo) & (newton <= hi)
+        close = inside & (jnp.abs(excess) <= 64.0 * eps)
+        use_newton = inside & ((jnp.abs(newton - tau) <= 0.5 * previous_step) | close)
         new_tau = jnp.where(use_newton, newton, 0.5 * (lo + hi))
         step = jnp.abs(new_tau - tau)
-        # Converged when the step is at rounding level, or the mass is one to rounding and the
-        # Newton step just taken polishes τ further. (A looser test on the mass is not enough
-        # for α > 2, where p = u^(1/(α-1)) is steep next to the threshold.)
-        close = use_newton & (jnp.abs(excess) <= 4.0 * eps)
+        # Converged when the mass is one to rounding (the Newton step just taken polishes τ
+        # further) or the step is at rounding level. A looser test on the mass is not enough for
+        # α > 2, where p = u^(1/(α-1)) is steep next to the threshold.
         finished = close | (step <= 2.0 * eps * jnp.abs(tau))
         return jnp.where(done, tau, new_tau), lo, hi, step, done | finished
 
