@@ -61,3 +61,34 @@ def check_scale(scale: Any, head_dim: int, where: str) -> Any:
         f"{where}: `scale` must be None (head_dim ** -0.5), a real number or a scalar float "
         f"array; got {type(scale).__name__} {getattr(scale, 'shape', '')}"
     )
+
+
+def as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], where: str) -> jax.Array:
+    """``x`` left-padded to rank 4; checks that it broadcasts to ``target`` [B, N, Tq, Tk]."""
+    shape = tuple(x.shape)
+    ok = len(shape) <= 4
+    if ok:
+        try:
+            ok = tuple(np.broadcast_shapes(shape, target)) == target
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{where}: `{name}` with shape {shape} does not broadcast to [batch, heads, q_len, "
+            f"kv_len] = {list(target)}"
+        )
+    return jnp.reshape(jnp.asarray(x), (1,) * (4 - len(shape)) + shape)
+
+
+def check_bias(bias: Any, target: tuple[int, int, int, int], where: str) -> Any:
+    """None, or a float array broadcastable to ``target``, returned with rank 4."""
+    if bias is None:
+        return None
+    if not isinstance(bias, (jax.Array, np.ndarray)):
+        raise TypeError(
+            f"{where}: `bias` must be None or a float array broadcastable to [batch, heads, "
+            f"q_len, kv_len] = {list(target)}; got {type(bias).__name__}"
+        )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"{where}: `bias` must have a floating dtype; got dtype {bias.dtype}")
+    return as_4d_broadcastable(bias, "bias", target, where)

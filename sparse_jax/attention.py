@@ -67,7 +67,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax._attention_common import check_scale, normalize
+from sparse_jax._attention_common import (
+    as_4d_broadcastable,
+    check_bias,
+    check_scale,
+    normalize,
+)
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
 
 __all__ = [
@@ -163,23 +168,6 @@ def _check_qkv(q: Any, k: Any, v: Any, where: str, abstract: bool = False) -> tu
     return q, k, v
 
 
-def _as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], where: str) -> jax.Array:
-    """``x`` left-padded to rank 4; checks that it broadcasts to ``target``."""
-    shape = tuple(x.shape)
-    ok = len(shape) <= 4
-    if ok:
-        try:
-            ok = tuple(np.broadcast_shapes(shape, target)) == target
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"{where}: `{name}` with shape {shape} does not broadcast to [batch, heads, q_len, "
-            f"kv_len] = {list(target)}"
-        )
-    return jnp.reshape(jnp.asarray(x), (1,) * (4 - len(shape)) + shape)
-
-
 def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any:
     if mask is None:
         return None
@@ -210,24 +198,11 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any
                 f"{where}: an array `mask` must have dtype bool (True = may attend); got dtype "
                 f"{mask.dtype} (convert with `mask.astype(bool)` if that is what you mean)"
             )
-        return _as_4d_broadcastable(mask, "mask", target, where)
+        return as_4d_broadcastable(mask, "mask", target, where)
     raise TypeError(
         f"{where}: `mask` must be None, a sparse_jax.masks.Mask or a bool array broadcastable "
         f"to [batch, heads, q_len, kv_len]; got {type(mask).__name__}"
     )
-
-
-def _check_bias(bias: Any, target: tuple[int, int, int, int], where: str) -> Any:
-    if bias is None:
-        return None
-    if not isinstance(bias, (jax.Array, np.ndarray)):
-        raise TypeError(
-            f"{where}: `bias` must be None or a float array broadcastable to [batch, heads, "
-            f"q_len, kv_len]; got {type(bias).__name__}"
-        )
-    if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"{where}: `bias` must have a floating dtype; got dtype {bias.dtype}")
-    return _as_4d_broadcastable(bias, "bias", target, where)
 
 
 def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> str | float | jax.Array:
@@ -342,7 +317,7 @@ def _check_all(
     target = (b, n, tq, k.shape[1])
     mask = _check_mask(mask, target, where)
     is_obj = isinstance(mask, masks_lib.Mask)
-    bias = _check_bias(bias, target, where)
+    bias = check_bias(bias, target, where)
     normalizer = _check_normalizer(normalizer, n, where)
     scale = check_scale(scale, h, where)
     impl = _check_impl(impl, where)

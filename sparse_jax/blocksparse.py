@@ -67,7 +67,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax._attention_common import check_scale, normalize
+from sparse_jax._attention_common import (
+    check_bias,
+    check_scale,
+    normalize,
+)
 from sparse_jax.masks import SENTINEL, BlockLayout
 
 __all__ = [
@@ -175,31 +179,6 @@ def _check_mask(mask: Any, layout: BlockLayout, b: int, where: str) -> Any:
             f"num_heads={layout.num_heads}; pass the mask the layout was built from"
         )
     return mask
-
-
-def _check_bias(bias: Any, target: tuple[int, int, int, int], where: str) -> Any:
-    if bias is None:
-        return None
-    if not isinstance(bias, (jax.Array, np.ndarray)):
-        raise TypeError(
-            f"{where}: `bias` must be None or a float array broadcastable to [batch, heads, "
-            f"q_len, kv_len] = {list(target)}; got {type(bias).__name__}"
-        )
-    if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"{where}: `bias` must have a floating dtype; got dtype {bias.dtype}")
-    shape = tuple(bias.shape)
-    ok = len(shape) <= 4
-    if ok:
-        try:
-            ok = tuple(np.broadcast_shapes(shape, target)) == target
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"{where}: `bias` with shape {shape} does not broadcast to [batch, heads, q_len, "
-            f"kv_len] = {list(target)}"
-        )
-    return jnp.reshape(jnp.asarray(bias), (1,) * (4 - len(shape)) + shape)
 
 
 def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> Any:
@@ -535,7 +514,7 @@ def blocksparse_attention(
     tk = k.shape[1]
     layout = _check_layout(layout, tq, tk, n, where)
     mask = _check_mask(mask, layout, b, where)
-    bias = _check_bias(bias, (b, n, tq, tk), where)
+    bias = check_bias(bias, (b, n, tq, tk), where)
     normalizer = _check_normalizer(normalizer, n, where)
     scale = check_scale(scale, d, where)
     steps = _check_steps(query_blocks_per_step, where)
