@@ -12,6 +12,9 @@ import numpy as np
 
 from sparse_jax.sparsemax import entmax, entmax15, sparsemax
 
+#: Normalizer names accepted by ``normalizer=`` (besides an α, a float > 1 or an array).
+NORMALIZERS = ("softmax", "sparsemax", "entmax15")
+
 
 def masked_softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
     """Softmax over the last axis restricted to ``allowed``; rows with nothing allowed give 0.
@@ -92,3 +95,46 @@ def check_bias(bias: Any, target: tuple[int, int, int, int], where: str) -> Any:
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"{where}: `bias` must have a floating dtype; got dtype {bias.dtype}")
     return as_4d_broadcastable(bias, "bias", target, where)
+
+
+def check_normalizer(normalizer: Any, num_heads: int, where: str) -> Any:
+    """A name of NORMALIZERS, a python float α > 1, or a float array α of shape [] or [N]."""
+    allowed = (
+        f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
+        f"[heads] = [{num_heads}] (one α per query head)"
+    )
+    if isinstance(normalizer, str):
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"{where}: unknown `normalizer`={normalizer!r}; allowed: {allowed}")
+        return normalizer
+    if isinstance(normalizer, (bool, np.bool_)):
+        raise TypeError(f"{where}: `normalizer` must be {allowed}; got {normalizer!r}")
+    if isinstance(normalizer, numbers.Real):
+        alpha = float(normalizer)
+        if not alpha > 1.0:
+            raise ValueError(
+                f"{where}: `normalizer` α must be > 1 (α -> 1 is softmax: pass "
+                f'normalizer="softmax"); got {alpha}'
+            )
+        return alpha
+    if isinstance(normalizer, (jax.Array, np.ndarray)):
+        if not jnp.issubdtype(normalizer.dtype, jnp.floating):
+            raise TypeError(
+                f"{where}: an array `normalizer` (α) must have a floating dtype; got dtype "
+                f"{normalizer.dtype}"
+            )
+        shape = tuple(normalizer.shape)
+        if shape not in ((), (1,), (num_heads,)):
+            raise ValueError(
+                f"{where}: an array `normalizer` (α) must have shape [], [1] or [heads] = "
+                f"[{num_heads}] (one α per query head); got shape {list(shape)}"
+            )
+        if not isinstance(normalizer, jax.core.Tracer):
+            values = np.asarray(normalizer)
+            if not (values > 1.0).all():
+                raise ValueError(
+                    f"{where}: every α of `normalizer` must be > 1; got {values.tolist()!r:.200} "
+                    "(parametrise a learned α as 1 + softplus(θ))"
+                )
+        return jnp.asarray(normalizer)
+    raise TypeError(f"{where}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")

@@ -68,8 +68,10 @@ import numpy as np
 
 from sparse_jax import masks as masks_lib
 from sparse_jax._attention_common import (
+    NORMALIZERS,
     as_4d_broadcastable,
     check_bias,
+    check_normalizer,
     check_scale,
     normalize,
 )
@@ -87,8 +89,6 @@ __all__ = [
     "attention_impl",
 ]
 
-#: Normalizer names accepted by ``normalizer=`` (besides an α, a float > 1 or an array).
-NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 #: Values of ``impl=`` that run today.
 IMPLEMENTED_IMPLS = ("auto", "xla", "blocksparse")
 #: Values of ``impl=`` that are planned (they raise a ValueError saying so).
@@ -205,50 +205,6 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any
     )
 
 
-def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> str | float | jax.Array:
-    """Returns a name of NORMALIZERS, a python float α > 1 or a float array α of shape [N, 1]."""
-    allowed = (
-        f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
-        f"[heads] = [{num_heads}] (one α per query head)"
-    )
-    if isinstance(normalizer, str):
-        if normalizer not in NORMALIZERS:
-            raise ValueError(f"{where}: unknown `normalizer`={normalizer!r}; allowed: {allowed}")
-        return normalizer
-    if isinstance(normalizer, (bool, np.bool_)):
-        raise TypeError(f"{where}: `normalizer` must be {allowed}; got {normalizer!r}")
-    if isinstance(normalizer, numbers.Real):
-        alpha = float(normalizer)
-        if not alpha > 1.0:
-            raise ValueError(
-                f"{where}: `normalizer` α must be > 1 (α -> 1 is softmax: pass "
-                f'normalizer="softmax"); got {alpha}'
-            )
-        return alpha
-    if isinstance(normalizer, (jax.Array, np.ndarray)):
-        if not jnp.issubdtype(normalizer.dtype, jnp.floating):
-            raise TypeError(
-                f"{where}: an array `normalizer` (α) must have a floating dtype; got dtype "
-                f"{normalizer.dtype}"
-            )
-        shape = tuple(normalizer.shape)
-        if shape not in ((), (1,), (num_heads,)):
-            raise ValueError(
-                f"{where}: an array `normalizer` (α) must have shape [], [1] or [heads] = "
-                f"[{num_heads}] (one α per query head); got shape {list(shape)}"
-            )
-        if not isinstance(normalizer, jax.core.Tracer):
-            values = np.asarray(normalizer)
-            if not (values > 1.0).all():
-                raise ValueError(
-                    f"{where}: every α of `normalizer` must be > 1; got {values.tolist()!r:.200} "
-                    "(parametrise a learned α as 1 + softplus(θ))"
-                )
-        alpha = jnp.asarray(normalizer)
-        return jnp.reshape(alpha, (-1, 1)) if alpha.ndim else alpha
-    raise TypeError(f"{where}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
-
-
 def _check_impl(impl: Any, where: str) -> str:
     if isinstance(impl, str) and impl in IMPLEMENTED_IMPLS:
         return impl
@@ -290,7 +246,7 @@ class _Args(NamedTuple):
     mask_obj: Any  # sparse_jax.masks.Mask or None
     mask_arr: Any  # bool [b', n', tq', tk'] broadcastable to [B, N, Tq, Tk], or None
     bias: Any  # float [b', n', tq', tk'] or None
-    normalizer: Any  # name, python float α, or float array α [N, 1] / []
+    normalizer: Any  # name, python float α, or float array α [N] / []
     scale: Any  # python float or float scalar array
     impl: str
     query_chunk: int
@@ -318,7 +274,7 @@ def _check_all(
     mask = _check_mask(mask, target, where)
     is_obj = isinstance(mask, masks_lib.Mask)
     bias = check_bias(bias, target, where)
-    normalizer = _check_normalizer(normalizer, n, where)
+    normalizer = check_normalizer(normalizer, n, where)
     scale = check_scale(scale, h, where)
     impl = _check_impl(impl, where)
     block_size = _check_block_size(block_size, where)
@@ -410,6 +366,8 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     num, size = _chunk_layout(tq, args.query_chunk)
     mask_obj, normalizer, scale = args.mask_obj, args.normalizer, args.scale
+    if not isinstance(normalizer, (str, float)) and normalizer.ndim:
+        normalizer = normalizer[:, None]  # one α per query head of the [B, N, C, Tk] scores
 
     def chunk(q_c, start, mask_c, bias_c):
         # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
@@ -597,16 +555,13 @@ def attention(
     )
     choice = _resolve_impl(args)
     if choice.impl == "blocksparse":
-        normalizer = args.normalizer  # the kernel takes an α array as [N], not [N, 1]
-        if not isinstance(normalizer, (str, float)) and normalizer.ndim == 2:
-            normalizer = normalizer[:, 0]
         return blocksparse_attention(
             args.q,
             args.k,
             args.v,
             _layout(args),
             mask=args.mask_obj,
-            normalizer=normalizer,
+            normalizer=args.normalizer,
             scale=args.scale,
             bias=args.bias,
             return_weights=bool(return_weights),
@@ -663,7 +618,7 @@ def attention_fn(
             f"per call by flax); got {type(mask).__name__}"
         )
     if isinstance(normalizer, (str, numbers.Real)):
-        _check_normalizer(normalizer, 1, where)
+        check_normalizer(normalizer, 1, where)
     if scale is not None:
         check_scale(scale, 1, where)
     _check_impl(impl, where)

@@ -68,7 +68,9 @@ import numpy as np
 
 from sparse_jax import masks as masks_lib
 from sparse_jax._attention_common import (
+    NORMALIZERS,
     check_bias,
+    check_normalizer,
     check_scale,
     normalize,
 )
@@ -82,8 +84,6 @@ __all__ = [
     "blocksparse_cost",
 ]
 
-#: Normalizer names accepted by ``normalizer=`` (besides an α: a float > 1 or an array).
-NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 #: With ``query_blocks_per_step=None``, a step takes as many query blocks as keep its scores
 #: ``[B, N, blocks, block_q, K * block_kv]`` within this many entries, by
 #: ``jax.default_backend()``: 2 MiB of float32 on CPU (measured: cache-sized steps run fastest),
@@ -179,46 +179,6 @@ def _check_mask(mask: Any, layout: BlockLayout, b: int, where: str) -> Any:
             f"num_heads={layout.num_heads}; pass the mask the layout was built from"
         )
     return mask
-
-
-def _check_normalizer(normalizer: Any, num_heads: int, where: str) -> Any:
-    """A name of NORMALIZERS, a python float α > 1, or a float array α of shape [] or [N]."""
-    allowed = (
-        f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
-        f"[heads] = [{num_heads}]"
-    )
-    if isinstance(normalizer, str):
-        if normalizer not in NORMALIZERS:
-            raise ValueError(f"{where}: unknown `normalizer`={normalizer!r}; allowed: {allowed}")
-        return normalizer
-    if isinstance(normalizer, (bool, np.bool_)):
-        raise TypeError(f"{where}: `normalizer` must be {allowed}; got {normalizer!r}")
-    if isinstance(normalizer, numbers.Real):
-        if not float(normalizer) > 1.0:
-            raise ValueError(
-                f"{where}: `normalizer` α must be > 1 (α -> 1 is softmax: pass "
-                f'normalizer="softmax"); got {normalizer}'
-            )
-        return float(normalizer)
-    if isinstance(normalizer, (jax.Array, np.ndarray)):
-        if not jnp.issubdtype(normalizer.dtype, jnp.floating):
-            raise TypeError(
-                f"{where}: an array `normalizer` (α) must have a floating dtype; got "
-                f"{normalizer.dtype}"
-            )
-        if tuple(normalizer.shape) not in ((), (1,), (num_heads,)):
-            raise ValueError(
-                f"{where}: an array `normalizer` (α) must have shape [], [1] or [heads] = "
-                f"[{num_heads}]; got shape {list(normalizer.shape)}"
-            )
-        if not isinstance(normalizer, jax.core.Tracer):
-            values = np.asarray(normalizer)
-            if not (values > 1.0).all():
-                raise ValueError(
-                    f"{where}: every α of `normalizer` must be > 1; got {values.tolist()!r:.200}"
-                )
-        return jnp.asarray(normalizer)
-    raise TypeError(f"{where}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
 
 
 def _check_steps(value: Any, where: str) -> int | None:
@@ -515,7 +475,7 @@ def blocksparse_attention(
     layout = _check_layout(layout, tq, tk, n, where)
     mask = _check_mask(mask, layout, b, where)
     bias = check_bias(bias, (b, n, tq, tk), where)
-    normalizer = _check_normalizer(normalizer, n, where)
+    normalizer = check_normalizer(normalizer, n, where)
     scale = check_scale(scale, d, where)
     steps = _check_steps(query_blocks_per_step, where)
     if not isinstance(return_weights, (bool, np.bool_)):
