@@ -10,6 +10,7 @@ The functional API is re-exported here::
 from sparse_jax import masks
 from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.blocksparse import BlockSparseCost, blocksparse_attention, blocksparse_cost
+from sparse_jax.fused import cudnn_attention, splash_attention
 from sparse_jax.sparsemax import (
     entmax,
     entmax15,
@@ -27,6 +28,7 @@ __all__ = [
     "attention_impl",
     "blocksparse_attention",
     "blocksparse_cost",
+    "cudnn_attention",
     "entmax",
     "entmax15",
     "entmax15_loss",
@@ -34,6 +36,7 @@ __all__ = [
     "masks",
     "sparsemax",
     "sparsemax_loss",
+    "splash_attention",
 ]
 
 __version__ = "0.1.0"

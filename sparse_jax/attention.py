@@ -34,14 +34,19 @@ Implementations and dispatch
 * ``"blocksparse"``: :func:`sparse_jax.blocksparse.blocksparse_attention` driven by
   ``mask.blocks(Tq, Tk, *block_size)`` (:class:`sparse_jax.masks.BlockLayout`): it gathers the
   key blocks each query block keeps and normalizes over that compact row, so work and memory
-  follow the kept blocks. Needs a :class:`~sparse_jax.masks.Mask`. ``"auto"`` takes it when
-  the kernel would form at most ``BLOCKSPARSE_MAX_FRACTION`` (50%) of the dense score
-  entries (``blocksparse_cost``; every query block computes as many key blocks as the widest
-  one, so a plain causal mask gains nothing and stays on ``"xla"``), and says so in
-  :func:`attention_impl`'s reason.
-* ``"splash"`` (TPU splash attention, softmax only) and ``"cudnn"`` (``jax.nn``'s cuDNN
-  flash attention, softmax only) are planned; today they raise a ``ValueError`` that lists the
-  implemented choices, as does any unknown name.
+  follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
+* ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
+  only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
+  mode (slow: for tests).
+* ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on NVIDIA GPUs
+  (:func:`sparse_jax.fused.cudnn_attention`), softmax only, float16/bfloat16, masks
+  ``causal()``, ``local(l, r)``, ``causal() & local(l, r)`` or none.
+* ``"auto"`` takes ``"splash"`` on TPU and ``"cudnn"`` on GPU when the call is one they
+  compute (softmax, no bias, no array mask, no ``return_weights``, a mask they express, their
+  dtypes); otherwise ``"blocksparse"`` when the kernel would form at most
+  ``BLOCKSPARSE_MAX_FRACTION`` of the dense score entries (``blocksparse_cost``), else
+  ``"xla"``. :func:`attention_impl` says which and why. Asking a softmax-only kernel for
+  anything else raises a ``ValueError`` that names the obstacle and what would work.
 
 Numerics: scores, the normalizer and the accumulation of ``p @ v`` are in float32 (float64
 stays float64); like ``jax.nn.dot_product_attention``, ``p`` is cast to ``v``'s dtype for the
@@ -76,23 +81,21 @@ from sparse_jax._attention_common import (
     normalize,
 )
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
+from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
 
 __all__ = [
     "BLOCKSPARSE_MAX_FRACTION",
     "CHUNK_SCORES",
-    "IMPLEMENTED_IMPLS",
+    "IMPLS",
     "NORMALIZERS",
-    "PLANNED_IMPLS",
     "ImplChoice",
     "attention",
     "attention_fn",
     "attention_impl",
 ]
 
-#: Values of ``impl=`` that run today.
-IMPLEMENTED_IMPLS = ("auto", "xla", "blocksparse")
-#: Values of ``impl=`` that are planned (they raise a ValueError saying so).
-PLANNED_IMPLS = ("splash", "cudnn")
+#: Values of ``impl=``.
+IMPLS = ("auto", "xla", "blocksparse", "splash", "cudnn")
 #: With ``query_chunk=None``, ``impl="xla"`` takes as many query rows per chunk as keep one
 #: chunk's scores ``[B, N, chunk, Tk]`` within this many elements (16 MiB in float32), and at
 #: least 8 rows.
@@ -206,18 +209,32 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any
 
 
 def _check_impl(impl: Any, where: str) -> str:
-    if isinstance(impl, str) and impl in IMPLEMENTED_IMPLS:
+    if isinstance(impl, str) and impl in IMPLS:
         return impl
-    implemented = ", ".join(repr(i) for i in IMPLEMENTED_IMPLS)
-    if isinstance(impl, str) and impl in PLANNED_IMPLS:
+    raise ValueError(f"{where}: unknown `impl`={impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
+
+
+def _fused_problems(normalizer: Any, bias: Any, mask_arr: Any, return_weights: bool) -> list:
+    """What the softmax-only fused kernels (splash, cudnn) cannot take."""
+    problems = []
+    if not (isinstance(normalizer, str) and normalizer == "softmax"):
+        problems.append(f"normalizer={normalizer!r} (they compute softmax only)")
+    if bias is not None:
+        problems.append("a `bias`")
+    if mask_arr is not None:
+        problems.append("a bool-array `mask` (describe it with sparse_jax.masks)")
+    if return_weights:
+        problems.append("return_weights=True")
+    return problems
+
+
+def _check_fused(impl, normalizer, bias, mask_arr, return_weights, where) -> None:
+    problems = _fused_problems(normalizer, bias, mask_arr, return_weights)
+    if problems:
         raise ValueError(
-            f"{where}: `impl`={impl!r} is planned but not implemented yet (see the 'attention' "
-            f"issue); implemented: {implemented}"
+            f"{where}: impl={impl!r} does not take {'; '.join(problems)}. Use "
+            "impl='blocksparse' (every normalizer, Mask patterns) or impl='xla'"
         )
-    planned = ", ".join(repr(i) for i in PLANNED_IMPLS)
-    raise ValueError(
-        f"{where}: unknown `impl`={impl!r}; implemented: {implemented}; planned: {planned}"
-    )
 
 
 def _check_positive_int(value: Any, name: str, where: str) -> int:
@@ -251,6 +268,7 @@ class _Args(NamedTuple):
     impl: str
     query_chunk: int
     block_size: tuple[int, int]
+    return_weights: bool
 
 
 def _check_all(
@@ -290,6 +308,10 @@ def _check_all(
     query_chunk = _check_positive_int(query_chunk, "query_chunk", where)
     if not isinstance(return_weights, (bool, np.bool_)):
         raise TypeError(f"{where}: `return_weights` must be a bool; got {return_weights!r}")
+    if impl in ("splash", "cudnn"):
+        _check_fused(impl, normalizer, bias, None if is_obj else mask, return_weights, where)
+        if impl == "cudnn" and is_obj:
+            cudnn_mask_arguments(mask)  # raises for masks cuDNN cannot express
     return _Args(
         q,
         k,
@@ -302,6 +324,7 @@ def _check_all(
         impl,
         query_chunk,
         block_size,
+        bool(return_weights),
     )
 
 
@@ -317,11 +340,27 @@ def _layout(args: _Args) -> masks_lib.BlockLayout:
 def _resolve_impl(args: _Args) -> ImplChoice:
     if args.impl != "auto":
         return ImplChoice(args.impl, f"impl={args.impl!r} was requested explicitly")
-    if args.mask_obj is None:
+    backend = jax.default_backend()
+    mask = args.mask_obj
+    fused_ok = not _fused_problems(
+        args.normalizer, args.bias, args.mask_arr, args.return_weights
+    ) and (mask is None or not mask.is_dynamic)
+    same_dims = args.q.shape[3] == args.v.shape[3]
+    if backend == "tpu" and fused_ok and same_dims and args.q.dtype in (jnp.float32, jnp.bfloat16):
+        return ImplChoice("splash", "impl='auto': softmax with a static mask on TPU: splash")
+    if backend == "gpu" and fused_ok and same_dims and args.q.dtype in (jnp.float16, jnp.bfloat16):
+        try:
+            cudnn_mask_arguments(mask)
+            return ImplChoice(
+                "cudnn", "impl='auto': half-precision softmax with a causal/local mask on GPU"
+            )
+        except ValueError:
+            pass
+    if mask is None:
         return ImplChoice(
             "xla",
             "impl='auto': no sparse_jax.masks.Mask, so no block structure to exploit: 'xla' "
-            f"(query-chunked dense); planned: {', '.join(PLANNED_IMPLS)}",
+            "(query-chunked dense)",
         )
     b, _, n, h = args.q.shape
     cost = blocksparse_cost(_layout(args), batch=b, num_heads=n, head_dim=h)
@@ -507,11 +546,10 @@ def attention(
         of shape ``[]`` or ``[N]`` (one α per *query* head). An array α is differentiable:
         parametrise a learned α as ``1 + softplus(θ)`` (a traced α cannot be checked).
       scale: multiplier of ``q·k``; default ``H ** -0.5``. A scalar float array is accepted.
-      impl: ``"auto"`` (``"blocksparse"`` for a Mask that leaves at least half of the dense
-        score entries out, else ``"xla"``; :func:`attention_impl` tells which and why),
-        ``"xla"`` or ``"blocksparse"``. ``"splash"`` and ``"cudnn"`` are planned and raise
-        ``ValueError``.
-      block_size: ``(block_q, block_kv)`` of the block-sparse kernel; unused by ``"xla"``.
+      impl: ``"auto"``, ``"xla"``, ``"blocksparse"``, ``"splash"`` or ``"cudnn"`` (see the
+        module docstring; :func:`attention_impl` tells which ``"auto"`` takes and why).
+      block_size: ``(block_q, block_kv)`` of the block-sparse and splash kernels; unused by
+        ``"xla"`` and ``"cudnn"``.
       return_weights: also return the attention weights. This materialises a
         ``[B, N, Tq, Tk]`` array: O(Tq·Tk) memory, which the chunking otherwise avoids.
       query_chunk: the most query rows ``"xla"`` processes at once; peak memory is about
@@ -554,6 +592,17 @@ def attention(
         _NAME,
     )
     choice = _resolve_impl(args)
+    if choice.impl == "splash":
+        return splash_attention(
+            args.q,
+            args.k,
+            args.v,
+            mask=args.mask_obj,
+            scale=args.scale,
+            block_size=args.block_size,
+        )
+    if choice.impl == "cudnn":
+        return cudnn_attention(args.q, args.k, args.v, mask=args.mask_obj, scale=args.scale)
     if choice.impl == "blocksparse":
         return blocksparse_attention(
             args.q,
@@ -622,6 +671,8 @@ def attention_fn(
     if scale is not None:
         check_scale(scale, 1, where)
     _check_impl(impl, where)
+    if impl in ("splash", "cudnn"):
+        _check_fused(impl, normalizer, None, None, False, where)
     _check_block_size(block_size, where)
     if query_chunk is not None:
         _check_positive_int(query_chunk, "query_chunk", where)

@@ -14,7 +14,7 @@ import pytest
 
 import sparse_jax as sj
 from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
-from sparse_jax.masks import causal, from_array, local, padding, per_head, sink
+from sparse_jax.masks import causal, from_array, local, padding, per_head, sink, strided
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
 
@@ -447,9 +447,23 @@ _K = jnp.zeros((2, 6, 2, 8))
         ({"normalizer": jnp.array([1.5, 0.9, 2.0, 2.0])}, ValueError, r"every α .* > 1"),
         ({"normalizer": jnp.ones((2,)) * 1.5}, ValueError, r"shape \[\], \[1\] or \[heads\]"),
         ({"normalizer": jnp.array([2, 2, 2, 2])}, TypeError, r"floating dtype"),
-        ({"impl": "splash"}, ValueError, r"'splash' is planned .*'auto', 'xla', 'blocksparse'"),
+        (
+            {"impl": "splash", "normalizer": "sparsemax"},
+            ValueError,
+            r"impl='splash' does not take normalizer='sparsemax'.*impl='blocksparse'",
+        ),
+        (
+            {"impl": "cudnn", "bias": jnp.zeros((5, 6)), "return_weights": True},
+            ValueError,
+            r"impl='cudnn' does not take a `bias`; return_weights=True",
+        ),
+        (
+            {"impl": "cudnn", "mask": strided(2)},
+            ValueError,
+            r"cuDNN kernel takes full\(\), causal\(\), local",
+        ),
         ({"impl": "blocksparse"}, ValueError, r"'blocksparse' needs `mask` to be a .*Mask"),
-        ({"impl": "flash"}, ValueError, r"unknown `impl`='flash'.*planned"),
+        ({"impl": "flash"}, ValueError, r"unknown `impl`='flash'.*'splash', 'cudnn'"),
         ({"block_size": 128}, TypeError, r"`block_size` must be a pair"),
         ({"block_size": (128, 0)}, ValueError, r"block_size\[1\]"),
         ({"query_chunk": 0}, ValueError, r"`query_chunk` must be an int >= 1"),
@@ -475,8 +489,8 @@ def test_adapter_bad_arguments():
         attention_fn("soft")
     with pytest.raises(TypeError, match=r"must be None or a sparse_jax\.masks\.Mask"):
         attention_fn(mask=jnp.ones((3, 3), bool))
-    with pytest.raises(ValueError, match="planned"):
-        attention_fn(impl="splash")
+    with pytest.raises(ValueError, match=r"impl='splash' does not take normalizer=1\.5"):
+        attention_fn(1.5, impl="splash")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,333 @@
+"""Softmax attention through the fused kernels of the accelerators: TPU splash and GPU cuDNN.
+
+Both kernels compute softmax attention only (sparsemax and entmax need the threshold pass of
+:mod:`sparse_jax.blocksparse`), in :func:`sparse_jax.attention`'s layout
+(``[batch, seq, heads, head_dim]``) and with its conventions: ``scale`` defaults to
+``head_dim ** -0.5``, grouped-query attention when the key heads divide the query heads, and
+a query row with no allowed key gives output 0 (the kernels themselves would average the
+values there; the rows are found from the mask's block layout at trace time and zeroed).
+
+* :func:`splash_attention`: ``jax.experimental.pallas.ops.tpu.splash_attention``. The
+  :class:`~sparse_jax.masks.Mask` becomes a splash ``MultiHeadMask`` (``Mask.to_splash``),
+  which the kernel turns into block metadata so that empty blocks are skipped, on TPU.
+  Elsewhere it runs the same kernel in Pallas *interpret mode* (``interpret=None`` picks it off
+  TPU): slow, for tests. Lengths that are not multiples of the blocks are padded internally
+  and the padded keys excluded with splash ``SegmentIds``. Grouped-query attention repeats the
+  key/value heads (the per-head mask may differ between the query heads of a group). The
+  kernel object is built once per (mask, lengths, heads, blocks) and cached.
+* :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA
+  GPUs, float16/bfloat16). cuDNN takes its masks as arguments, not arrays: ``full()``,
+  ``causal()``, ``local(left, right)`` and ``causal() & local(left, right)`` (without
+  offsets) are translated (:func:`cudnn_mask_arguments`); any other mask raises a
+  ``ValueError`` that says which masks work.
+
+Example:
+  >>> from sparse_jax.masks import causal, local
+  >>> q = k = v = jnp.ones((1, 16, 2, 8))  # [batch, seq, heads, head_dim]
+  >>> splash_attention(q, k, v, mask=causal() & local(4, 0)).shape
+  (1, 16, 2, 8)
+  >>> cudnn_mask_arguments(causal() & local(4, 0))
+  {'is_causal': True, 'local_window_size': (4, 0)}
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax import masks as masks_lib
+from sparse_jax._attention_common import check_scale
+
+__all__ = ["cudnn_attention", "cudnn_mask_arguments", "splash_attention"]
+
+
+def _check_qkv(q: Any, k: Any, v: Any, where: str, dtypes: tuple[Any, ...]) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{where}: `{name}` must be an array [batch, seq, heads, head_dim]; got "
+                f"{type(x).__name__}"
+            )
+        if x.ndim != 4 or 0 in x.shape:
+            raise ValueError(
+                f"{where}: `{name}` must have rank 4 [batch, seq, heads, head_dim] and no empty "
+                f"axis; got shape {tuple(x.shape)}"
+            )
+        if x.dtype not in dtypes:
+            allowed = ", ".join(str(np.dtype(d)) for d in dtypes)
+            raise TypeError(f"{where}: `{name}` has dtype {x.dtype}; the kernel takes {allowed}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"{where}: `q`, `k` and `v` must have the same dtype; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype}"
+        )
+    (b, _, n, h), (bk, tk, kh, hk), (bv, tv, vh, hv) = q.shape, k.shape, v.shape
+    if not b == bk == bv or tk != tv or kh != vh or not h == hk == hv:
+        raise ValueError(
+            f"{where}: `q`, `k`, `v` must share the batch size and head_dim, and `k`, `v` the "
+            f"sequence length and number of heads; got q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if n % kh:
+        raise ValueError(
+            f"{where}: the number of key/value heads ({kh}, axis 2 of k) must divide the number "
+            f"of query heads ({n}, axis 2 of q); got q {q.shape}, k {k.shape}"
+        )
+
+
+def _check_static_mask(mask: Any, n: int, where: str) -> masks_lib.Mask:
+    if mask is None:
+        return masks_lib.full()
+    if not isinstance(mask, masks_lib.Mask):
+        raise TypeError(
+            f"{where}: `mask` must be None or a sparse_jax.masks.Mask (the kernel needs the "
+            f"pattern at trace time, not an array); got {type(mask).__name__}"
+        )
+    if mask.is_dynamic:
+        raise ValueError(
+            f"{where}: run-time `padding` masks are not supported by this kernel; use "
+            "impl='blocksparse' or impl='xla'"
+        )
+    if mask.num_heads is not None and mask.num_heads != n:
+        raise ValueError(
+            f"{where}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} query "
+            "heads"
+        )
+    return mask
+
+
+def _rows_with_keys(layout: masks_lib.BlockLayout) -> np.ndarray:
+    """bool ``[H, q_len]``: which query rows of the layout allow at least one key."""
+    h, nq, _ = layout.kv_block_indices.shape
+    rows = np.zeros((h, nq, layout.block_q), bool)
+    valid = layout.kv_block_indices != masks_lib.SENTINEL
+    rows |= (valid & layout.block_is_full).any(axis=2)[..., None]
+    partial = valid & ~layout.block_is_full
+    if partial.any():
+        row_any = layout.partial_masks.any(axis=2)  # [n_unique, bq]
+        hh, rr, ss = np.nonzero(partial)
+        np.logical_or.at(rows, (hh, rr), row_any[layout.partial_mask_index[hh, rr, ss]])
+    return rows.reshape(h, nq * layout.block_q)[:, : layout.q_len]
+
+
+def _zero_empty_rows(out: jax.Array, mask: masks_lib.Mask, tq: int, tk: int) -> jax.Array:
+    """``out [B, Tq, N, D]`` with rows that allow no key set to 0 (none: ``out`` unchanged)."""
+    live = _rows_with_keys(mask.blocks(tq, tk, min(tq, 128), min(tk, 128)))  # [H, Tq]
+    if live.all():
+        return out
+    return jnp.where(jnp.asarray(live.T)[None, :, :, None], out, jnp.zeros((), out.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU splash attention.
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(mask, tq: int, tk: int, n: int, bq: int, bk: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    sizes = sa.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
+    splash_mask = mask.to_splash(tq, tk, num_heads=n)
+    kernel = sa.make_splash_mha(
+        splash_mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+    )
+    return kernel, sa.SegmentIds
+
+
+def _check_blocks(block_size: Any, where: str) -> tuple[int, int]:
+    ok = isinstance(block_size, (tuple, list)) and len(block_size) == 2
+    ok = ok and all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 and x % 128 == 0
+        for x in block_size
+    )
+    if not ok:
+        raise ValueError(
+            f"{where}: `block_size` must be a pair of positive multiples of 128 (block_q, "
+            f"block_kv), the kernel's lane width; got {block_size!r}"
+        )
+    return int(block_size[0]), int(block_size[1])
+
+
+def splash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: masks_lib.Mask | None = None,
+    scale: float | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Softmax attention through the TPU splash kernel (interpret mode off TPU).
+
+    Args:
+      q: ``[B, Tq, N, H]`` float32 or bfloat16 queries.
+      k: ``[B, Tk, Kh, H]`` keys (``Kh`` divides ``N``), same dtype.
+      v: ``[B, Tk, Kh, H]`` values (splash needs v's head_dim equal to q's).
+      mask: a static :class:`~sparse_jax.masks.Mask` (None: full attention). Per-head masks
+        need ``N`` heads; run-time ``padding`` masks are refused.
+      scale: multiplier of ``q·k`` (applied to ``q``); default ``H ** -0.5``.
+      block_size: ``(block_q, block_kv)`` of the kernel, multiples of 128 (the lengths are
+        padded to multiples of them).
+      interpret: run the Pallas kernel in interpret mode; None: only when the default backend
+        is not TPU.
+
+    Returns:
+      ``[B, Tq, N, H]`` in ``q``'s dtype.
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> q = k = v = jnp.ones((2, 12, 4, 8))
+      >>> splash_attention(q, k, v, mask=causal()).shape
+      (2, 12, 4, 8)
+    """
+    where = "splash_attention"
+    _check_qkv(q, k, v, where, (jnp.float32, jnp.bfloat16))
+    _, tq, n, h = q.shape
+    tk, kh = k.shape[1], k.shape[2]
+    mask = _check_static_mask(mask, n, where)
+    scale = check_scale(scale, h, where)
+    bq, bk = _check_blocks(block_size, where)
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    tq_p, tk_p = -(-tq // bq) * bq, -(-tk // bk) * bk
+    if mask.shape is not None and (tq_p, tk_p) != (tq, tk):
+        raise ValueError(
+            f"{where}: a from_array mask cannot be padded to the blocks: lengths ({tq}, {tk}) "
+            f"must be multiples of `block_size`={block_size}"
+        )
+    kernel, segment_ids = _splash_kernel(mask, tq_p, tk_p, n, bq, bk, bool(interpret))
+
+    def heads_first(x, t_p):  # [B, T, heads, H] -> [B, N, T_p, H]
+        x = jnp.pad(x, ((0, 0), (0, t_p - x.shape[1]), (0, 0), (0, 0)))
+        if x.shape[2] != n:
+            x = jnp.repeat(x, n // kh, axis=2)
+        return jnp.transpose(x, (0, 2, 1, 3))
+
+    qs = heads_first(q * jnp.asarray(scale, q.dtype), tq_p)
+    ks, vs = heads_first(k, tk_p), heads_first(v, tk_p)
+    if tk_p != tk:  # padded keys form their own segment, which no query belongs to
+        segs = segment_ids(
+            q=jnp.zeros(tq_p, jnp.int32), kv=(jnp.arange(tk_p) >= tk).astype(jnp.int32)
+        )
+        out = jax.vmap(lambda a, c, d: kernel(a, c, d, segment_ids=segs))(qs, ks, vs)
+    else:
+        out = jax.vmap(kernel)(qs, ks, vs)
+    out = jnp.transpose(out, (0, 2, 1, 3))[:, :tq].astype(q.dtype)
+    return _zero_empty_rows(out, mask, tq, tk)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU cuDNN flash attention.
+
+
+def cudnn_mask_arguments(mask: masks_lib.Mask | None) -> dict[str, Any]:
+    """The ``jax.nn.dot_product_attention`` arguments that express ``mask``.
+
+    ``full()`` and None give ``{}``, ``causal()`` gives ``is_causal=True``, ``local(l, r)``
+    gives ``local_window_size=(l, r)`` (an unbounded side as the longest possible window is not
+    expressible: both sides must be ints), and ``causal() & local(l, r)`` both.
+
+    Raises:
+      ValueError: for any other mask (or one with an offset), naming what is supported.
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> cudnn_mask_arguments(causal())
+      {'is_causal': True}
+    """
+    if mask is None or isinstance(mask, masks_lib.Full):
+        return {}
+    parts = [mask.left, mask.right] if isinstance(mask, masks_lib.And) else [mask]
+    out: dict[str, Any] = {}
+    for part in parts:
+        if isinstance(part, masks_lib.Causal) and "is_causal" not in out:
+            out["is_causal"] = True
+        elif (
+            isinstance(part, masks_lib.Local)
+            and "local_window_size" not in out
+            and part.left is not None
+            and part.right is not None
+        ):
+            out["local_window_size"] = (part.left, part.right)
+        else:
+            raise ValueError(
+                f"cudnn_attention: the cuDNN kernel takes full(), causal(), local(left, right) "
+                f"or causal() & local(left, right) without offsets; got `mask`={mask!r}. Use "
+                "impl='blocksparse' or impl='xla' for other masks"
+            )
+    return out
+
+
+def cudnn_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mask: masks_lib.Mask | None = None,
+    scale: float | None = None,
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """Softmax attention through ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+    Args:
+      q: ``[B, Tq, N, H]`` float16 or bfloat16 queries (cuDNN's requirement).
+      k, v: ``[B, Tk, Kh, H]`` (``Kh`` divides ``N``), same dtype.
+      mask: None, ``full()``, ``causal()``, ``local(l, r)`` or ``causal() & local(l, r)``
+        (see :func:`cudnn_mask_arguments`).
+      scale: multiplier of ``q·k``; default ``H ** -0.5``.
+      implementation: ``"cudnn"`` (needs an NVIDIA GPU), or ``"xla"`` to run the same call
+        through XLA (how the mask translation is tested without a GPU).
+
+    Returns:
+      ``[B, Tq, N, H]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: for a mask cuDNN cannot express, or ``implementation="cudnn"`` when the
+        default backend is not a GPU.
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> q = k = v = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+      >>> cudnn_attention(q, k, v, mask=causal(), implementation="xla").shape
+      (1, 4, 2, 8)
+    """
+    where = "cudnn_attention"
+    if implementation not in ("cudnn", "xla"):
+        raise ValueError(
+            f"{where}: `implementation` must be 'cudnn' or 'xla'; got {implementation!r}"
+        )
+    _check_qkv(q, k, v, where, (jnp.float16, jnp.bfloat16))
+    _, tq, n, h = q.shape
+    if isinstance(mask, masks_lib.Mask):
+        _check_static_mask(mask, n, where)
+    elif mask is not None:
+        raise TypeError(f"{where}: `mask` must be None or a sparse_jax.masks.Mask; got {mask!r}")
+    kwargs = cudnn_mask_arguments(mask)
+    scale = check_scale(scale, h, where)
+    if implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ValueError(
+            f"{where}: implementation='cudnn' needs an NVIDIA GPU; the default backend is "
+            f"{jax.default_backend()!r} (use impl='xla' or 'blocksparse' there)"
+        )
+    if not isinstance(scale, float):  # a scalar array: jax.nn takes a python float
+        q, scale = q * scale.astype(q.dtype), 1.0
+    out = jax.nn.dot_product_attention(
+        q, k, v, scale=scale, implementation=implementation, **kwargs
+    )
+    if mask is None:
+        return out
+    return _zero_empty_rows(out, mask, tq, k.shape[1])

@@ -1,0 +1,170 @@
+"""The fused softmax kernels: TPU splash (interpret mode here) and GPU cuDNN (mask translation
+checked through XLA; the cuDNN run itself only on a GPU)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax.attention import attention, attention_impl
+from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
+from sparse_jax.masks import causal, chunked, full, local, per_head, sink, strided
+
+
+def _qkv(b, tq, tk, n, kh, d, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, tq, n, d), dtype)
+    k = jax.random.normal(keys[1], (b, tk, kh, d), dtype)
+    v = jax.random.normal(keys[2], (b, tk, kh, d), dtype)
+    return q, k, v
+
+
+SPLASH_CASES = {
+    "causal": (causal(), 1, 256, 256, 2, 2),
+    "window+sinks, padded lengths, GQA": ((causal() & local(40, 0)) | sink(4), 2, 200, 200, 4, 2),
+    "per-head, cross lengths": (per_head([causal(), chunked(64) & causal()]), 1, 128, 256, 2, 1),
+    "full": (None, 1, 128, 130, 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLASH_CASES))
+def test_splash_matches_xla_values_and_gradients(name):
+    mask, b, tq, tk, n, kh = SPLASH_CASES[name]
+    q, k, v = _qkv(b, tq, tk, n, kh, 16)
+    cot = jax.random.normal(jax.random.key(9), (b, tq, n, 16))
+
+    def loss(impl):
+        def f(q, k, v):
+            return jnp.sum(attention(q, k, v, mask=mask, impl=impl) * cot)
+
+        return f
+
+    np.testing.assert_allclose(
+        attention(q, k, v, mask=mask, impl="splash"),
+        attention(q, k, v, mask=mask, impl="xla"),
+        atol=1e-5,
+    )
+    got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_splash_fully_masked_rows_are_zero():
+    # Row 0 has no key: causal without the diagonal. The kernel would average the values.
+    mask = causal() & ~local(0, 0)
+    q, k, v = _qkv(1, 128, 128, 2, 2, 8)
+    out = splash_attention(q, k, v, mask=mask)
+    np.testing.assert_array_equal(out[:, 0], 0.0)
+    np.testing.assert_allclose(out, attention(q, k, v, mask=mask, impl="xla"), atol=1e-5)
+    grads = jax.grad(lambda q: splash_attention(q, k, v, mask=mask)[:, 0].sum())(q)
+    np.testing.assert_array_equal(grads, 0.0)
+
+
+def test_splash_bfloat16_and_scale():
+    q, k, v = _qkv(1, 128, 128, 2, 2, 8, jnp.bfloat16)
+    got = splash_attention(q, k, v, mask=causal(), scale=0.3)
+    want = attention(q, k, v, mask=causal(), scale=0.3, impl="xla")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"mask": jnp.ones((8, 8), bool)}, TypeError, r"`mask` must be None or a .*Mask"),
+        ({"block_size": (64, 128)}, ValueError, r"`block_size` must be a pair of positive mult"),
+        ({"mask": per_head([causal()] * 3)}, ValueError, r"per-head mask with 3 heads"),
+        ({"q": jnp.zeros((1, 8, 2, 4), jnp.float16)}, TypeError, r"`q` has dtype float16"),
+        ({"k": jnp.zeros((1, 8, 3, 4))}, ValueError, r"key/value heads \(3"),
+    ],
+)
+def test_splash_bad_arguments(kwargs, error, match):
+    args = {"q": jnp.zeros((1, 8, 2, 4)), "k": jnp.zeros((1, 8, 1, 4)), "v": None, **kwargs}
+    if args["v"] is None:
+        args["v"] = jnp.zeros(args["k"].shape, args["k"].dtype)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    if "q" in kwargs:
+        k = v = jnp.zeros((1, 8, 2, 4), jnp.float16)
+    with pytest.raises(error, match=match):
+        splash_attention(q, k, v, **args)
+
+
+# ----------------------------------------------------------------------------------------------
+# cuDNN.
+
+
+@pytest.mark.parametrize(
+    "mask, expected",
+    [
+        (None, {}),
+        (full(), {}),
+        (causal(), {"is_causal": True}),
+        (local(7, 2), {"local_window_size": (7, 2)}),
+        (local(7, 0) & causal(), {"is_causal": True, "local_window_size": (7, 0)}),
+    ],
+)
+def test_cudnn_mask_arguments(mask, expected):
+    assert cudnn_mask_arguments(mask) == expected
+
+
+@pytest.mark.parametrize(
+    "mask", [strided(4), causal().with_offset(3), local(None, 0), causal() | sink(2)]
+)
+def test_cudnn_refuses_masks_it_cannot_express(mask):
+    with pytest.raises(ValueError, match=r"takes full\(\), causal\(\), local"):
+        cudnn_mask_arguments(mask)
+
+
+@pytest.mark.parametrize("mask", [causal(), local(5, 3), causal() & local(5, 0)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_cudnn_arguments_mean_the_same_mask(mask, dtype):
+    """The translated arguments, run through jax.nn's XLA path, equal our masked reference."""
+    q, k, v = _qkv(2, 24, 24, 4, 2, 8, dtype)
+    got = cudnn_attention(q, k, v, mask=mask, implementation="xla")
+    want = attention(q, k, v, mask=mask, impl="xla")
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-2)
+
+
+def test_cudnn_needs_a_gpu_and_half_precision():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 8, jnp.bfloat16)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match=r"needs an NVIDIA GPU; the default backend is"):
+            attention(q, k, v, mask=causal(), impl="cudnn")
+    q32 = q.astype(jnp.float32)
+    with pytest.raises(TypeError, match=r"`q` has dtype float32; the kernel takes float16"):
+        cudnn_attention(q32, q32, q32, implementation="xla")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on NVIDIA GPUs only")
+def test_cudnn_on_gpu_matches_xla():
+    q, k, v = _qkv(2, 256, 256, 4, 2, 64, jnp.bfloat16)
+    for mask in (causal(), causal() & local(64, 0)):
+        got = attention(q, k, v, mask=mask, impl="cudnn")
+        want = attention(q, k, v, mask=mask, impl="xla")
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-2)
+    assert attention_impl(q, k, v, mask=causal()).impl == "cudnn"
+
+
+def test_auto_never_picks_a_fused_kernel_off_its_backend():
+    q, k, v = _qkv(1, 16, 16, 2, 2, 8, jnp.bfloat16)
+    backend = jax.default_backend()
+    impl = attention_impl(q, k, v, mask=causal()).impl
+    assert impl == {"tpu": "splash", "gpu": "cudnn"}.get(backend, impl)
+    if backend == "cpu":
+        assert impl in ("xla", "blocksparse")
+    # sparse normalizers never go to a softmax-only kernel
+    assert attention_impl(q, k, v, mask=causal(), normalizer="sparsemax").impl in (
+        "xla",
+        "blocksparse",
+    )
+
+
+def test_module_doctests():
+    module = importlib.import_module("sparse_jax.fused")
+    assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0
