@@ -7,9 +7,10 @@ The functional API is re-exported here::
     out = sj.attention(q, k, v, mask=sj.masks.causal(), normalizer="entmax15")
 """
 
-from sparse_jax import masks
+from sparse_jax import gates, masks
 from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.blocksparse import BlockSparseCost, blocksparse_attention, blocksparse_cost
+from sparse_jax.dynamic import topk_block_attention, topk_mask
 from sparse_jax.fused import cudnn_attention, splash_attention
 from sparse_jax.sparsemax import (
     entmax,
@@ -33,10 +34,13 @@ __all__ = [
     "entmax15",
     "entmax15_loss",
     "entmax_loss",
+    "gates",
     "masks",
     "sparsemax",
     "sparsemax_loss",
     "splash_attention",
+    "topk_block_attention",
+    "topk_mask",
 ]
 
 __version__ = "0.1.0"
