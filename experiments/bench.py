@@ -5,6 +5,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench normalizers
     python -m experiments.bench normalizers --which softmax projection_simplex --lengths 256 512
     python -m experiments.bench normalizers --help
+    python -m experiments.bench attention --lengths 1024 4096
 
 The default ``normalizers`` run takes about 8 minutes on a 2-core CPU, most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
@@ -350,6 +351,225 @@ def run_normalizers(config: NormalizersConfig, command: str) -> str:
         f"mask_mode={config.mask_mode}; projection_simplex = optax.projections."
         "projection_simplex vmapped over rows, masked scores set to row min - 1e4.",
         *notes,
+        f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
+    ]
+    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# attention: the block-sparse kernel against the dense (query-chunked XLA) reference
+# ----------------------------------------------------------------------------------------------
+
+MaskName = Literal["causal", "local", "local_sink", "strided"]
+_ALL_MASKS: tuple[MaskName, ...] = ("causal", "local", "local_sink", "strided")
+
+
+def _bench_mask(name: MaskName, n: int, window: int):
+    """The benchmark's masks (``window`` = the local window's left extent)."""
+    from sparse_jax import masks
+
+    if name == "causal":
+        return masks.causal(), "causal"
+    if name == "local":
+        return masks.causal() & masks.local(window, 0), f"causal & local({window}, 0)"
+    if name == "local_sink":
+        mask = (masks.causal() & masks.local(window, 0)) | masks.sink(4)
+        return mask, f"(causal & local({window}, 0)) | sink(4)"
+    stride = max(1, round(math.sqrt(n)))
+    return masks.strided(stride), f"strided({stride}) (causal)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Attention under masks: impl='blocksparse' against impl='xla' (the dense reference,
+    query-chunked), forward and forward+backward, per mask, length and normalizer."""
+
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
+    """Sequence lengths n (self-attention, q_len = kv_len = n)."""
+    masks: tuple[MaskName, ...] = _ALL_MASKS
+    """Masks: causal; local = causal & local(window, 0); local_sink = that | sink(4);
+    strided = the Sparse Transformer's strided(round(sqrt(n))), which is causal."""
+    normalizers: tuple[Literal["softmax", "sparsemax", "entmax15"], ...] = ("softmax", "sparsemax")
+    """Normalizers to time under each mask."""
+    window: int = 256
+    """Left extent of the local window (keys i - window ... i)."""
+    batch: int = 1
+    """Batch size."""
+    heads: int = 8
+    """Attention heads."""
+    head_dim: int = 64
+    """Head dimension of q, k, v."""
+    block: int = 128
+    """Block size (query and key) of the block-sparse kernel."""
+    dense_every_mask_up_to: int = 4096
+    """The dense reference does the same O(n^2) work under every mask; above this length it is
+    timed under the causal mask only, and other masks are compared with that."""
+    repeats: int = 5
+    """Timed calls per cell (median reported), after compilation and a warm-up call."""
+    slow_s: float = 10.0
+    """A cell whose warm-up call takes longer than this is timed by that one call."""
+    budget_s: float = 15.0
+    """Stop repeating a cell once its timed calls have used this many seconds."""
+    seed: int = 0
+    """Seed of the random inputs."""
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "head_dim", "block", "repeats", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths):
+            raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
+        if not self.masks or any(m not in _ALL_MASKS for m in self.masks):
+            raise ValueError(f"masks must be names from {_ALL_MASKS}, got {self.masks!r}")
+        if not self.normalizers:
+            raise ValueError("normalizers must name at least one normalizer, got ()")
+        for name in ("slow_s", "budget_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+
+def _attention_cells(config, q, k, v, go, mask, normalizer, impl) -> list[timing.TimingStats]:
+    """[fwd, fwd+bwd] timings of sparse_jax.attention with this mask/normalizer/impl."""
+    from sparse_jax.attention import attention
+
+    blocks = (config.block, config.block)
+
+    def fwd(q, k, v):
+        return attention(q, k, v, mask=mask, normalizer=normalizer, impl=impl, block_size=blocks)
+
+    def loss(q, k, v, g):
+        return jnp.sum(fwd(q, k, v) * g)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    limits = {"repeats": config.repeats, "slow_s": config.slow_s, "budget_s": config.budget_s}
+    return [timing.time_fn(fwd, q, k, v, **limits), timing.time_fn(grad, q, k, v, go, **limits)]
+
+
+@benchmark("attention", AttentionConfig)
+def run_attention(config: AttentionConfig, command: str) -> str:
+    """Returns the markdown of the attention benchmark (see AttentionConfig)."""
+    from sparse_jax.blocksparse import blocksparse_cost
+
+    b, h, d = config.batch, config.heads, config.head_dim
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    _log(header)
+    rows, findings = [], {"speed": [], "density": [], "normalizer": []}
+    for n in config.lengths:
+        keys = jax.random.split(jax.random.key(config.seed + n), 4)
+        q, k, v, go = (jax.random.normal(kk, (b, n, h, d), jnp.float32) for kk in keys)
+        for normalizer in config.normalizers:
+            dense_causal = None
+            bs_softmax: dict[str, float] = {}
+            for mask_name in config.masks:
+                mask, label = _bench_mask(mask_name, n, config.window)
+                layout = mask.blocks(n, n, config.block, config.block)
+                cost = blocksparse_cost(layout, batch=b, num_heads=h, head_dim=d)
+                if mask_name == "causal" or n <= config.dense_every_mask_up_to:
+                    dense = _attention_cells(config, q, k, v, go, mask, normalizer, "xla")
+                    dense_label = "xla"
+                    if mask_name == "causal":
+                        dense_causal = dense
+                if n > config.dense_every_mask_up_to and mask_name != "causal":
+                    if dense_causal is None:
+                        causal_mask, _ = _bench_mask("causal", n, config.window)
+                        dense_causal = _attention_cells(
+                            config, q, k, v, go, causal_mask, normalizer, "xla"
+                        )
+                    dense, dense_label = dense_causal, "xla (causal)"
+                sparse = _attention_cells(config, q, k, v, go, mask, normalizer, "blocksparse")
+                if dense_causal is None:  # masks listed without causal: time it for the ratio
+                    causal_mask, _ = _bench_mask("causal", n, config.window)
+                    dense_causal = _attention_cells(
+                        config, q, k, v, go, causal_mask, normalizer, "xla"
+                    )
+                density = layout.density
+                speedup = dense[1].median_s / sparse[1].median_s
+                mem = [cell.peak_bytes for cell in (dense[1], sparse[1])]
+                mem_ratio = None if None in mem else mem[1] / mem[0]
+                density_ratio = sparse[1].median_s / (density * dense_causal[1].median_s)
+                if normalizer == "softmax":
+                    bs_softmax[mask_name] = sparse[1].median_s
+                rows.append(
+                    [
+                        label,
+                        str(n),
+                        f"{density:.1%}",
+                        f"{cost.computed_scores / cost.dense_scores:.1%}",
+                        normalizer,
+                        dense_label,
+                        _fmt_ms(dense[0]),
+                        _fmt_ms(dense[1]),
+                        _fmt_ms(sparse[0]),
+                        _fmt_ms(sparse[1]),
+                        f"{speedup:.1f}x",
+                        "–" if mem[0] is None else f"{mem[0] / 2**20:.0f}",
+                        "–" if mem[1] is None else f"{mem[1] / 2**20:.0f}",
+                        f"{density_ratio:.2f}",
+                    ]
+                )
+                if mask_name == "local" and normalizer == "softmax" and n == 8192:
+                    ok = speedup >= 10 and mem_ratio is not None and mem_ratio <= 1 / 8
+                    findings["speed"].append(
+                        f"{'met' if ok else 'MISSED'}: {label} at n={n}, softmax: block-sparse "
+                        f"fwd+bwd {speedup:.1f}x faster than dense (target >= 10x), peak "
+                        f"memory {'?' if mem_ratio is None else f'{mem_ratio:.3f}'} of dense "
+                        "(target <= 0.125)"
+                    )
+                if density >= 0.05 and n >= 4096:
+                    findings["density"].append(
+                        f"{'met' if density_ratio <= 2 else 'MISSED'}: {label}, n={n}, "
+                        f"{normalizer}: density ratio {density_ratio:.2f} (target <= 2)"
+                    )
+                if normalizer != "softmax" and mask_name in bs_softmax:
+                    ratio = sparse[1].median_s / bs_softmax[mask_name]
+                    findings["normalizer"].append(
+                        f"{'met' if ratio <= 1.5 else 'MISSED'}: {label}, n={n}: {normalizer} "
+                        f"under the block-sparse kernel {ratio:.2f}x softmax's fwd+bwd "
+                        "(target <= 1.5x)"
+                    )
+                _log(
+                    f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {normalizer}: "
+                    f"{dense_label} {dense[1].median_ms:.0f} ms, blocksparse "
+                    f"{sparse[1].median_ms:.0f} ms (fwd+bwd)"
+                )
+    headers = [
+        "mask",
+        "n",
+        "density",
+        "computed",
+        "normalizer",
+        "dense",
+        "dense fwd ms",
+        "dense fwd+bwd ms",
+        "bs fwd ms",
+        "bs fwd+bwd ms",
+        "speed-up",
+        "dense MiB",
+        "bs MiB",
+        "density ratio",
+    ]
+    table = timing.markdown_table(headers, rows, align="lrrrll" + "r" * 8)
+    elapsed = time.perf_counter() - start
+    notes = [
+        f"q, k, v [{b}, n, {h}, {d}] float32; bs = impl='blocksparse' with blocks "
+        f"{config.block}x{config.block}; dense = impl='xla' (query-chunked dense reference) "
+        "under the same mask, or under the causal mask where it says 'xla (causal)' (same "
+        f"dense work; timed per mask only up to n={config.dense_every_mask_up_to}).",
+        "density = allowed fraction of the n x n scores; computed = score entries the "
+        "block-sparse kernel forms / n^2 (kept blocks, padded within row groups).",
+        "fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; speed-up = dense fwd+bwd / bs "
+        "fwd+bwd; MiB = XLA's compiled buffer assignment of fwd+bwd (arguments + outputs + "
+        "temporaries), not RSS; density ratio = bs fwd+bwd / (density x dense causal fwd+bwd).",
+        f"ms = median of up to {config.repeats} calls after compilation and a warm-up call; "
+        f"†k = only k calls (budget {config.budget_s:g} s, or †1: warm-up > "
+        f"{config.slow_s:g} s).",
+        *findings["speed"],
+        *findings["density"],
+        *findings["normalizer"],
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
     ]
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"

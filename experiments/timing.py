@@ -141,7 +141,8 @@ def markdown_table(
     """Formats ``rows`` as a GitHub markdown table with padded columns.
 
     ``align`` has one character per column, ``"l"`` or ``"r"`` (default: first column left,
-    the others right). Cells are converted with ``str``.
+    the others right). Cells are converted with ``str``; a ``|`` inside a cell is escaped as
+    ``\\|`` so that it does not split the cell.
 
     Example::
 
@@ -155,11 +156,11 @@ def markdown_table(
         align = "l" + "r" * (ncol - 1)
     if len(align) != ncol or set(align) - {"l", "r"}:
         raise ValueError(f"align must have {ncol} characters from 'l'/'r', got {align!r}")
-    cells = [[str(h) for h in headers]]
+    cells = [[str(h).replace("|", "\\|") for h in headers]]
     for row in rows:
         if len(row) != ncol:
             raise ValueError(f"row {row!r} has {len(row)} cells, expected {ncol}")
-        cells.append([str(c) for c in row])
+        cells.append([str(c).replace("|", "\\|") for c in row])
     widths = [max(3, *(len(r[i]) for r in cells)) for i in range(ncol)]
 
     def line(row: list[str]) -> str:

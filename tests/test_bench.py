@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from experiments import bench
@@ -50,3 +52,41 @@ def test_bad_benchmark_flags_are_refused_before_anything_runs(flags, match, caps
     captured = capsys.readouterr()
     assert match in captured.err + captured.out
     assert "|" not in captured.out  # no table: nothing was timed
+
+
+def test_attention_benchmark_prints_every_mask_and_normalizer(capsys):
+    bench.main(
+        [
+            "attention",
+            "--lengths",
+            "64",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--block",
+            "16",
+            "--window",
+            "16",
+            "--repeats",
+            "1",
+        ]
+    )
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("| ") and "ms" not in line]
+    rows = [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+    assert {row[0] for row in rows} == {
+        "causal",
+        "causal & local(16, 0)",
+        "(causal & local(16, 0)) \\| sink(4)",
+        "strided(8) (causal)",
+    }
+    assert {row[4] for row in rows} == {"softmax", "sparsemax"}
+    assert "density ratio" in printed
+
+
+def test_bad_attention_flags_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["attention", "--block", "0"])
+    assert exit_info.value.code == 2
+    assert "block must be a positive integer" in capsys.readouterr().err
