@@ -1,0 +1,1 @@
+"""Data: tokenizers (and, later, text corpora and synthetic tasks)."""
