@@ -1,0 +1,25 @@
+"""Flax NNX models: GPT-2 (teacher and sparse students) and the layers they are built from."""
+
+from sparse_jax.models.gpt2 import (
+    GPT2,
+    AttentionSpec,
+    GPT2Config,
+    generate,
+    student_from_teacher,
+)
+from sparse_jax.models.harden import HardenReport, harden, harden_plan
+from sparse_jax.models.layers import CandidateMaskAttention, FixedAttention, Gate
+
+__all__ = [
+    "GPT2",
+    "AttentionSpec",
+    "CandidateMaskAttention",
+    "FixedAttention",
+    "GPT2Config",
+    "Gate",
+    "HardenReport",
+    "generate",
+    "harden",
+    "harden_plan",
+    "student_from_teacher",
+]

@@ -1,0 +1,554 @@
+"""GPT-2 in Flax NNX: the dense teacher and its sparse students, one model class.
+
+A :class:`GPT2` is built from a :class:`GPT2Config` (sizes) and one :class:`AttentionSpec` per
+block (how that block attends): the teacher uses the default spec (causal softmax); a student
+swaps in a fixed sparse :class:`~sparse_jax.masks.Mask` with any normalizer, a learnable
+combination of candidate masks, and/or gates on heads and FFN units. Parameter names follow
+Hugging Face's ``GPT2LMHeadModel`` (``wte``, ``wpe``, ``h[i].attn.c_attn`` with q, k, v
+concatenated on the output axis, ``mlp.c_fc``, ...; kernels ``[in, out]`` like HF's ``Conv1D``),
+so weights load by name (:mod:`sparse_jax.models.hf`) and a student is made from a teacher by
+copying its parameters (:func:`student_from_teacher`).
+
+Shapes: ``B`` batch, ``T`` tokens, ``D`` width (``n_embd``), ``N`` heads of a block, ``H`` head
+dim (``n_embd // n_head``, also after heads are pruned), ``U`` FFN units, ``V`` vocabulary.
+
+Example:
+  >>> from flax import nnx
+  >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+  >>> model(jnp.zeros((2, 5), jnp.int32)).shape  # logits [batch, seq, vocab]
+  (2, 5, 101)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparse_jax import masks as masks_lib
+from sparse_jax.models.layers import (
+    COMBINES,
+    GATE_KINDS,
+    CandidateMaskAttention,
+    FixedAttention,
+    Gate,
+)
+
+__all__ = [
+    "GPT2",
+    "PRESETS",
+    "AttentionSpec",
+    "GPT2Config",
+    "generate",
+    "student_from_teacher",
+]
+
+
+# name -> (n_embd, n_layer, n_head, n_positions, vocab_size)
+PRESETS = {
+    "gpt2": (768, 12, 12, 1024, 50257),
+    "gpt2-medium": (1024, 24, 16, 1024, 50257),
+    "gpt2-large": (1280, 36, 20, 1024, 50257),
+    "gpt2-xl": (1600, 48, 25, 1024, 50257),
+    # For tests: odd sizes catch transposition and head-split mistakes.
+    "tiny": (48, 2, 3, 37, 101),
+    # A CPU-sized model on bytes (the byte tokenizer's 257 ids): the embedded default teacher.
+    "cpu-small": (256, 4, 4, 512, 257),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Sizes of a GPT-2 (Hugging Face's ``GPT2Config`` fields of the same names)."""
+
+    vocab_size: int = 50257  # tokens
+    n_positions: int = 1024  # longest sequence (learned position embeddings)
+    n_embd: int = 768  # model width D
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block (before pruning)
+    n_inner: int | None = None  # FFN width U (None: 4 * n_embd)
+    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon
+    activation_function: Literal["gelu_new", "gelu", "relu"] = "gelu_new"  # FFN activation
+    heads_per_layer: tuple[int, ...] | None = None  # per-block heads after pruning (None: n_head)
+    inner_per_layer: tuple[int, ...] | None = None  # per-block FFN width after pruning
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (parameters stay float32)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPT2Config: `{name}` must be an int >= 1; got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPT2Config: `n_embd` ({self.n_embd}) must be divisible by `n_head` "
+                f"({self.n_head})"
+            )
+        if self.activation_function not in ("gelu_new", "gelu", "relu"):
+            raise ValueError(
+                f"GPT2Config: unknown `activation_function`={self.activation_function!r}; "
+                "allowed: 'gelu_new', 'gelu', 'relu'"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"GPT2Config: `dtype` must be 'float32' or 'bfloat16'; got {self.dtype!r}"
+            )
+        for name in ("heads_per_layer", "inner_per_layer"):
+            value = getattr(self, name)
+            if value is not None:
+                value = tuple(value)
+                object.__setattr__(self, name, value)
+                if len(value) != self.n_layer or any(
+                    not isinstance(x, int) or x < 0 for x in value
+                ):
+                    raise ValueError(
+                        f"GPT2Config: `{name}` must be {self.n_layer} ints >= 0 (one per "
+                        f"block); got {value!r}"
+                    )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPT2Config:
+        """A named size (:data:`PRESETS`) with optional field overrides.
+
+        Example:
+          >>> GPT2Config.preset("gpt2-medium").n_layer
+          24
+        """
+        if name not in PRESETS:
+            raise ValueError(
+                f"GPT2Config.preset: unknown `name`={name!r}; allowed: {list(PRESETS)}"
+            )
+        d, layers, heads, positions, vocab = PRESETS[name]
+        fields = dict(n_embd=d, n_layer=layers, n_head=heads, n_positions=positions)
+        return cls(**{"vocab_size": vocab, **fields, **overrides})
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def heads(self, layer: int) -> int:
+        """Heads of block ``layer``."""
+        return self.n_head if self.heads_per_layer is None else self.heads_per_layer[layer]
+
+    def inner(self, layer: int) -> int:
+        """FFN width of block ``layer``."""
+        if self.inner_per_layer is not None:
+            return self.inner_per_layer[layer]
+        return 4 * self.n_embd if self.n_inner is None else self.n_inner
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """How one block attends (default: the dense teacher's causal softmax).
+
+    ``kind="fixed"`` runs ``mask`` (None: causal; per-head masks allowed) under
+    ``normalizer`` (optionally a learned α per head); ``kind="candidates"`` learns a
+    combination of ``candidates`` (see :class:`~sparse_jax.models.layers.CandidateMaskAttention`).
+    ``head_gate`` / ``ffn_gate`` add a gate per head / FFN unit (``"sigmoid_ste"``,
+    ``"sigmoid"``, ``"hard_concrete"``; ``"score_scaling"`` for heads scales the scores instead,
+    the CANDS code's variant).
+    """
+
+    kind: Literal["fixed", "candidates"] = "fixed"
+    mask: masks_lib.Mask | None = None  # fixed: the mask (None = causal)
+    normalizer: str | float = "softmax"  # "softmax", "sparsemax", "entmax15" or α > 1
+    learn_alpha: bool = False  # fixed: learn α per head, initialised at `normalizer`
+    candidates: tuple[masks_lib.Mask, ...] | None = None  # candidates (None: the default bank)
+    granularity: Literal["layer", "head"] = "layer"  # candidates: weights per layer or head
+    combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"  # candidates
+    head_gate: str | None = None  # gate kind per head, or None
+    ffn_gate: str | None = None  # gate kind per FFN unit, or None
+    gate_init: float = 3.0  # initial gate logit (open)
+    impl: str = "auto"  # attention implementation (sparse_jax.attention's `impl`)
+    block_size: tuple[int, int] = (128, 128)  # block-sparse kernel blocks
+
+    def __post_init__(self):
+        where = "AttentionSpec"
+        if self.kind not in ("fixed", "candidates"):
+            raise ValueError(
+                f"{where}: unknown `kind`={self.kind!r}; allowed: 'fixed', 'candidates'"
+            )
+        if self.combine not in COMBINES:
+            raise ValueError(f"{where}: unknown `combine`={self.combine!r}; allowed: {COMBINES}")
+        for name in ("head_gate", "ffn_gate"):
+            value = getattr(self, name)
+            allowed = GATE_KINDS if name == "head_gate" else GATE_KINDS[:3]
+            if value is not None and value not in allowed:
+                raise ValueError(
+                    f"{where}: unknown `{name}`={value!r}; allowed: None or {list(allowed)}"
+                )
+        if self.candidates is not None:
+            object.__setattr__(self, "candidates", tuple(self.candidates))
+
+
+def _activation(name: str):
+    if name == "gelu_new":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    return jax.nn.relu
+
+
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+    return nnx.Linear(
+        d_in, d_out, kernel_init=nnx.initializers.normal(std), rngs=rngs, param_dtype=jnp.float32
+    )
+
+
+class SelfAttention(nnx.Module):
+    """GPT-2 attention: ``c_attn`` (q, k, v), an attention core, an optional head gate, and
+    ``c_proj``."""
+
+    def __init__(self, config: GPT2Config, layer: int, spec: AttentionSpec, rngs: nnx.Rngs):
+        d, h, n = config.n_embd, config.head_dim, config.heads(layer)
+        self.num_heads, self.head_dim = n, h
+        std_proj = 0.02 / math.sqrt(2 * config.n_layer)
+        self.c_attn = _linear(d, 3 * n * h, rngs) if n else None
+        self.c_proj = _linear(n * h, d, rngs, std_proj) if n else None
+        if not n:  # every head pruned: the block's attention contributes its bias only
+            self.c_proj_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+        if n and spec.kind == "candidates":
+            self.core = CandidateMaskAttention(
+                n,
+                spec.candidates,
+                granularity=spec.granularity,
+                combine=spec.combine,
+                normalizer=spec.normalizer,
+            )
+        elif n:
+            self.core = FixedAttention(
+                n,
+                mask=spec.mask,
+                normalizer=spec.normalizer,
+                learn_alpha=spec.learn_alpha,
+                impl=spec.impl,
+                block_size=spec.block_size,
+            )
+        self.head_gate = (
+            Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
+        )
+
+    def __call__(self, x, *, cache=None, rngs=None):
+        b, t, _ = x.shape
+        if not self.num_heads:
+            return jnp.broadcast_to(self.c_proj_bias[...].astype(x.dtype), x.shape), {}, cache
+        n, h = self.num_heads, self.head_dim
+        qkv = self.c_attn(x).reshape(b, t, 3, n, h)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        gate = self.head_gate
+        if gate is not None and gate.kind == "score_scaling":
+            q = q * gate.values().astype(q.dtype)[None, None, :, None]
+        if cache is not None:  # decoding: write k, v at the cache index, attend to the prefix
+            index = cache["index"]
+            k_all = jax.lax.dynamic_update_slice(
+                cache["k"], k.astype(cache["k"].dtype), (0, index, 0, 0)
+            )
+            v_all = jax.lax.dynamic_update_slice(
+                cache["v"], v.astype(cache["v"].dtype), (0, index, 0, 0)
+            )
+            cache = {"k": k_all, "v": v_all, "index": index + t}
+            out, aux = self.core(q, k_all, v_all, q_offset=index, rngs=rngs)
+        else:
+            out, aux = self.core(q, k, v, rngs=rngs)
+        aux = {f"mask_{key}": val for key, val in aux.items()}
+        if gate is not None and gate.kind != "score_scaling":
+            out = gate(out.swapaxes(-1, -2), rngs=rngs).swapaxes(-1, -2)
+        if gate is not None:
+            aux["head_gate"] = gate.penalty()
+        return self.c_proj(out.reshape(b, t, n * h)), aux, cache
+
+
+class MLP(nnx.Module):
+    """GPT-2 FFN: ``c_fc`` -> activation (-> unit gate) -> ``c_proj``."""
+
+    def __init__(self, config: GPT2Config, layer: int, spec: AttentionSpec, rngs: nnx.Rngs):
+        d, u = config.n_embd, config.inner(layer)
+        self.units = u
+        std_proj = 0.02 / math.sqrt(2 * config.n_layer)
+        self.c_fc = _linear(d, u, rngs) if u else None
+        self.c_proj = _linear(u, d, rngs, std_proj) if u else None
+        if not u:
+            self.c_proj_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+        self.gate = Gate(u, spec.ffn_gate, init=spec.gate_init) if u and spec.ffn_gate else None
+        self.act = _activation(config.activation_function)
+
+    def __call__(self, x, *, rngs=None):
+        if not self.units:
+            return jnp.broadcast_to(self.c_proj_bias[...].astype(x.dtype), x.shape), {}
+        hidden = self.act(self.c_fc(x))
+        aux = {}
+        if self.gate is not None:
+            hidden = self.gate(hidden, rngs=rngs)
+            aux["ffn_gate"] = self.gate.penalty()
+        return self.c_proj(hidden), aux
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPT2Config, layer: int, spec: AttentionSpec, rngs: nnx.Rngs):
+        eps, d = config.layer_norm_epsilon, config.n_embd
+        self.ln_1 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
+        self.attn = SelfAttention(config, layer, spec, rngs)
+        self.ln_2 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
+        self.mlp = MLP(config, layer, spec, rngs)
+
+    def __call__(self, x, *, cache=None, rngs=None):
+        a, aux, cache = self.attn(self.ln_1(x), cache=cache, rngs=rngs)
+        x = x + a
+        m, aux_mlp = self.mlp(self.ln_2(x), rngs=rngs)
+        return x + m, {**aux, **aux_mlp}, cache
+
+
+class GPT2(nnx.Module):
+    """GPT-2 language model with pluggable attention per block (see the module docstring).
+
+    Args:
+      config: sizes.
+      attention: one :class:`AttentionSpec` for every block, or a sequence of one per block.
+      rngs: ``nnx.Rngs`` for the initial parameters (GPT-2's: normal(0.02), residual
+        projections scaled by ``1 / sqrt(2 * n_layer)``).
+
+    Call: ``model(ids [B, T], *, rngs=None, return_aux=False)`` -> logits ``[B, T, V]``
+    (float32), or ``(logits, aux)`` where ``aux`` sums each penalty over the blocks
+    (``mask_l1``, ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard Concrete gates (training);
+    without it gates are deterministic.
+    """
+
+    def __init__(
+        self,
+        config: GPT2Config,
+        attention: AttentionSpec | Sequence[AttentionSpec] = AttentionSpec(),
+        *,
+        rngs: nnx.Rngs,
+    ):
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"GPT2: `config` must be a GPT2Config; got {type(config).__name__}")
+        specs = (
+            (attention,) * config.n_layer
+            if isinstance(attention, AttentionSpec)
+            else tuple(attention)
+        )
+        if len(specs) != config.n_layer or not all(isinstance(s, AttentionSpec) for s in specs):
+            raise ValueError(
+                f"GPT2: `attention` must be an AttentionSpec or {config.n_layer} of them (one per "
+                f"block); got {attention!r:.200}"
+            )
+        self.config, self.specs = config, specs
+        d = config.n_embd
+        self.wte = nnx.Embed(
+            config.vocab_size, d, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
+        )
+        self.wpe = nnx.Embed(
+            config.n_positions, d, embedding_init=nnx.initializers.normal(0.01), rngs=rngs
+        )
+        self.h = nnx.List([Block(config, i, specs[i], rngs) for i in range(config.n_layer)])
+        self.ln_f = nnx.LayerNorm(d, epsilon=config.layer_norm_epsilon, rngs=rngs)
+
+    def _check_ids(self, ids, start: int = 0):
+        if not hasattr(ids, "shape") or len(ids.shape) != 2:
+            raise ValueError(
+                f"GPT2: `ids` must be [batch, seq] token ids; got {getattr(ids, 'shape', ids)!r}"
+            )
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"GPT2: `ids` must be integer token ids; got dtype {ids.dtype}")
+        if ids.shape[1] + start > self.config.n_positions:
+            raise ValueError(
+                f"GPT2: sequence of {ids.shape[1] + start} tokens is longer than the model's "
+                f"n_positions={self.config.n_positions}"
+            )
+
+    def __call__(self, ids, *, rngs: nnx.Rngs | None = None, return_aux: bool = False):
+        self._check_ids(ids)
+        logits, aux, _ = self._forward(ids, jnp.arange(ids.shape[1]), None, rngs)
+        return (logits, aux) if return_aux else logits
+
+    def _forward(self, ids, positions, caches, rngs):
+        dtype = jnp.dtype(self.config.dtype)
+        x = (self.wte(ids) + self.wpe(positions)[None]).astype(dtype)
+        totals: dict[str, jax.Array] = {}
+        new_caches = []
+        for i, block in enumerate(self.h):
+            x, aux, cache = block(x, cache=None if caches is None else caches[i], rngs=rngs)
+            new_caches.append(cache)
+            for key, val in aux.items():
+                totals[key] = totals.get(key, 0.0) + val
+        x = self.ln_f(x)
+        logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(dtype))
+        return logits.astype(jnp.float32), totals, new_caches
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list[dict[str, jax.Array]]:
+        """Empty key/value caches ``[B, max_len, N, H]`` per block, and the write index."""
+        if max_len > self.config.n_positions:
+            raise ValueError(
+                f"GPT2.init_cache: `max_len`={max_len} exceeds n_positions="
+                f"{self.config.n_positions}"
+            )
+        caches = []
+        for block in self.h:
+            shape = (batch, max_len, block.attn.num_heads, block.attn.head_dim)
+            caches.append(
+                {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.int32(0)}
+            )
+        return caches
+
+    @classmethod
+    def from_pretrained(cls, source, attention=None, *, rngs: nnx.Rngs | None = None) -> GPT2:
+        """Loads a Hugging Face GPT-2 (a folder with ``config.json`` + ``model.safetensors``, or
+        a hub name when a network is available); see :mod:`sparse_jax.models.hf`."""
+        from sparse_jax.models.hf import load_pretrained
+
+        return load_pretrained(source, attention, rngs=rngs)
+
+    def save_pretrained(self, folder):
+        """Writes the Hugging Face layout (``config.json`` + ``model.safetensors``)."""
+        from sparse_jax.models.hf import save_pretrained
+
+        return save_pretrained(self, folder)
+
+    def decode(self, ids, caches):
+        """Runs ``ids [B, T]`` at the caches' current position; returns ``(logits, caches)``."""
+        index = caches[0]["index"]
+        positions = index + jnp.arange(ids.shape[1])
+        logits, _, caches = self._forward(ids, positions, caches, None)
+        return logits, caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k"))
+def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature, top_k):
+    model = nnx.merge(graphdef, state)
+    b, p = prompt.shape
+    caches = model.init_cache(b, p + max_new_tokens)
+    logits, caches = model.decode(prompt, caches)
+
+    def pick(last, key):  # last [B, V] -> next token [B]
+        if temperature == 0.0:
+            return jnp.argmax(last, axis=-1).astype(prompt.dtype)
+        scaled = last / temperature
+        if top_k is not None:
+            kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+            scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        return jax.random.categorical(key, scaled, axis=-1).astype(prompt.dtype)
+
+    def step(carry, key):
+        caches, last = carry
+        token = pick(last, key)
+        logits, caches = model.decode(token[:, None], caches)
+        return (caches, logits[:, -1]), (token, last)
+
+    keys = jax.random.split(rng, max_new_tokens)
+    _, (tokens, step_logits) = jax.lax.scan(step, (caches, logits[:, -1]), keys)
+    return jnp.concatenate([prompt, tokens.T], axis=1), jnp.swapaxes(step_logits, 0, 1)
+
+
+def generate(
+    model: GPT2,
+    prompt_ids: jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    rng: jax.Array | None = None,
+    return_logits: bool = False,
+):
+    """Samples ``max_new_tokens`` tokens after ``prompt_ids [B, P]`` with a key/value cache.
+
+    One jitted program: the prompt fills the caches in one pass, then ``lax.scan`` decodes a
+    token at a time (each step attends to the cache through the masks' predicates at the
+    current position, so sparse masks, candidate mixtures and gates behave as in a full
+    forward pass).
+
+    Args:
+      model: a :class:`GPT2` (any attention).
+      prompt_ids: int ``[B, P]``, ``P >= 1``, ``P + max_new_tokens <= n_positions``.
+      max_new_tokens: tokens to add (>= 1).
+      temperature: 0 for greedy decoding, else the softmax temperature of sampling.
+      top_k: sample among the ``top_k`` most likely tokens (None: all).
+      rng: a PRNG key (required when ``temperature > 0``).
+      return_logits: also return the logits that chose each new token ``[B, max_new, V]``.
+
+    Returns:
+      ``ids [B, P + max_new_tokens]`` (and the logits).
+
+    Example:
+      >>> from flax import nnx
+      >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+      >>> generate(model, jnp.zeros((2, 3), jnp.int32), 4, temperature=0.0).shape
+      (2, 7)
+    """
+    where = "generate"
+    if not isinstance(model, GPT2):
+        raise TypeError(f"{where}: `model` must be a GPT2; got {type(model).__name__}")
+    model._check_ids(prompt_ids)
+    if prompt_ids.shape[1] < 1:
+        raise ValueError(f"{where}: `prompt_ids` must hold at least one token per row")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"{where}: `max_new_tokens` must be an int >= 1; got {max_new_tokens!r}")
+    total = prompt_ids.shape[1] + max_new_tokens
+    if total > model.config.n_positions:
+        raise ValueError(
+            f"{where}: prompt ({prompt_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = "
+            f"{total} exceeds n_positions={model.config.n_positions}"
+        )
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"{where}: `temperature` must be a float >= 0; got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
+        raise ValueError(
+            f"{where}: `top_k` must be None or an int in [1, {model.config.vocab_size}]; got "
+            f"{top_k!r}"
+        )
+    if temperature > 0 and rng is None:
+        raise ValueError(f"{where}: sampling with temperature={temperature} needs `rng`")
+    graphdef, state = nnx.split(model)
+    ids, logits = _generate(
+        graphdef,
+        state,
+        jnp.asarray(prompt_ids),
+        jax.random.key(0) if rng is None else rng,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_k=top_k,
+    )
+    return (ids, logits) if return_logits else ids
+
+
+def student_from_teacher(
+    teacher: GPT2,
+    attention: AttentionSpec | Sequence[AttentionSpec],
+    *,
+    rngs: nnx.Rngs | None = None,
+) -> GPT2:
+    """A student with the teacher's sizes and weights and different attention.
+
+    Every parameter the two models share by name and shape is copied (embeddings, LayerNorms,
+    projections); parameters only the student has (candidate weights, gates, α) keep their
+    initial values.
+
+    Example:
+      >>> from flax import nnx
+      >>> teacher = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+      >>> student = student_from_teacher(teacher, AttentionSpec(normalizer="sparsemax"))
+      >>> ids = jnp.zeros((1, 4), jnp.int32)
+      >>> student(ids).shape
+      (1, 4, 101)
+    """
+    student = GPT2(teacher.config, attention, rngs=rngs or nnx.Rngs(0))
+    teacher_params = dict(nnx.to_flat_state(nnx.state(teacher, nnx.Param)))
+    student_state = nnx.state(student, nnx.Param)
+    flat = []
+    for path, var in nnx.to_flat_state(student_state):
+        src = teacher_params.get(path)
+        if src is not None and src[...].shape == var[...].shape:
+            var = var.replace(src[...])
+        flat.append((path, var))
+    nnx.update(student, nnx.from_flat_state(flat))
+    return student

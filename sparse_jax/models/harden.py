@@ -1,0 +1,273 @@
+"""Hardening: turn learned candidate weights and gates into a smaller, fixed sparse GPT-2.
+
+:func:`harden` reads a trained :class:`~sparse_jax.models.gpt2.GPT2` student and returns a new
+model that does less work:
+
+* candidate-mask attention becomes a fixed per-head :class:`~sparse_jax.masks.Mask`: for each
+  head, the union of the candidates it keeps (weight ``sigmoid(logit) >= threshold``, or the
+  lowest threshold that meets a density ``budget``; a head always keeps at least its strongest
+  candidate), run by ``sparse_jax.attention`` (block-sparse when the union leaves enough out);
+* heads whose gate is closed are removed from ``c_attn`` and ``c_proj`` (smaller matrices, not
+  zeros), FFN units likewise from ``c_fc`` and ``c_proj``; the gate values of the units that
+  stay are folded into ``c_proj``, and a ``score_scaling`` head gate (a temperature) is folded
+  into the query projection.
+
+Exactness: with ``combine="soft_union"`` and weights at 0/1 the union mask is the soft model's
+mask; gates of kind ``"sigmoid_ste"`` are already 0/1 in the forward pass. The hardened model
+then computes the same function as the soft one ("the soft model with its gates set to their
+hard values"). ``"soft_mask"`` (a sum of masks) and ``"mixture"`` (an average of outputs) are
+approximated by the union of the kept candidates.
+
+Example:
+  >>> from flax import nnx
+  >>> from sparse_jax.models.gpt2 import GPT2, AttentionSpec, GPT2Config
+  >>> spec = AttentionSpec(kind="candidates", granularity="head", head_gate="sigmoid_ste")
+  >>> student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+  >>> hard = harden(student)
+  >>> hard.config.heads_per_layer, type(hard.h[0].attn.core).__name__
+  ((3, 3), 'FixedAttention')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_jax import masks as masks_lib
+from sparse_jax.models.gpt2 import GPT2, AttentionSpec
+from sparse_jax.models.layers import CandidateMaskAttention, Gate
+
+__all__ = ["HardenReport", "harden", "harden_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HardenReport:
+    """What :func:`harden_plan` decided, per block."""
+
+    kept_heads: tuple[np.ndarray, ...]  # per block: indices of the heads that stay
+    kept_units: tuple[np.ndarray, ...]  # per block: indices of the FFN units that stay
+    head_masks: tuple[tuple[masks_lib.Mask, ...] | None, ...]  # per block: kept heads' masks
+    kept_candidates: tuple[np.ndarray | None, ...]  # per block: bool [N, C] kept candidates
+    threshold: float | None  # the candidate threshold used
+    density: float  # mean attention density of the kept heads at the reference length
+
+
+def _gate_values(gate: Gate | None, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keep mask [n], value to fold [n]) of a gate (no gate: keep all, value 1)."""
+    if gate is None or gate.kind == "score_scaling":
+        return np.ones(n, bool), np.ones(n, np.float32)
+    hard = np.asarray(gate.hard_values()) > 0
+    value = np.asarray(gate.values(), np.float32)
+    return hard, np.where(hard, value, 0.0)
+
+
+def _union(candidates, kept_row: np.ndarray) -> masks_lib.Mask:
+    chosen = [c for c, k in zip(candidates, kept_row, strict=True) if k]
+    out = chosen[0]
+    for m in chosen[1:]:
+        out = out | m
+    return out
+
+
+def _density(mask: masks_lib.Mask, n: int) -> float:
+    return float(mask.blocks(n, n, min(n, 128), min(n, 128)).density)
+
+
+def harden_plan(
+    model: GPT2, *, threshold: float | None = None, budget: float | None = None, length=None
+) -> HardenReport:
+    """Decides what :func:`harden` keeps (see there for the arguments)."""
+    where = "harden"
+    if not isinstance(model, GPT2):
+        raise TypeError(f"{where}: `model` must be a sparse_jax GPT2; got {type(model).__name__}")
+    if threshold is not None and budget is not None:
+        raise ValueError(f"{where}: pass `threshold` or `budget`, not both")
+    if threshold is not None and not (isinstance(threshold, numbers.Real) and 0 < threshold < 1):
+        raise ValueError(f"{where}: `threshold` must be in (0, 1); got {threshold!r}")
+    if budget is not None and not (isinstance(budget, numbers.Real) and 0 < budget <= 1):
+        raise ValueError(
+            f"{where}: `budget` (mean attention density) must be in (0, 1]; got {budget!r}"
+        )
+    n_ref = length or model.config.n_positions
+    blocks = list(model.h)
+
+    def plan_for(t: float):
+        heads, units, head_masks, kept_cands, densities = [], [], [], [], []
+        for block in blocks:
+            attn = block.attn
+            n = attn.num_heads
+            keep_h, _ = _gate_values(attn.head_gate, n)
+            heads.append(np.flatnonzero(keep_h))
+            u = block.mlp.units
+            keep_u, _ = _gate_values(block.mlp.gate, u) if u else (np.ones(0, bool), None)
+            units.append(np.flatnonzero(keep_u))
+            if not n:
+                head_masks.append(None)
+                kept_cands.append(None)
+                continue
+            core = attn.core
+            if isinstance(core, CandidateMaskAttention):
+                w = np.asarray(core._per_head_weights())  # [N, C]
+                kept = w >= t
+                kept[np.arange(n), w.argmax(axis=1)] = True  # never an empty head
+                masks = tuple(_union(core.candidates, kept[h]) for h in range(n))
+                kept_cands.append(kept)
+            else:
+                mask = core.mask
+                masks = tuple(
+                    mask.for_head(h) if mask.num_heads is not None else mask for h in range(n)
+                )
+                kept_cands.append(None)
+            head_masks.append(tuple(masks[h] for h in heads[-1]))
+            densities += [_density(masks[h], n_ref) for h in heads[-1]]
+        density = float(np.mean(densities)) if densities else 0.0
+        return heads, units, head_masks, kept_cands, density
+
+    if budget is None:
+        t = 0.5 if threshold is None else float(threshold)
+        plan = plan_for(t)
+    else:  # the lowest threshold (most candidates kept) whose density fits the budget
+        weights = sorted(
+            {
+                float(x)
+                for b in blocks
+                if b.attn.num_heads and isinstance(b.attn.core, CandidateMaskAttention)
+                for x in np.asarray(b.attn.core.weights()).ravel()
+            }
+        )
+        t, plan = None, None
+        for cand in weights:
+            trial = plan_for(cand)
+            if trial[4] <= budget:
+                t, plan = cand, trial
+                break
+        if plan is None:
+            floor = plan_for(1.0)[4]
+            raise ValueError(
+                f"{where}: no threshold meets `budget`={budget}: keeping only each head's "
+                f"strongest candidate gives mean density {floor:.3f}"
+            )
+    heads, units, head_masks, kept_cands, density = plan
+    return HardenReport(
+        tuple(heads), tuple(units), tuple(head_masks), tuple(kept_cands), t, density
+    )
+
+
+def harden(
+    model: GPT2,
+    *,
+    threshold: float | None = None,
+    budget: float | None = None,
+    length: int | None = None,
+    impl: str = "auto",
+) -> GPT2:
+    """A fixed sparse GPT-2 that keeps what ``model`` learned (see the module docstring).
+
+    Args:
+      model: a trained :class:`~sparse_jax.models.gpt2.GPT2` student (any attention kinds).
+      threshold: keep candidate ``c`` of a head when its weight ``sigmoid(logit) >= threshold``
+        (default 0.5).
+      budget: instead of a threshold, the largest mean attention density (over kept heads, at
+        ``length``) allowed: the lowest threshold that meets it is used (ValueError when even
+        each head's strongest candidate alone exceeds it).
+      length: sequence length at which densities are measured (default ``n_positions``).
+      impl: attention implementation of the hardened blocks (``"auto"``: block-sparse when
+        the mask leaves enough out).
+
+    Returns:
+      A new :class:`GPT2` with ``heads_per_layer``/``inner_per_layer`` set and fixed masks.
+    """
+    plan = harden_plan(model, threshold=threshold, budget=budget, length=length)
+    cfg = model.config
+    config = dataclasses.replace(
+        cfg,
+        heads_per_layer=tuple(len(h) for h in plan.kept_heads),
+        inner_per_layer=tuple(len(u) for u in plan.kept_units),
+    )
+    specs = []
+    for i, spec in enumerate(model.specs):
+        masks = plan.head_masks[i]
+        if not masks:
+            mask = None
+        elif all(m == masks[0] for m in masks):
+            mask = masks[0]
+        else:
+            mask = masks_lib.per_head(list(masks))
+        learn_alpha = spec.learn_alpha and spec.kind == "fixed"
+        specs.append(
+            AttentionSpec(
+                kind="fixed",
+                mask=mask,
+                normalizer=spec.normalizer,
+                learn_alpha=learn_alpha,
+                impl=impl,
+                block_size=spec.block_size,
+            )
+        )
+    hard = GPT2(config, specs, rngs=nnx.Rngs(0))
+    _copy_weights(model, hard, plan)
+    return hard
+
+
+def _copy_weights(src: GPT2, dst: GPT2, plan: HardenReport) -> None:
+    """Copies ``src``'s weights into the smaller ``dst``, selecting kept heads/units and folding
+    gate values."""
+    cfg = src.config
+    h = cfg.head_dim
+    dst.wte.embedding[...] = src.wte.embedding[...]
+    dst.wpe.embedding[...] = src.wpe.embedding[...]
+    for name in ("scale", "bias"):
+        getattr(dst.ln_f, name)[...] = getattr(src.ln_f, name)[...]
+    for i, (sb, db) in enumerate(zip(src.h, dst.h, strict=True)):
+        for ln in ("ln_1", "ln_2"):
+            for name in ("scale", "bias"):
+                getattr(getattr(db, ln), name)[...] = getattr(getattr(sb, ln), name)[...]
+        # Attention: select kept heads of q, k, v and of the output projection.
+        sa, da = sb.attn, db.attn
+        keep = plan.kept_heads[i]
+        if sa.num_heads and len(keep):
+            n = sa.num_heads
+            _, fold = _gate_values(sa.head_gate, n)
+            kernel = sa.c_attn.kernel[...].reshape(-1, 3, n, h)
+            bias = sa.c_attn.bias[...].reshape(3, n, h)
+            if sa.head_gate is not None and sa.head_gate.kind == "score_scaling":
+                s = jnp.asarray(sa.head_gate.values())[:, None]
+                kernel = kernel.at[:, 0].multiply(s)
+                bias = bias.at[0].multiply(s)
+            da.c_attn.kernel[...] = kernel[:, :, keep].reshape(kernel.shape[0], -1)
+            da.c_attn.bias[...] = bias[:, keep].reshape(-1)
+            proj = sa.c_proj.kernel[...].reshape(n, h, -1) * jnp.asarray(fold)[:, None, None]
+            da.c_proj.kernel[...] = proj[keep].reshape(len(keep) * h, -1)
+            da.c_proj.bias[...] = sa.c_proj.bias[...]
+            if da.core.alpha_logit is not None and sa.core.alpha_logit is not None:
+                da.core.alpha_logit[...] = sa.core.alpha_logit[...][keep]
+        elif sa.num_heads:  # every head pruned: only the projection's bias remains
+            da.c_proj_bias[...] = sa.c_proj.bias[...]
+        else:
+            da.c_proj_bias[...] = sa.c_proj_bias[...]
+        # FFN units.
+        sm, dm = sb.mlp, db.mlp
+        keep = plan.kept_units[i]
+        if sm.units and len(keep):
+            _, fold = _gate_values(sm.gate, sm.units)
+            dm.c_fc.kernel[...] = sm.c_fc.kernel[...][:, keep]
+            dm.c_fc.bias[...] = sm.c_fc.bias[...][keep]
+            dm.c_proj.kernel[...] = (sm.c_proj.kernel[...] * jnp.asarray(fold)[:, None])[keep]
+            dm.c_proj.bias[...] = sm.c_proj.bias[...]
+        elif sm.units:
+            dm.c_proj_bias[...] = sm.c_proj.bias[...]
+        else:
+            dm.c_proj_bias[...] = sm.c_proj_bias[...]
+
+
+def _unused(*_: Any) -> None:  # keep jax imported for type references in docs
+    return None
+
+
+del _unused, jax

@@ -1,0 +1,243 @@
+"""Hugging Face GPT-2 checkpoints (``config.json`` + ``model.safetensors``) in and out.
+
+Only safetensors files are read: a pickled ``pytorch_model.bin`` can execute code when it is
+loaded, so it is refused with a message that says how to convert it. The tensor names are
+those of ``GPT2LMHeadModel`` (``transformer.h.0.attn.c_attn.weight`` ...; the ``transformer.``
+prefix is optional, the LM head is tied to ``wte`` and not stored, ``attn.bias`` buffers of
+older checkpoints are ignored). HF's ``Conv1D`` stores ``[in, out]`` matrices, the layout of
+``nnx.Linear`` kernels, so weights are copied without transposition.
+
+Example (a round trip through a folder)::
+
+    model.save_pretrained("/tmp/gpt2-copy")
+    again = GPT2.from_pretrained("/tmp/gpt2-copy")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+
+__all__ = ["config_from_hf", "load_pretrained", "save_pretrained"]
+
+_PICKLES = ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
+_LN = {"weight": "scale", "bias": "bias"}
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any):
+    """A :class:`~sparse_jax.models.gpt2.GPT2Config` from a Hugging Face ``config.json`` dict."""
+    from sparse_jax.models.gpt2 import GPT2Config
+
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"config.json: model_type {hf.get('model_type')!r} is not 'gpt2'")
+    unsupported = [
+        key
+        for key, ok in (
+            ("scale_attn_by_inverse_layer_idx", False),
+            ("reorder_and_upcast_attn", False),
+            ("add_cross_attention", False),
+            ("scale_attn_weights", True),
+        )
+        if hf.get(key, ok) != ok
+    ]
+    if unsupported:
+        raise ValueError(f"config.json: unsupported GPT-2 options {unsupported} (not implemented)")
+    fields = {
+        "vocab_size": hf["vocab_size"],
+        "n_positions": hf["n_positions"],
+        "n_embd": hf["n_embd"],
+        "n_layer": hf["n_layer"],
+        "n_head": hf["n_head"],
+        "n_inner": hf.get("n_inner"),
+        "layer_norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
+        "activation_function": hf.get("activation_function", "gelu_new"),
+    }
+    return GPT2Config(**{**fields, **overrides})
+
+
+def _resolve(source: str | os.PathLike) -> pathlib.Path:
+    path = pathlib.Path(source)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"from_pretrained: `source`={str(source)!r} is a file; pass its folder")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)) or str(source).startswith("."):
+        raise FileNotFoundError(f"from_pretrained: folder {str(source)!r} does not exist")
+    offline = any(os.environ.get(v) == "1" for v in ("HF_HUB_OFFLINE", "SPARSE_JAX_OFFLINE"))
+    try:
+        import huggingface_hub
+    except ImportError:
+        huggingface_hub = None
+    if huggingface_hub is None or offline:
+        why = "offline mode is set" if offline else "huggingface_hub is not installed"
+        raise FileNotFoundError(
+            f"from_pretrained: {str(source)!r} is not a local folder and cannot be fetched from "
+            f"the Hugging Face hub ({why}). Download `config.json` and `model.safetensors` of "
+            f"the hub repository {str(source)!r} on a machine with network into a folder and "
+            "pass that folder."
+        )
+    folder = huggingface_hub.snapshot_download(
+        str(source), allow_patterns=["config.json", "model.safetensors"]
+    )
+    return pathlib.Path(folder)
+
+
+def load_pretrained(source: str | os.PathLike, attention: Any = None, *, rngs: Any = None):
+    """Builds a :class:`~sparse_jax.models.gpt2.GPT2` with the weights of a Hugging Face GPT-2.
+
+    Args:
+      source: a folder with ``config.json`` and ``model.safetensors``, or a hub repository
+        name (fetched with ``huggingface_hub`` when a network is available).
+      attention: :class:`~sparse_jax.models.gpt2.AttentionSpec`(s) (default: causal softmax,
+        the teacher).
+      rngs: for parameters the checkpoint does not hold (gates, candidate weights).
+
+    Raises:
+      FileNotFoundError: missing folder or files (the message lists them).
+      ValueError: a pickled checkpoint only (refused), or tensors that do not fit the config.
+    """
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from sparse_jax.models.gpt2 import GPT2, AttentionSpec
+
+    folder = _resolve(source)
+    weights_file, config_file = folder / "model.safetensors", folder / "config.json"
+    if not weights_file.exists():
+        pickles = [p for p in _PICKLES if (folder / p).exists()]
+        if pickles:
+            raise ValueError(
+                f"from_pretrained: {folder} holds only {pickles}: pickled checkpoints can run "
+                "arbitrary code when loaded, so they are refused. Convert once, in an "
+                "environment you trust, with transformers: `GPT2LMHeadModel.from_pretrained("
+                f"'{folder}').save_pretrained('<new folder>')` (writes model.safetensors)."
+            )
+        missing = [f.name for f in (config_file, weights_file) if not f.exists()]
+        raise FileNotFoundError(f"from_pretrained: {folder} lacks {missing}")
+    if not config_file.exists():
+        raise FileNotFoundError(f"from_pretrained: {folder} lacks ['config.json']")
+    config = config_from_hf(json.loads(config_file.read_text()))
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(weights_file).items()}
+    model = GPT2(
+        config, AttentionSpec() if attention is None else attention, rngs=rngs or nnx.Rngs(0)
+    )
+    _assign(model, tensors, folder)
+    return model
+
+
+def _expected(config) -> dict[str, tuple[int, ...]]:
+    d, v, p = config.n_embd, config.vocab_size, config.n_positions
+    shapes = {"wte.weight": (v, d), "wpe.weight": (p, d), "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(config.n_layer):
+        n, u = config.heads(i) * config.head_dim, config.inner(i)
+        pre = f"h.{i}."
+        shapes |= {
+            pre + "ln_1.weight": (d,),
+            pre + "ln_1.bias": (d,),
+            pre + "ln_2.weight": (d,),
+            pre + "ln_2.bias": (d,),
+            pre + "attn.c_attn.weight": (d, 3 * n),
+            pre + "attn.c_attn.bias": (3 * n,),
+            pre + "attn.c_proj.weight": (n, d),
+            pre + "attn.c_proj.bias": (d,),
+            pre + "mlp.c_fc.weight": (d, u),
+            pre + "mlp.c_fc.bias": (u,),
+            pre + "mlp.c_proj.weight": (u, d),
+            pre + "mlp.c_proj.bias": (d,),
+        }
+    return shapes
+
+
+def _variable(model, name: str):
+    """The nnx variable of a Hugging Face tensor name."""
+    parts = name.split(".")
+    if parts[0] in ("wte", "wpe"):
+        return getattr(model, parts[0]).embedding
+    if parts[0] == "ln_f":
+        return getattr(model.ln_f, _LN[parts[1]])
+    block = model.h[int(parts[1])]
+    if parts[2] in ("ln_1", "ln_2"):
+        return getattr(getattr(block, parts[2]), _LN[parts[3]])
+    layer = getattr(getattr(block, parts[2]), parts[3])  # attn.c_attn, mlp.c_fc, ...
+    return layer.kernel if parts[4] == "weight" else layer.bias
+
+
+def _assign(model, tensors: dict[str, np.ndarray], folder) -> None:
+    expected = _expected(model.config)
+    ignored = {k for k in tensors if k.endswith((".attn.bias", ".attn.masked_bias"))}
+    head = tensors.pop("lm_head.weight", None)
+    if head is not None and not np.array_equal(head, tensors.get("wte.weight")):
+        raise ValueError(f"from_pretrained: {folder}: an untied lm_head.weight is not supported")
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected) - ignored)
+    if missing or extra:
+        raise ValueError(
+            f"from_pretrained: {folder}/model.safetensors does not match config.json: missing "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}"
+        )
+    for name, shape in expected.items():
+        value = tensors[name]
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"from_pretrained: tensor {name!r} has shape {tuple(value.shape)}; the config "
+                f"needs {shape}"
+            )
+        _variable(model, name)[...] = np.asarray(value, np.float32)
+
+
+def save_pretrained(model, folder: str | os.PathLike) -> pathlib.Path:
+    """Writes ``model`` as a Hugging Face GPT-2 folder (``config.json``, ``model.safetensors``).
+
+    Only the dense architecture is expressible there: models with pruned heads or FFN units, or
+    with parameters beyond GPT-2's (gates, candidate weights, learned α), are refused (save
+    them with the training checkpoints instead). The attention spec is not stored: loading gives
+    the dense causal softmax model unless another spec is passed.
+    """
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    config = model.config
+    if config.heads_per_layer is not None or config.inner_per_layer is not None:
+        raise ValueError(
+            "save_pretrained: a model with pruned heads or FFN units has no Hugging Face GPT-2 "
+            "layout; save it with an Orbax checkpoint"
+        )
+    expected = _expected(config)
+    n_params = len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    if n_params != len(expected):
+        raise ValueError(
+            f"save_pretrained: the model has {n_params - len(expected)} parameters beyond GPT-2's "
+            "(gates, candidate weights or α): the Hugging Face layout cannot hold them"
+        )
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "transformer." + name: np.ascontiguousarray(
+            np.asarray(_variable(model, name)[...], np.float32)
+        )
+        for name in expected
+    }
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.n_positions,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": config.n_inner,
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "activation_function": config.activation_function,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return folder

@@ -1,0 +1,71 @@
+"""Analytic FLOPs against hand computations on 2-layer models."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from sparse_jax.flops import attention_scores, model_flops
+from sparse_jax.masks import causal, local, sink
+from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
+
+
+def test_dense_two_layer_model_by_hand():
+    # tiny: D=48, N=3 heads of H=16, U=192, V=101; T=8 runs dense (blocks of 128 would be
+    # larger than the whole score matrix), so all 3 * 8 * 8 score entries are formed.
+    report = model_flops(GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0)), 8, batch=2)
+    t, b, d, n, h, u, v = 8, 2, 48, 3, 16, 192, 101
+    projections = 2 * b * t * d * (3 * n * h) + 2 * b * t * (n * h) * d
+    attention = 2 * (b * n * t * t * h) * 2  # q k^T and p v
+    ffn = 2 * b * t * d * u * 2
+    for layer in report.layers:
+        assert (layer.projections, layer.attention, layer.ffn) == (projections, attention, ffn)
+        assert layer.attention_density == pytest.approx(36 / 64)  # causal at T = 8
+        assert layer.computed_fraction == 1.0
+    assert report.lm_head == 2 * b * t * d * v
+    assert report.total == 2 * (projections + attention + ffn) + 2 * b * t * d * v
+    assert report.per_token == report.total / (b * t)
+
+
+def test_block_sparse_and_pruned_two_layer_model_by_hand():
+    mask = causal() & local(7, 0)  # at T=32 with blocks of 8: rows keep 1, 2, 2, 2 blocks
+    spec = AttentionSpec(mask=mask, impl="blocksparse", block_size=(8, 8))
+    config = GPT2Config.preset("tiny", heads_per_layer=(2, 1), inner_per_layer=(100, 0))
+    report = model_flops(GPT2(config, spec, rngs=nnx.Rngs(0)), 32)
+    for layer, n, u in zip(report.layers, (2, 1), (100, 0), strict=True):
+        formed = n * 7 * 8 * 8  # 7 kept blocks of 8 x 8 per head, no padding
+        assert layer.attention == 2 * 2 * formed * 16
+        assert layer.projections == 2 * 32 * 48 * 4 * n * 16
+        assert layer.ffn == 2 * 2 * 32 * 48 * u
+        assert layer.attention_density == pytest.approx(mask.dense(32, 32).mean())
+    assert report.attention_density == pytest.approx(mask.dense(32, 32).mean())
+
+
+def test_soft_students_count_dense_or_summed_work():
+    cands = (sink(2) & causal(), causal() & local(3, 0))
+    union = (cands[0] | cands[1]).dense(16, 16).mean()
+    for combine, fraction in (("soft_union", 1.0), ("mixture", 2.0)):
+        spec = AttentionSpec(kind="candidates", candidates=cands, combine=combine)
+        layer = model_flops(GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0)), 16).layers[0]
+        assert layer.attention_density == pytest.approx(union)
+        assert layer.computed_fraction == pytest.approx(fraction)  # mixture: two dense passes
+
+
+def test_attention_scores_reports_the_implementation():
+    formed, density, impl = attention_scores(causal(), 64, num_heads=2, head_dim=8, impl="xla")
+    assert (formed, impl) == (2 * 64 * 64, "xla")
+    assert density == pytest.approx((64 * 65 / 2) / 64**2)
+
+
+def test_bad_length():
+    with pytest.raises(ValueError, match="seq_len"):
+        model_flops(GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0)), 0)
+
+
+def test_module_doctests():
+    module = importlib.import_module("sparse_jax.flops")
+    assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0

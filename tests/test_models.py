@@ -1,0 +1,294 @@
+"""GPT-2 in NNX: Hugging Face equivalence, checkpoints, generation, students and hardening."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sparse_jax.masks import causal, local, per_head, sink
+from sparse_jax.models import (
+    GPT2,
+    AttentionSpec,
+    GPT2Config,
+    generate,
+    harden,
+    student_from_teacher,
+)
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
+
+
+def _tiny(spec=None, seed=0, **overrides):
+    spec = AttentionSpec() if spec is None else spec
+    return GPT2(GPT2Config.preset("tiny", **overrides), spec, rngs=nnx.Rngs(seed))
+
+
+def _ids(b=2, t=16, seed=0, vocab=101):
+    return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab, jnp.int32)
+
+
+def _perturb(model, seed=1, scale=0.1):
+    """Random non-zero values in every parameter (biases and LayerNorms too)."""
+    state = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    nnx.update(model, jax.tree.unflatten(tree, leaves))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face weights.
+
+
+def test_logits_equal_hugging_face_pytorch():
+    expected = np.load(FIXTURE / "expected.npz")
+    model = GPT2.from_pretrained(FIXTURE)
+    assert model.config == GPT2Config.preset("tiny")
+    logits = model(jnp.asarray(expected["input_ids"]))
+    np.testing.assert_allclose(logits, expected["logits"], atol=1e-4, rtol=0)
+    prefix = model(jnp.asarray(expected["input_ids"][:, :20]))
+    np.testing.assert_allclose(prefix, expected["logits_prefix20"], atol=1e-4, rtol=0)
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    model = _perturb(_tiny())
+    model.save_pretrained(tmp_path / "copy")
+    again = GPT2.from_pretrained(tmp_path / "copy")
+    for (path, a), (_, b) in zip(
+        nnx.to_flat_state(nnx.state(model, nnx.Param)),
+        nnx.to_flat_state(nnx.state(again, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))
+    ids = _ids()
+    np.testing.assert_array_equal(model(ids), again(ids))
+
+
+def test_pickled_checkpoints_are_refused_without_being_opened(tmp_path):
+    (tmp_path / "config.json").write_text((FIXTURE / "config.json").read_text())
+    # Not even a valid pickle: the loader must refuse before reading it.
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not a pickle")
+    with pytest.raises(ValueError, match=r"pickled checkpoints can run arbitrary code.*Convert"):
+        GPT2.from_pretrained(tmp_path)
+
+
+def test_missing_files_and_folders_are_named(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match=r"lacks \['config.json', 'model.safetensors'\]"):
+        GPT2.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        GPT2.from_pretrained(tmp_path / "nope")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"not a local folder.*offline mode"):
+        GPT2.from_pretrained("gpt2")
+
+
+def test_models_the_layout_cannot_hold_are_not_saved(tmp_path):
+    gated = _tiny(AttentionSpec(head_gate="sigmoid_ste"))
+    with pytest.raises(ValueError, match="beyond GPT-2's"):
+        gated.save_pretrained(tmp_path)
+    pruned = _tiny(heads_per_layer=(3, 2))
+    with pytest.raises(ValueError, match="pruned heads"):
+        pruned.save_pretrained(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation with a cache.
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AttentionSpec(),
+        AttentionSpec(mask=causal() & local(3, 0) | sink(1), normalizer="sparsemax"),
+        AttentionSpec(kind="candidates", candidates=(sink(2) & causal(), causal() & local(4, 0))),
+    ],
+    ids=["teacher", "sparse-mask", "candidates"],
+)
+def test_cached_decoding_equals_the_full_forward_pass(spec):
+    model = _perturb(_tiny(spec))
+    prompt = _ids(2, 5)
+    ids, step_logits = generate(model, prompt, 8, temperature=0.0, return_logits=True)
+    full = model(ids)
+    # The logits that chose token P + j are the full pass's logits at position P + j - 1.
+    np.testing.assert_allclose(step_logits, full[:, 4:-1], atol=2e-5)
+    np.testing.assert_array_equal(ids[:, 5:], jnp.argmax(full[:, 4:-1], axis=-1))
+
+
+def test_sampling_respects_top_k_and_is_reproducible():
+    model = _perturb(_tiny())
+    prompt = _ids(3, 4)
+    key = jax.random.key(7)
+    a, logits = generate(model, prompt, 6, temperature=0.8, top_k=2, rng=key, return_logits=True)
+    b = generate(model, prompt, 6, temperature=0.8, top_k=2, rng=key)
+    np.testing.assert_array_equal(a, b)
+    top2 = jnp.argsort(logits, axis=-1)[..., -2:]
+    assert bool(jnp.all(jnp.any(top2 == a[:, 4:, None], axis=-1)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 40}, "exceeds n_positions=37"),
+        ({"temperature": 1.0}, "needs `rng`"),
+        ({"top_k": 0, "temperature": 0.0}, "top_k"),
+    ],
+)
+def test_generate_bad_arguments(kwargs, match):
+    args = {"max_new_tokens": 3, "temperature": 0.0, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        generate(_tiny(), _ids(1, 4), **args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Students.
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AttentionSpec(kind="candidates", candidates=(causal(),)),
+        AttentionSpec(kind="candidates", candidates=(causal(),), combine="soft_mask"),
+        AttentionSpec(kind="candidates", candidates=(causal(),), combine="mixture"),
+        AttentionSpec(impl="blocksparse", block_size=(8, 8)),
+    ],
+    ids=["soft_union", "soft_mask", "mixture", "blocksparse"],
+)
+def test_student_with_full_causal_attention_reproduces_the_teacher(spec):
+    teacher = _perturb(_tiny())
+    student = student_from_teacher(teacher, spec)
+    ids = _ids(2, 37)
+    np.testing.assert_allclose(student(ids), teacher(ids), atol=1e-5)
+
+
+def test_bfloat16_forward_is_close_to_float32():
+    model = _perturb(_tiny(), scale=0.05)
+    low = GPT2(GPT2Config.preset("tiny", dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(low, nnx.state(model, nnx.Param))
+    ids = _ids(2, 37)
+    ref, got = model(ids), low(ids)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, atol=0.1)
+    assert float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(ref, -1))) > 0.9
+
+
+def test_aux_penalties_are_summed_over_blocks():
+    spec = AttentionSpec(kind="candidates", head_gate="hard_concrete", ffn_gate="sigmoid_ste")
+    model = _tiny(spec)
+    _, aux = model(_ids(1, 8), return_aux=True)
+    assert sorted(aux) == ["ffn_gate", "head_gate", "mask_l1"]
+    # 2 blocks x 7 default candidates at sigmoid(3); 2 x 192 FFN gates at sigmoid(3).
+    np.testing.assert_allclose(aux["mask_l1"], 14 * jax.nn.sigmoid(3.0), rtol=1e-6)
+    np.testing.assert_allclose(aux["ffn_gate"], 384 * jax.nn.sigmoid(3.0), rtol=1e-6)
+
+
+def test_first_token_weight_falls_below_full_attention_weight():
+    """The published sanity experiment: candidates {first token, full causal} + L1."""
+    teacher = _perturb(_tiny(), scale=0.3)
+    spec = AttentionSpec(kind="candidates", candidates=(sink(1) & causal(), causal()))
+    student = student_from_teacher(teacher, spec)
+    mask_weights = nnx.All(nnx.Param, nnx.PathContains("logits"))
+    optimizer = nnx.Optimizer(student, optax.adam(0.1), wrt=mask_weights)
+    ids = _ids(8, 32, seed=3)
+    target = jax.nn.log_softmax(teacher(ids))
+
+    def loss_fn(model):
+        logits, aux = model(ids, return_aux=True)
+        logp = jax.nn.log_softmax(logits)
+        kl = jnp.mean(jnp.sum(jnp.exp(target) * (target - logp), axis=-1))
+        return kl + 0.01 * aux["mask_l1"]
+
+    @nnx.jit
+    def step(model, optimizer):
+        grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, mask_weights))(model)
+        optimizer.update(model, grads)
+
+    for _ in range(60):
+        step(student, optimizer)
+    for block in student.h:
+        first, full = np.asarray(block.attn.core.weights())
+        assert first < 0.5 * full, (first, full)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hardening.
+
+
+def _set_logits(module, values):
+    module.logits[...] = jnp.asarray(values, jnp.float32)
+
+
+def test_hardened_candidates_equal_the_soft_model_at_hard_weights():
+    cands = (sink(2) & causal(), causal() & local(4, 0), causal())
+    spec = AttentionSpec(kind="candidates", candidates=cands, granularity="head")
+    student = _perturb(_tiny(spec))
+    hard_logits = [[[30, 30, -30], [30, -30, -30], [-30, -30, 30]], [[-30, 30, -30]] * 3]
+    for block, logits in zip(student.h, hard_logits, strict=True):
+        _set_logits(block.attn.core, logits)
+    hard = harden(student)
+    ids = _ids(2, 37)
+    np.testing.assert_allclose(hard(ids), student(ids), atol=1e-5)
+    mask0 = hard.h[0].attn.core.mask
+    np.testing.assert_array_equal(
+        mask0.dense(37, 37),
+        per_head([cands[0] | cands[1], cands[0], cands[2]]).dense(37, 37),
+    )
+
+
+def test_pruned_heads_and_units_are_removed_not_zeroed():
+    spec = AttentionSpec(head_gate="sigmoid_ste", ffn_gate="sigmoid_ste")
+    student = _perturb(_tiny(spec))
+    _set_logits(student.h[0].attn.head_gate, [2.0, -1.0, 0.5])
+    _set_logits(student.h[1].attn.head_gate, [-1.0, -2.0, -3.0])  # every head pruned
+    units = np.where(np.arange(192) % 3 == 0, -1.0, 1.0)
+    _set_logits(student.h[0].mlp.gate, units)
+    hard = harden(student)
+    assert hard.config.heads_per_layer == (2, 0)
+    assert hard.config.inner_per_layer == (128, 192)
+    assert hard.h[0].attn.c_attn.kernel[...].shape == (48, 3 * 2 * 16)
+    assert hard.h[0].mlp.c_fc.kernel[...].shape == (48, 128)
+    ids = _ids(2, 37)
+    np.testing.assert_allclose(hard(ids), student(ids), atol=1e-5)
+
+
+def test_score_scaling_is_folded_and_prunes_nothing():
+    student = _perturb(_tiny(AttentionSpec(head_gate="score_scaling")))
+    _set_logits(student.h[0].attn.head_gate, [-2.0, 0.0, 2.0])
+    hard = harden(student)
+    assert hard.config.heads_per_layer == (3, 3)
+    ids = _ids(2, 37)
+    np.testing.assert_allclose(hard(ids), student(ids), atol=1e-5)
+
+
+def test_budget_picks_the_lowest_threshold_that_fits():
+    cands = (sink(2) & causal(), causal() & local(4, 0), causal())
+    student = _tiny(AttentionSpec(kind="candidates", candidates=cands, granularity="head"))
+    for block in student.h:
+        _set_logits(block.attn.core, [[2.0, 1.0, 0.0]] * 3)  # full causal is the weakest
+    loose = harden(student, budget=1.0)
+    tight = harden(student, budget=0.3)
+    assert loose.h[0].attn.core.mask.dense(37, 37).sum() == causal().dense(37, 37).sum()
+    want = (cands[0] | cands[1]).dense(37, 37)
+    np.testing.assert_array_equal(tight.h[0].attn.core.mask.dense(37, 37), want)
+    assert want.mean() <= 0.3
+    with pytest.raises(ValueError, match="strongest candidate"):
+        harden(student, budget=0.01)
+    with pytest.raises(ValueError, match="`budget`"):
+        harden(student, budget=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        harden(student, budget=0.5, threshold=0.5)
+
+
+def test_module_doctests():
+    for name in ("gpt2", "layers", "harden"):
+        module = importlib.import_module(f"sparse_jax.models.{name}")
+        assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0, name
