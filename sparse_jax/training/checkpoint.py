@@ -1,0 +1,609 @@
+"""Checkpoints for training runs: save every N steps, keep the last k and the best, resume exactly.
+
+A thin layer over :class:`orbax.checkpoint.CheckpointManager`. One checkpoint is one directory
+``<directory>/<step>/`` with three Orbax items:
+
+* ``state``: the training-state pytree (parameters, optimizer state, ...), written by
+  ``ocp.args.StandardSave`` with each array's sharding; restored onto the *current* mesh by
+  giving :meth:`Checkpointer.restore` a target of ``jax.ShapeDtypeStruct`` leaves that carry a
+  ``.sharding``;
+* ``extra``: a JSON document with the data position (``data_state``), the RNG key (its raw
+  ``key_data`` and PRNG implementation name) and the step, so that a resumed run continues
+  exactly where the interrupted one stopped;
+* ``metrics``: the metrics given to :meth:`Checkpointer.save` (written by Orbax itself when the
+  best checkpoint is tracked).
+
+Which checkpoints are kept is Orbax's ``preservation_policy``: the union
+(``AnyPreservationPolicy``) of ``LatestN(keep_last)`` and ``BestN(n=1)`` on ``best_metric``, so
+the best checkpoint survives however old it is, while older non-best ones are deleted. When a
+checkpoint is saved is Orbax's ``save_decision_policy``: every ``save_every`` steps
+(``FixedIntervalPolicy``), on a preemption notice, and whenever ``force=True`` (the end of a
+run).
+
+Reliability:
+
+* Orbax writes a step to ``<step>.orbax-checkpoint-tmp...`` and renames it on commit, so a
+  write killed midway never looks like a checkpoint. Such leftovers are reported (logged) when
+  a :class:`Checkpointer` opens the directory, and then removed by Orbax
+  (``cleanup_tmp_directories``); other step-like entries that are not complete checkpoints
+  are reported and left alone.
+* :meth:`Checkpointer.restore` without a step takes the latest checkpoint; when that one cannot
+  be read (truncated or missing files, corrupt metadata) it warns with the checkpoint's path and
+  the error (:class:`CorruptCheckpointWarning`), moves it aside to ``<step>.corrupt`` (kept for
+  inspection, never deleted) and uses the previous one. A checkpoint that reads fine but does
+  not fit the given target is an error, not a reason to fall back.
+* Nothing is overwritten: saving a step that already exists is skipped with a log message,
+  and saving a step older than the latest checkpoint raises.
+* :func:`check_finite` stops a run on a NaN/inf loss with the step and the last good checkpoint.
+
+Example:
+
+>>> import tempfile
+>>> import jax, jax.numpy as jnp
+>>> from sparse_jax.training.checkpoint import Checkpointer
+>>> state = {"w": jnp.arange(4.0), "b": jnp.zeros(2)}
+>>> with tempfile.TemporaryDirectory() as tmp, Checkpointer(tmp, save_every=2) as ckpt:
+...     ckpt.save(1, state, data_state={"epoch": 0, "index": 8}, rng=jax.random.key(0))
+...     ckpt.save(2, state, data_state={"epoch": 0, "index": 16}, rng=jax.random.key(0))
+...     state2, data_state, rng, step = ckpt.restore()
+...     print(step, data_state, bool((state2["w"] == state["w"]).all()))
+False
+True
+2 {'epoch': 0, 'index': 16} True
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CorruptCheckpointWarning",
+    "NonFiniteLossError",
+    "abstract_like",
+    "check_finite",
+]
+
+logger = logging.getLogger(__name__)
+
+_STATE = "state"
+_EXTRA = "extra"
+_FORMAT = 1
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or a checkpoint that does not fit what is asked of it."""
+
+
+class CorruptCheckpointWarning(UserWarning):
+    """A checkpoint could not be read and was skipped (its path is in the message)."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the run stops and keeps its last good checkpoint.
+
+    Attributes:
+      step: the step whose loss was not finite.
+      loss: the loss value (``nan``, ``inf`` or ``-inf``).
+      last_good_step: the latest complete checkpoint's step, or ``None`` if there is none.
+      directory: the checkpoint directory, or ``None`` without a checkpointer.
+    """
+
+    def __init__(self, step: int, loss: float, last_good_step: int | None, directory: str | None):
+        self.step = step
+        self.loss = loss
+        self.last_good_step = last_good_step
+        self.directory = directory
+        if last_good_step is not None:
+            where = (
+                f"last good checkpoint: step {last_good_step} in {directory} "
+                "(resume from it with --resume)"
+            )
+        elif directory is not None:
+            where = f"no checkpoint has been saved yet in {directory}"
+        else:
+            where = "no checkpointer was given"
+        super().__init__(f"loss is {loss} at step {step}; training stopped; {where}")
+
+
+def check_finite(loss: Any, step: int, checkpointer: Checkpointer | None = None) -> float:
+    """Returns ``loss`` as a Python float; raises :class:`NonFiniteLossError` if it is NaN/inf.
+
+    Pulls the value to the host (a device sync). Before raising, waits for any asynchronous save
+    to finish so that the checkpoint named in the message is complete.
+
+    >>> check_finite(0.5, 3)
+    0.5
+    >>> check_finite(float("nan"), 7)
+    Traceback (most recent call last):
+    ...
+    sparse_jax.training.checkpoint.NonFiniteLossError: loss is nan at step 7; training stopped; \
+no checkpointer was given
+    """
+    value = float(np.asarray(jax.device_get(loss)))
+    if math.isfinite(value):
+        return value
+    last_good = None
+    directory = None
+    if checkpointer is not None:
+        checkpointer.wait()
+        last_good = checkpointer.latest_step()
+        directory = str(checkpointer.directory)
+    raise NonFiniteLossError(int(step), value, last_good, directory)
+
+
+def abstract_like(tree: Any) -> Any:
+    """A restore target for ``tree``: ``jax.ShapeDtypeStruct`` leaves keeping each array's sharding.
+
+    ``jax.Array`` leaves become ``ShapeDtypeStruct(shape, dtype, sharding=x.sharding)``;
+    ``ShapeDtypeStruct`` leaves and NumPy arrays are kept as they are (a ``ShapeDtypeStruct``
+    without a sharding, like a NumPy array, is restored as a NumPy array). Use it on a freshly
+    initialised, already sharded state (or on ``jax.eval_shape`` output with shardings attached)
+    to restore a checkpoint onto the current mesh.
+    """
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return jax.tree.map(leaf, tree)
+
+
+def _is_key_array(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _rng_to_json(rng: Any) -> dict[str, Any] | None:
+    if rng is None:
+        return None
+    if _is_key_array(rng):
+        impl = str(jax.random.key_impl(rng))
+        data = jax.random.key_data(rng)
+    else:
+        impl = None
+        data = rng
+    data = np.asarray(jax.device_get(data))
+    if data.dtype != np.uint32:
+        raise TypeError(
+            "rng must be a JAX key array (jax.random.key) or a raw uint32 key "
+            f"(jax.random.PRNGKey); got an array of dtype {data.dtype}"
+        )
+    return {"impl": impl, "shape": list(data.shape), "key_data": data.ravel().tolist()}
+
+
+def _rng_from_json(doc: Mapping[str, Any] | None) -> Any:
+    if doc is None:
+        return None
+    data = np.asarray(doc["key_data"], dtype=np.uint32).reshape(doc["shape"])
+    if doc["impl"] is None:
+        return jax.numpy.asarray(data)
+    return jax.random.wrap_key_data(data, impl=doc["impl"])
+
+
+def _json_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of name -> number or None; got {type(metrics)}")
+    out = {}
+    for name, value in metrics.items():
+        try:
+            out[str(name)] = float(np.asarray(jax.device_get(value)))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"metrics[{name!r}] must be a scalar number; got {value!r}") from e
+    return out
+
+
+def _is_local(path: epath.Path) -> bool:
+    return "://" not in os.fspath(path)
+
+
+class Checkpointer:
+    """Saves and restores training checkpoints under ``directory`` (see the module docstring).
+
+    Args:
+      directory: where the step directories live (created if missing). A local path or any
+        path Orbax/etils understands (``gs://...``).
+      save_every: a checkpoint is written when ``step % save_every == 0`` (or ``force=True``).
+      keep_last: how many of the most recent checkpoints are kept.
+      keep_best: also keep the checkpoint with the best ``best_metric``, however old.
+      best_metric: the key of the ``metrics`` dict given to :meth:`save` that ranks checkpoints;
+        checkpoints without it (or with a NaN value) rank last.
+      best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
+      async_save: write in a background thread (Orbax async checkpointing); :meth:`save` returns
+        once the arrays are copied off the device. Call :meth:`wait` or :meth:`close` before
+        reading the files or exiting.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save_every: int,
+        keep_last: int = 3,
+        keep_best: bool = True,
+        best_metric: str = "eval_loss",
+        best_mode: str = "min",
+        async_save: bool = False,
+    ):
+        for name, value in (("save_every", save_every), ("keep_last", keep_last)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max'; got {best_mode!r}")
+        if not isinstance(best_metric, str) or not best_metric:
+            raise ValueError(f"best_metric must be a non-empty string; got {best_metric!r}")
+        path = epath.Path(directory)
+        if _is_local(path):
+            path = epath.Path(os.path.abspath(os.fspath(path)))
+        self._directory = path
+        self.save_every = save_every
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self.async_save = async_save
+        self._closed = False
+
+        self._report_incomplete_writes()
+
+        preserve: list[Any] = [ocp_managers.LatestN(n=keep_last)]
+        best_fn = None
+        if keep_best:
+            best_fn = self._metric_value
+            preserve.append(
+                ocp_managers.BestN(
+                    get_metric_fn=best_fn,
+                    reverse=best_mode == "min",
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=ocp_managers.AnySavePolicy(
+                [
+                    ocp_managers.FixedIntervalPolicy(save_every),
+                    ocp_managers.PreemptionCheckpointingPolicy(),
+                ]
+            ),
+            preservation_policy=ocp_managers.AnyPreservationPolicy(preserve),
+            # best_fn makes Orbax write each step's metrics (and gives best_step()); which
+            # steps are deleted is decided by preservation_policy alone.
+            best_fn=best_fn,
+            best_mode=best_mode,
+            cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add(_STATE, ocp.args.StandardSave)
+        registry.add(_STATE, ocp.args.StandardRestore)
+        registry.add(_EXTRA, ocp.args.JsonSave)
+        registry.add(_EXTRA, ocp.args.JsonRestore)
+        self._manager = ocp.CheckpointManager(
+            self._directory, options=options, handler_registry=registry
+        )
+        self._report_unlisted_steps()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def directory(self) -> epath.Path:
+        """The checkpoint directory (absolute for local paths)."""
+        return self._directory
+
+    def step_path(self, step: int) -> epath.Path:
+        """The directory of the checkpoint for ``step`` (whether or not it exists)."""
+        return self._directory / str(int(step))
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending (uncommitted writes are not listed)."""
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The step with the best ``best_metric`` (the latest step if ``keep_best`` is False)."""
+        return self._manager.best_step()
+
+    def metrics(self, step: int) -> dict[str, float] | None:
+        """The metrics saved with ``step`` (``None`` if none were given or tracked)."""
+        return self._manager.metrics(step)
+
+    def _metric_value(self, metrics: Mapping[str, Any] | None) -> float:
+        worst = math.inf if self.best_mode == "min" else -math.inf
+        if not metrics or self.best_metric not in metrics:
+            return worst
+        value = float(metrics[self.best_metric])
+        return value if math.isfinite(value) else worst
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_state: Mapping[str, Any],
+        rng: Any,
+        metrics: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves a checkpoint for ``step`` if it is due; returns whether one was written.
+
+        Args:
+          step: the number of optimizer updates done so far (the step a resumed run starts
+            after).
+          state: the pytree of arrays to save (``nnx.state(...)``, an optax state, a dict...).
+            Arrays are saved with their sharding, each host writing its own shards.
+          data_state: where the data pipeline stands (epoch, index, shuffle seed...): a
+            JSON-serialisable dict, given back by :meth:`restore` (tuples come back as lists).
+          rng: the training RNG: a key array from ``jax.random.key`` (saved as its
+            ``key_data`` and implementation name) or a raw ``uint32`` key, or ``None``.
+          metrics: numbers to store with the checkpoint; ``metrics[best_metric]`` ranks it for
+            ``keep_best``.
+          force: save even if ``step`` is not a multiple of ``save_every`` (the end of a run).
+
+        Raises:
+          ValueError: ``step`` is older than the latest checkpoint (a run started afresh in a
+            directory that already holds a later one: resume instead, or use a new directory).
+          TypeError: ``data_state``, ``rng`` or ``metrics`` cannot be stored.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be an int >= 0; got {step!r}")
+        step = int(step)
+        latest = self.latest_step()
+        if latest is not None and step < latest:
+            raise ValueError(
+                f"step {step} is older than the latest checkpoint (step {latest}) in "
+                f"{self._directory}; refusing to mix runs: resume from it, or use a new directory"
+            )
+        if latest == step:
+            if force:
+                logger.info(
+                    "checkpoint for step %d already exists in %s; not overwriting it",
+                    step,
+                    self._directory,
+                )
+            return False
+        if not force and not self._manager.should_save(step):
+            return False
+        if not isinstance(data_state, Mapping):
+            raise TypeError(f"data_state must be a dict; got {type(data_state)}")
+        extra = {
+            "format": _FORMAT,
+            "step": step,
+            "data_state": dict(data_state),
+            "rng": _rng_to_json(rng),
+        }
+        try:
+            json.dumps(extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"data_state must be JSON-serialisable: {e}; got {data_state!r}") from e
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardSave(state), _EXTRA: ocp.args.JsonSave(extra)}
+            ),
+            metrics=_json_metrics(metrics),
+            force=True,
+        )
+        if saved:
+            logger.info("saved checkpoint %s", self.step_path(step))
+        return bool(saved)
+
+    def wait(self) -> None:
+        """Blocks until an asynchronous save (and the deletions it triggers) has finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for outstanding saves and releases Orbax's resources. Idempotent."""
+        if not self._closed:
+            self._manager.close()
+            self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Checkpointer for {self._directory} is closed")
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self, step: int | None = None, *, target: Any = None
+    ) -> tuple[Any, dict[str, Any], Any, int]:
+        """Restores a checkpoint; returns ``(state, data_state, rng, step)``.
+
+        Args:
+          step: the step to restore; ``None`` takes the latest *readable* checkpoint: an
+            unreadable one is reported (:class:`CorruptCheckpointWarning`, naming its path and
+            the error), moved aside to ``<step>.corrupt`` and the previous one is tried.
+          target: the pytree to restore into, with ``jax.ShapeDtypeStruct`` (or ``jax.Array``)
+            leaves whose ``.sharding`` says where each array goes on the current mesh (see
+            :func:`abstract_like`). ``None`` restores with the shardings saved in the
+            checkpoint, which needs the same devices as the run that wrote it.
+
+        Raises:
+          FileNotFoundError: there is no complete checkpoint (or none for ``step``).
+          CheckpointError: the requested step cannot be read, no checkpoint at all can be read,
+            or the latest one reads fine but does not fit ``target``.
+        """
+        self._check_open()
+        self.wait()
+        steps = self.all_steps()
+        if step is not None:
+            if int(step) not in steps:
+                raise FileNotFoundError(
+                    f"no complete checkpoint for step {step} in {self._directory}; "
+                    f"available steps: {steps}"
+                )
+            try:
+                return self._restore_step(int(step), target)
+            except Exception as e:
+                raise CheckpointError(
+                    f"cannot restore checkpoint {self.step_path(step)}: {type(e).__name__}: {e}"
+                ) from e
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self._directory}")
+        unreadable: list[tuple[int, str]] = []
+        for candidate in reversed(steps):
+            try:
+                result = self._restore_step(candidate, target)
+            except Exception as e:
+                ok, message = self.verify(candidate)
+                if ok:
+                    raise CheckpointError(
+                        f"checkpoint {self.step_path(candidate)} is readable but cannot be "
+                        f"restored onto the given target: {type(e).__name__}: {e}"
+                    ) from e
+                warnings.warn(
+                    f"checkpoint {self.step_path(candidate)} cannot be read and is skipped: "
+                    f"{message}",
+                    CorruptCheckpointWarning,
+                    stacklevel=2,
+                )
+                unreadable.append((candidate, message))
+                continue
+            self._quarantine([s for s, _ in unreadable])
+            return result
+        details = "; ".join(f"step {s}: {m}" for s, m in unreadable)
+        raise CheckpointError(f"no readable checkpoint in {self._directory}: {details}")
+
+    def _restore_step(self, step: int, target: Any) -> tuple[Any, dict[str, Any], Any, int]:
+        state_args = (
+            ocp.args.StandardRestore(abstract_like(target))
+            if target is not None
+            else ocp.args.StandardRestore()
+        )
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(**{_STATE: state_args, _EXTRA: ocp.args.JsonRestore()}),
+        )
+        extra = restored[_EXTRA]
+        self._check_extra(extra, step)
+        return restored[_STATE], dict(extra["data_state"]), _rng_from_json(extra["rng"]), step
+
+    def _check_extra(self, extra: Any, step: int) -> None:
+        if not isinstance(extra, Mapping) or extra.get("format") != _FORMAT:
+            raise CheckpointError(
+                f"{self.step_path(step)}/{_EXTRA}: not a sparse_jax checkpoint record "
+                f"(format {_FORMAT} expected); got {extra!r}"
+            )
+        if extra.get("step") != step or "data_state" not in extra or "rng" not in extra:
+            raise CheckpointError(
+                f"{self.step_path(step)}/{_EXTRA}: inconsistent record for step {step}: {extra!r}"
+            )
+
+    def verify(self, step: int) -> tuple[bool, str]:
+        """Reads checkpoint ``step`` completely (arrays to host memory); returns ``(ok, message)``.
+
+        The message names the checkpoint's path; on failure it carries the error. This reads
+        every array, so it costs as much host memory as the state.
+        """
+        path = self.step_path(step)
+        if int(step) not in self.all_steps():
+            state = "exists but was never committed" if path.exists() else "does not exist"
+            return False, f"{path}: not a complete checkpoint ({state})"
+        try:
+            meta = self._manager.item_metadata(int(step))[_STATE]
+            tree = getattr(meta, "tree", meta)
+            target = jax.tree.map(_host_target, tree)
+            restored = self._manager.restore(
+                int(step),
+                args=ocp.args.Composite(
+                    **{
+                        _STATE: ocp.args.StandardRestore(target),
+                        _EXTRA: ocp.args.JsonRestore(),
+                    }
+                ),
+            )
+            self._check_extra(restored[_EXTRA], int(step))
+            leaves = jax.tree.leaves(restored[_STATE])
+        except Exception as e:  # any failure to read means the checkpoint is unusable
+            return False, f"{path}: {type(e).__name__}: {e}"
+        nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
+        return True, f"{path}: ok ({len(leaves)} leaves, {nbytes} bytes)"
+
+    def _quarantine(self, steps: Sequence[int]) -> None:
+        """Moves unreadable checkpoints aside (never deletes them) so their steps can be redone."""
+        if not steps:
+            return
+        for step in steps:
+            src = self.step_path(step)
+            dst = src.parent / f"{src.name}.corrupt"
+            n = 1
+            while dst.exists():
+                dst = src.parent / f"{src.name}.corrupt-{n}"
+                n += 1
+            if jax.process_index() == 0:
+                src.rename(dst)
+            warnings.warn(
+                f"moved unreadable checkpoint {src} to {dst} (kept for inspection, not deleted); "
+                f"step {step} will be written again",
+                CorruptCheckpointWarning,
+                stacklevel=3,
+            )
+        ocp.multihost.sync_global_processes("sparse_jax_checkpoint_quarantine")
+        self._manager.reload()
+
+    def _report_unlisted_steps(self) -> None:
+        if not self._directory.exists():
+            return
+        listed = set(self.all_steps())
+        unlisted = sorted(
+            p.name
+            for p in self._directory.iterdir()
+            if p.name.isdigit() and int(p.name) not in listed
+        )
+        if unlisted:
+            logger.warning(
+                "ignoring entries of %s that look like steps but are not complete checkpoints "
+                "(not committed, or not directories): %s",
+                self._directory,
+                ", ".join(unlisted),
+            )
+
+    def _report_incomplete_writes(self) -> None:
+        if not self._directory.exists():
+            return
+        leftovers = sorted(p.name for p in self._directory.iterdir() if _TMP_MARKER in p.name)
+        if leftovers:
+            logger.warning(
+                "found incomplete checkpoint writes in %s (a save was interrupted): %s; "
+                "they are not checkpoints and will be removed",
+                self._directory,
+                ", ".join(leftovers),
+            )
+
+
+def _host_target(meta: Any) -> Any:
+    """A restore target that reads a saved array into a NumPy array (no device placement)."""
+    shape = getattr(meta, "shape", None)
+    dtype = getattr(meta, "dtype", None)
+    if shape is not None and dtype is not None:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)
+    return meta
