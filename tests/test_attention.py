@@ -524,7 +524,10 @@ def test_auto_dispatch_follows_the_mask_density():
     long = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
     window = attention_impl(long, long, long, mask=causal() & local(256, 0))
     assert window.impl == "blocksparse" and "9.4%" in window.reason
-    assert attention_impl(long, long, long, mask=causal()).impl == "xla"  # no block to skip
+    causal_choice = attention_impl(long, long, long, mask=causal())  # rows grouped: 57% formed
+    assert causal_choice.impl == "blocksparse" and "57.2%" in causal_choice.reason
+    assert attention_impl(long, long, long, mask=causal() | sink(4)).impl == "blocksparse"
+    assert attention_impl(long, long, long, mask=local(2048, 2048)).impl == "xla"  # 83% formed
     assert attention_impl(long, long, long).impl == "xla"
 
 
