@@ -617,8 +617,8 @@ class HardeningConfig:
     """Attention heads per block."""
     vocab: int = 257
     """Vocabulary (257: the byte tokenizer's)."""
-    block: int = 128
-    """Block size of the block-sparse kernel."""
+    block: int = 64
+    """Block size of the block-sparse kernel (see the attention benchmark's --block)."""
     repeats: int = 3
     """Timed calls per cell (median reported)."""
     slow_s: float = 10.0
@@ -684,7 +684,9 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
         head_masks, window = _pattern_for_density(n, config.heads, config.density)
         # A candidate student whose learned weights select the pattern, hardened by harden().
         candidates = (masks.causal(), head_masks[-1])
-        spec = AttentionSpec(kind="candidates", candidates=candidates, granularity="head")
+        spec = AttentionSpec(
+            kind="candidates", candidates=candidates, granularity="head", block_size=blocks
+        )
         student = GPT2(cfg, spec, rngs=nnx.Rngs(0))
         choice = [[4.0, -4.0] if m == masks.causal() else [-4.0, 4.0] for m in head_masks]
         for block in student.h:

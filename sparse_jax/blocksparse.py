@@ -61,6 +61,7 @@ naming the argument.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any, NamedTuple
 
@@ -85,6 +86,7 @@ __all__ = [
     "BlockSparseCost",
     "blocksparse_attention",
     "blocksparse_cost",
+    "head_groups",
     "row_groups",
 ]
 
@@ -555,20 +557,75 @@ def blocksparse_attention(
     steps = _check_steps(query_blocks_per_step, where)
     if not isinstance(return_weights, (bool, np.bool_)):
         raise TypeError(f"{where}: `return_weights` must be a bool; got {return_weights!r}")
-    plan = _make_plan(q, v, layout, steps)
-    return _run(
-        jnp.asarray(q),
-        jnp.asarray(k),
-        jnp.asarray(v),
-        layout,
-        mask,
-        bias,
-        normalizer,
-        scale,
-        plan,
-        bool(return_weights),
-        precision,
-    )
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    groups = head_groups(layout)
+    if len(groups) == 1:
+        plan = _make_plan(q, v, layout, steps)
+        return _run(
+            q, k, v, layout, mask, bias, normalizer, scale, plan, bool(return_weights), precision
+        )
+    # Heads with different layouts run separately, each group with its own row widths (a
+    # window head no longer computes as many blocks as a full-causal head beside it).
+    g = n // k.shape[2]
+    outs, weights = [], []
+    for heads, sub in groups:
+        norm = normalizer
+        if isinstance(norm, jax.Array) and norm.ndim:
+            norm = jnp.broadcast_to(norm, (n,))[heads]
+        sub_bias = bias if bias is None or bias.shape[1] == 1 else bias[:, heads]
+        qs, ks, vs = q[:, :, heads], k[:, :, heads // g], v[:, :, heads // g]
+        plan = _make_plan(qs, vs, sub, steps)
+        result = _run(
+            qs, ks, vs, sub, None, sub_bias, norm, scale, plan, bool(return_weights), precision
+        )
+        outs.append(result[0] if return_weights else result)
+        if return_weights:
+            weights.append(result[1])
+    order = np.argsort(np.concatenate([heads for heads, _ in groups]))
+    out = jnp.concatenate(outs, axis=2)[:, :, order]
+    if not return_weights:
+        return out
+    return out, jnp.concatenate(weights, axis=1)[:, order]
+
+
+def head_groups(layout: BlockLayout) -> list[tuple[np.ndarray, BlockLayout]]:
+    """Heads of a per-head ``layout`` grouped by identical block structure, each group with a
+    shared (``num_heads=None``) layout; one group holding every head for a shared layout, a
+    per-head layout whose heads all agree, or a dynamic one (whose run-time mask is per head).
+
+    Example:
+      >>> from sparse_jax.masks import causal, local, per_head
+      >>> lay = per_head([causal(), causal() & local(3, 0), causal()]).blocks(16, 16, 4, 4)
+      >>> [heads.tolist() for heads, _ in head_groups(lay)]
+      [[0, 2], [1]]
+    """
+    h = layout.kv_block_indices.shape[0]
+    if layout.num_heads is None or layout.dynamic:
+        return [(np.arange(max(h, layout.num_heads or 1)), layout)]
+    keys: dict[bytes, list[int]] = {}
+    for head in range(h):
+        key = b"".join(
+            np.ascontiguousarray(a[head]).tobytes()
+            for a in (layout.kv_block_indices, layout.block_is_full, layout.partial_mask_index)
+        )
+        keys.setdefault(key, []).append(head)
+    if len(keys) == 1:
+        return [(np.arange(h), layout)]
+    groups = []
+    for heads in keys.values():
+        first = heads[0]
+        counts = layout.kv_block_counts[first : first + 1]
+        width = max(1, int(counts.max()))
+        sub = dataclasses.replace(
+            layout,
+            kv_block_indices=layout.kv_block_indices[first : first + 1, :, :width],
+            kv_block_counts=counts,
+            block_is_full=layout.block_is_full[first : first + 1, :, :width],
+            partial_mask_index=layout.partial_mask_index[first : first + 1, :, :width],
+            num_heads=None,
+        )
+        groups.append((np.asarray(heads), sub))
+    return groups
 
 
 class BlockSparseCost(NamedTuple):
@@ -613,8 +670,14 @@ def blocksparse_cost(
     dv = head_dim if head_dim_v is None else head_dim_v
     per_head = num_heads if layout.num_heads is None else 1
     block = layout.block_q * layout.block_kv
-    widths = sum(len(rows) * width for rows, width in row_groups(layout))
-    computed = batch * num_heads * widths * block
+    if layout.num_heads is None:
+        blocks = num_heads * sum(len(rows) * width for rows, width in row_groups(layout))
+    else:  # head groups run separately, each with its own row groups
+        blocks = sum(
+            len(heads) * sum(len(rows) * width for rows, width in row_groups(sub))
+            for heads, sub in head_groups(layout)
+        )
+    computed = batch * blocks * block
     kept = batch * per_head * int(layout.kv_block_counts.sum()) * block
     dense = batch * num_heads * layout.q_len * layout.kv_len
     return BlockSparseCost(

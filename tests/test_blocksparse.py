@@ -424,6 +424,21 @@ def test_cost():
     assert cost.flops == 2 * cost.computed_scores * 12
     ph = per_head([causal(), local(0, 0)]).blocks(16, 16, 8, 8)  # kept: 3 + 2 blocks
     assert blocksparse_cost(ph, batch=1, num_heads=2, head_dim=4).kept_scores == 5 * 64
+    # Heads with different layouts run as separate groups: nothing padded to the widest head.
+    assert blocksparse_cost(ph, batch=1, num_heads=2, head_dim=4).computed_scores == 5 * 64
+
+
+def test_per_head_groups_return_weights_in_head_order():
+    cfg = CONFIGS["gqa"]
+    _, tq, tk, _, _, _, _, bq, bkv = cfg
+    q, k, v, _ = inputs(cfg, seed=2)
+    mask = per_head([causal(), causal() & local(3, 0), causal(), sink(1) & causal()])
+    out, w = blocksparse_attention(q, k, v, mask.blocks(tq, tk, bq, bkv), return_weights=True)
+    from sparse_jax.attention import attention
+
+    ref_out, ref_w = attention(q, k, v, mask=mask, impl="xla", return_weights=True)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(w, ref_w, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
