@@ -280,8 +280,18 @@ def test_budget_picks_the_lowest_threshold_that_fits():
     want = (cands[0] | cands[1]).dense(37, 37)
     np.testing.assert_array_equal(tight.h[0].attn.core.mask.dense(37, 37), want)
     assert want.mean() <= 0.3
-    with pytest.raises(ValueError, match="strongest candidate"):
+    with pytest.raises(ValueError, match="cannot be met: every head on its cheapest"):
         harden(student, budget=0.01)
+    # Full causal the strongest everywhere: no threshold fits, the densest heads move to their
+    # strongest cheaper candidate (the window) until the mean fits.
+    for block in student.h:
+        _set_logits(block.attn.core, [[0.0, 1.0, 2.0]] * 3)
+    from sparse_jax.models import harden_plan
+
+    plan = harden_plan(student, budget=0.3)
+    assert plan.density <= 0.3
+    masks = [m for block in plan.head_masks for m in block]
+    assert causal() in masks and cands[1] in masks and cands[0] not in masks
     with pytest.raises(ValueError, match="`budget`"):
         harden(student, budget=0.0)
     with pytest.raises(ValueError, match="not both"):

@@ -548,7 +548,7 @@ def student_from_teacher(
     for path, var in nnx.to_flat_state(student_state):
         src = teacher_params.get(path)
         if src is not None and src[...].shape == var[...].shape:
-            var = var.replace(src[...])
+            var = var.replace(jnp.array(src[...], copy=True))  # own buffers, not the teacher's
         flat.append((path, var))
     nnx.update(student, nnx.from_flat_state(flat))
     return student

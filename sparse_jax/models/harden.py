@@ -79,6 +79,53 @@ def _density(mask: masks_lib.Mask, n: int) -> float:
     return float(mask.blocks(n, n, min(n, 128), min(n, 128)).density)
 
 
+def _cheapest(blocks, weights_of, n_ref):
+    """Kept matrices with every head on its least dense candidate."""
+    out = []
+    for block in blocks:
+        w = weights_of(block)
+        if w is None:
+            out.append(None)
+            continue
+        dens = np.array([_density(c, n_ref) for c in block.attn.core.candidates])
+        kept = np.zeros(w.shape, bool)
+        kept[:, dens.argmin()] = True
+        out.append(kept)
+    return out
+
+
+def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref):
+    """Greedy fallback when no threshold meets ``budget``: starting from each head's strongest
+    candidate, repeatedly move the densest head to its strongest *cheaper* candidate until the
+    mean density fits (None if it never does)."""
+    kept_by_block = [None if k is None else k.copy() for k in kept_by_block]
+    cand_density = [
+        None
+        if weights_of(b) is None
+        else np.array([_density(c, n_ref) for c in b.attn.core.candidates])
+        for b in blocks
+    ]
+    while True:
+        plan = assemble(kept_by_block)
+        if plan[4] <= budget:
+            return plan
+        best = None  # (density, block, head, new candidate)
+        for i, (kept, dens) in enumerate(zip(kept_by_block, cand_density, strict=True)):
+            if kept is None:
+                continue
+            w = weights_of(blocks[i])
+            for h in range(kept.shape[0]):
+                current = dens[kept[h]].max()
+                cheaper = np.flatnonzero(dens < current)
+                if cheaper.size and (best is None or current > best[0]):
+                    best = (current, i, h, cheaper[np.argmax(w[h, cheaper])])
+        if best is None:
+            return None
+        _, i, h, c = best
+        kept_by_block[i][h] = False
+        kept_by_block[i][h, c] = True
+
+
 def harden_plan(
     model: GPT2, *, threshold: float | None = None, budget: float | None = None, length=None
 ) -> HardenReport:
@@ -97,9 +144,16 @@ def harden_plan(
     n_ref = length or model.config.n_positions
     blocks = list(model.h)
 
-    def plan_for(t: float):
-        heads, units, head_masks, kept_cands, densities = [], [], [], [], []
-        for block in blocks:
+    def weights_of(block) -> np.ndarray | None:
+        core = block.attn.core if block.attn.num_heads else None
+        if isinstance(core, CandidateMaskAttention):
+            return np.asarray(core._per_head_weights())  # [N, C]
+        return None
+
+    def assemble(kept_by_block):
+        """The plan for explicit kept-candidate matrices (None for blocks without them)."""
+        heads, units, head_masks, densities = [], [], [], []
+        for block, kept in zip(blocks, kept_by_block, strict=True):
             attn = block.attn
             n = attn.num_heads
             keep_h, _ = _gate_values(attn.head_gate, n)
@@ -109,49 +163,51 @@ def harden_plan(
             units.append(np.flatnonzero(keep_u))
             if not n:
                 head_masks.append(None)
-                kept_cands.append(None)
                 continue
-            core = attn.core
-            if isinstance(core, CandidateMaskAttention):
-                w = np.asarray(core._per_head_weights())  # [N, C]
-                kept = w >= t
-                kept[np.arange(n), w.argmax(axis=1)] = True  # never an empty head
-                masks = tuple(_union(core.candidates, kept[h]) for h in range(n))
-                kept_cands.append(kept)
+            if kept is not None:
+                masks = tuple(_union(attn.core.candidates, kept[h]) for h in range(n))
             else:
-                mask = core.mask
+                mask = attn.core.mask
                 masks = tuple(
                     mask.for_head(h) if mask.num_heads is not None else mask for h in range(n)
                 )
-                kept_cands.append(None)
             head_masks.append(tuple(masks[h] for h in heads[-1]))
             densities += [_density(masks[h], n_ref) for h in heads[-1]]
         density = float(np.mean(densities)) if densities else 0.0
-        return heads, units, head_masks, kept_cands, density
+        return heads, units, head_masks, list(kept_by_block), density
+
+    def kept_at(t: float):
+        out = []
+        for block in blocks:
+            w = weights_of(block)
+            if w is None:
+                out.append(None)
+                continue
+            kept = w >= t
+            kept[np.arange(w.shape[0]), w.argmax(axis=1)] = True  # never an empty head
+            out.append(kept)
+        return out
 
     if budget is None:
         t = 0.5 if threshold is None else float(threshold)
-        plan = plan_for(t)
+        plan = assemble(kept_at(t))
     else:  # the lowest threshold (most candidates kept) whose density fits the budget
         weights = sorted(
-            {
-                float(x)
-                for b in blocks
-                if b.attn.num_heads and isinstance(b.attn.core, CandidateMaskAttention)
-                for x in np.asarray(b.attn.core.weights()).ravel()
-            }
+            {float(x) for b in blocks if (w := weights_of(b)) is not None for x in w.ravel()}
         )
         t, plan = None, None
-        for cand in weights:
-            trial = plan_for(cand)
+        for cand in [*weights, float("inf")]:  # inf: each head keeps only its strongest
+            trial = assemble(kept_at(cand))
             if trial[4] <= budget:
                 t, plan = cand, trial
                 break
         if plan is None:
-            floor = plan_for(1.0)[4]
+            plan = _downgrade(blocks, kept_at(float("inf")), weights_of, assemble, budget, n_ref)
+        if plan is None:
+            floor = assemble(_cheapest(blocks, weights_of, n_ref))[4]
             raise ValueError(
-                f"{where}: no threshold meets `budget`={budget}: keeping only each head's "
-                f"strongest candidate gives mean density {floor:.3f}"
+                f"{where}: `budget`={budget} cannot be met: every head on its cheapest "
+                f"candidate still gives mean density {floor:.3f}"
             )
     heads, units, head_masks, kept_cands, density = plan
     return HardenReport(
@@ -174,8 +230,9 @@ def harden(
       threshold: keep candidate ``c`` of a head when its weight ``sigmoid(logit) >= threshold``
         (default 0.5).
       budget: instead of a threshold, the largest mean attention density (over kept heads, at
-        ``length``) allowed: the lowest threshold that meets it is used (ValueError when even
-        each head's strongest candidate alone exceeds it).
+        ``length``) allowed: the lowest threshold that meets it is used; when even each head's
+        strongest candidate alone exceeds it, the densest heads move, one at a time, to their
+        strongest cheaper candidate until it fits (ValueError if the cheapest cannot).
       length: sequence length at which densities are measured (default ``n_positions``).
       impl: attention implementation of the hardened blocks (``"auto"``: block-sparse when
         the mask leaves enough out).

@@ -1,0 +1,197 @@
+"""``report.md`` and its plots for a distillation run folder (``python -m experiments.report
+<run-dir>`` rewrites them from ``metrics.jsonl`` and ``summary.json``)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import sys
+
+__all__ = ["write_report"]
+
+
+def _flops(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g}"
+
+
+def _read_metrics(run_dir: pathlib.Path) -> dict[str, list[dict]]:
+    phases: dict[str, list[dict]] = collections.defaultdict(list)
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                phases[record.get("phase", "?")].append(record)
+    return phases
+
+
+def _plot_curves(phases, out: pathlib.Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    drawn = False
+    offset = 0
+    for phase in ("teacher", "student", "hardened"):
+        rows = [r for r in phases.get(phase, []) if "loss" in r]
+        if not rows:
+            continue
+        steps = [offset + r["step"] for r in rows]
+        axes[0].plot(steps, [r["loss"] for r in rows], label=f"{phase} loss", lw=1)
+        if phase != "teacher":
+            axes[1].plot(steps, [r.get("kl", float("nan")) for r in rows], label=f"{phase} KL")
+            evals = [r for r in rows if "eval_kl" in r]
+            axes[1].plot(
+                [offset + r["step"] for r in evals],
+                [r["eval_kl"] for r in evals],
+                "o",
+                label=f"{phase} eval KL",
+            )
+        offset = steps[-1] if phase != "teacher" else 0
+        drawn = True
+    axes[0].set_xlabel("update")
+    axes[0].set_title("training loss (teacher: cross-entropy; students: KL + penalties)")
+    axes[1].set_xlabel("update (student, then hardened fine-tune)")
+    axes[1].set_title("KL(teacher || student), nats/token")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def _plot_weights(phases, candidates, out: pathlib.Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in phases.get("student", []) if any(k.startswith("w/") for k in r)]
+    if not rows:
+        return False
+    blocks = sorted({k.split("/")[1] for k in rows[0] if k.startswith("w/")})
+    fig, axes = plt.subplots(1, len(blocks), figsize=(3.2 * len(blocks), 3.2), squeeze=False)
+    for ax, block in zip(axes[0], blocks, strict=True):
+        keys = sorted(
+            (k for k in rows[0] if k.startswith(f"w/{block}/")), key=lambda k: int(k[-1:])
+        )
+        for j, key in enumerate(keys):
+            label = candidates[j] if j < len(candidates) else key
+            ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=label, lw=1)
+        ax.set_title(block)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("sigmoid(logit), mean over heads")
+    axes[0][-1].legend(fontsize=6, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_density(summary, out: pathlib.Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    density = summary.get("hardened_layer_density")
+    if not density:
+        return False
+    speed = next(iter(summary["speed"].values()))
+    fig, ax = plt.subplots(figsize=(5, 3))
+    x = range(len(density))
+    ax.bar([i - 0.2 for i in x], [speed["teacher_density"]] * len(density), 0.4, label="teacher")
+    ax.bar([i + 0.2 for i in x], density, 0.4, label="hardened student")
+    ax.set_xlabel("block")
+    ax.set_ylabel("attention density")
+    ax.set_xticks(list(x))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
+    """Writes ``report.md`` (+ ``curves.png``, ``weights.png``, ``density.png``) in
+    ``run_dir`` from its ``config.json``, ``metrics.jsonl`` and ``summary.json``."""
+    run_dir = pathlib.Path(run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    phases = _read_metrics(run_dir)
+    lines = ["# Distillation run", ""]
+    shown = {k: v for k, v in config.items() if k != "data_description"}
+    lines += ["```", f"config: {json.dumps(shown)}", "```", ""]
+    lines += ["## Data", "", config.get("data_description", "?"), ""]
+    lines += ["## Results (evaluation split, measured in this run)", ""]
+    lines += ["| | teacher (dense) | student (soft) | hardened student |", "|:--|--:|--:|--:|"]
+    lines.append(
+        f"| perplexity | {summary['teacher_ppl']:.3f} | {summary['student_ppl']:.3f} | "
+        f"{summary['hardened_ppl']:.3f} |"
+    )
+    lines.append(
+        f"| KL(teacher ‖ ·), nats/token | 0 | {summary['student_kl']:.4f} | "
+        f"{summary['hardened_kl']:.4f} |"
+    )
+    for length, s in summary["speed"].items():
+        lines.append(
+            f"| attention density at n={length} | {s['teacher_density']:.1%} | – | "
+            f"{s['hardened_density']:.1%} |"
+        )
+        lines.append(
+            f"| FLOPs/token at n={length} | {_flops(s['teacher_flops_per_token'])} | – | "
+            f"{_flops(s['hardened_flops_per_token'])} |"
+        )
+        lines.append(
+            f"| attention FLOPs at n={length} | {_flops(s['teacher_attention_flops'])} | – | "
+            f"{_flops(s['hardened_attention_flops'])} |"
+        )
+        lines.append(
+            f"| forward tokens/s at n={length} | {s['teacher_tokens_per_s']:.0f} | – | "
+            f"{s['hardened_tokens_per_s']:.0f} |"
+        )
+    lines += [
+        "",
+        f"Hardened heads per block: {summary['hardened_heads']}; FFN units per block: "
+        f"{summary['hardened_ffn_units']}. Device: {summary['device']}; wall time "
+        f"{summary['wall_time_s']:.0f} s. tokens/s: one sequence, jitted forward, median of "
+        "repeated calls; FLOPs: sparse_jax.flops (matmuls over the score entries each "
+        "implementation forms).",
+        "",
+    ]
+    if summary.get("hardened_masks"):
+        lines += ["Hardened masks per block:", ""]
+        lines += [f"- block {i}: `{m}`" for i, m in enumerate(summary["hardened_masks"])]
+        lines.append("")
+    if _plot_curves(phases, run_dir / "curves.png"):
+        lines += ["## Training curves", "", "![loss and KL](curves.png)", ""]
+    if _plot_weights(phases, summary.get("candidates", []), run_dir / "weights.png"):
+        lines += ["## Candidate weights (one line per candidate, per block)", ""]
+        lines += ["![candidate weights](weights.png)", ""]
+    if _plot_density(summary, run_dir / "density.png"):
+        lines += ["## Attention density per block", "", "![density](density.png)", ""]
+    if summary.get("samples"):
+        lines += ["## Teacher vs hardened student (greedy, evaluation prompts)", ""]
+        for i, sample in enumerate(summary["samples"]):
+            cell = {k: repr(v).replace("|", "\\|") for k, v in sample.items()}
+            lines += [f"**Prompt {i + 1}:** `{cell['prompt']}`", ""]
+            lines += ["| teacher | hardened student |", "|:--|:--|"]
+            lines.append(f"| `{cell['teacher']}` | `{cell['hardened']}` |")
+            lines.append("")
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    print(write_report(sys.argv[1]))

@@ -1,0 +1,328 @@
+"""One trainer for every experiment: an Optax loop over NNX state, sharded, checkpointed.
+
+:class:`Trainer` trains the parameters of a model that a filter names (all of them, or e.g.
+only the candidate-mask weights) with AdamW under a warm-up + cosine schedule, gradient
+clipping and optional accumulation (``optax.MultiSteps``). The step is one ``jax.jit`` with
+``in_shardings``/``out_shardings`` over a ``("data", "model")`` mesh (what ``pjit`` became):
+batches split on ``data``, parameters and optimizer moments placed by the name rules of
+:mod:`sparse_jax.training.sharding`. Other models the loss needs (a frozen teacher) are passed
+to the step as arguments, never baked into the program as constants.
+
+Checkpoints (:mod:`sparse_jax.training.checkpoint`) hold the model state, the optimizer state,
+the data position and the RNG, so ``resume=True`` continues exactly where the last complete
+checkpoint left off; the per-step RNG is ``fold_in(key, step)``, independent of resumption.
+A NaN or inf loss stops the run with the step number and the last good checkpoint kept.
+
+Example:
+  >>> from flax import nnx
+  >>> from sparse_jax.models import GPT2, GPT2Config
+  >>> from sparse_jax.training.losses import cross_entropy_loss
+  >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+  >>> def loss_fn(model, batch, rng):
+  ...     return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
+  >>> trainer = Trainer(model, loss_fn, TrainConfig(steps=2, batch_size=2, warmup_steps=1))
+  >>> batches = iter([np.zeros((2, 9), np.int32)] * 2)
+  >>> [round(float(m["loss"]), 2) for m in trainer.fit(batches)][:1]
+  [4.62]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from sparse_jax.training import checkpoint as ckpt_lib
+from sparse_jax.training import sharding as sharding_lib
+
+__all__ = ["TrainConfig", "Trainer", "append_jsonl", "trainable_filter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings of one training phase."""
+
+    steps: int = 200  # optimizer updates
+    batch_size: int = 8  # global batch (sequences)
+    learning_rate: float = 3e-3  # peak learning rate (after warm-up)
+    warmup_steps: int = 20  # linear warm-up from 0, then cosine decay to 10% of the peak
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    clip_norm: float = 1.0  # global gradient-norm clipping (0: off)
+    grad_accum: int = 1  # micro-batches accumulated per update (optax.MultiSteps)
+    trainable: str = ".*"  # regex on '/'-joined parameter paths that are trained
+    fast_params: str = ""  # regex of parameters trained at `fast_lr_multiplier` x the rate
+    fast_lr_multiplier: float = 10.0  # e.g. mask weights and gates, which start far from 0
+    seed: int = 0  # RNG seed of the step keys (Hard Concrete sampling, ...)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig: `{name}` must be an int >= 1; got {value!r}")
+        if not self.warmup_steps >= 0:
+            raise ValueError(f"TrainConfig: `warmup_steps` must be >= 0; got {self.warmup_steps}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"TrainConfig: `learning_rate` must be > 0; got {self.learning_rate}")
+        for name in ("trainable", "fast_params"):
+            try:
+                re.compile(getattr(self, name))
+            except re.error as err:
+                raise ValueError(
+                    f"TrainConfig: `{name}`={getattr(self, name)!r} is not a regex: {err}"
+                ) from err
+        if not self.fast_lr_multiplier > 0:
+            raise ValueError(
+                f"TrainConfig: `fast_lr_multiplier` must be > 0; got {self.fast_lr_multiplier}"
+            )
+
+
+def trainable_filter(pattern: str) -> Callable[[Any, Any], bool]:
+    """An NNX filter: ``nnx.Param``s whose '/'-joined path matches ``pattern`` (``re.search``).
+
+    Example:
+      >>> f = trainable_filter("core/logits")
+      >>> f(("h", 0, "attn", "core", "logits"), nnx.Param(np.zeros(3)))
+      True
+    """
+    rx = re.compile(pattern)
+
+    def keep(path, value) -> bool:
+        return isinstance(value, nnx.Param) and bool(rx.search("/".join(map(str, path))))
+
+    return keep
+
+
+def _path_string(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return "/".join(parts)
+
+
+def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Clipping, then AdamW with warm-up + cosine decay (``fast_params`` at a multiple of the
+    rate), optionally accumulated over ``grad_accum`` micro-batches."""
+    total = max(config.steps, config.warmup_steps + 1)
+
+    def adamw(peak):
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, peak, config.warmup_steps, total, end_value=0.1 * peak
+        )
+        return optax.adamw(schedule, weight_decay=config.weight_decay)
+
+    if config.fast_params:
+        rx = re.compile(config.fast_params)
+
+        def labels(params):
+            return jax.tree_util.tree_map_with_path(
+                lambda path, _: "fast" if rx.search(_path_string(path)) else "base", params
+            )
+
+        fast = config.learning_rate * config.fast_lr_multiplier
+        update = optax.multi_transform(
+            {"base": adamw(config.learning_rate), "fast": adamw(fast)}, labels
+        )
+    else:
+        update = adamw(config.learning_rate)
+    parts = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm > 0 else []
+    tx = optax.chain(*parts, update)
+    return optax.MultiSteps(tx, config.grad_accum) if config.grad_accum > 1 else tx
+
+
+class Trainer:
+    """Trains ``model`` in place with ``loss_fn`` (see the module docstring).
+
+    Args:
+      model: an NNX module; the parameters ``config.trainable`` names are trained.
+      loss_fn: ``loss_fn(model, batch, rng, **frozen_models) -> (loss, metrics)`` where
+        ``batch`` is the (sharded) int32 array of a step and metrics a dict of scalars.
+      config: :class:`TrainConfig`.
+      frozen_models: other modules the loss reads (e.g. ``teacher=...``); not trained.
+      mesh: a ``("data", "model")`` mesh (default: all devices on ``data``).
+      rules: parameter partition rules (:data:`sparse_jax.training.sharding.DEFAULT_RULES`).
+      checkpointer: a :class:`~sparse_jax.training.checkpoint.Checkpointer` or None.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        loss_fn: Callable[..., tuple[jax.Array, Mapping[str, jax.Array]]],
+        config: TrainConfig,
+        *,
+        frozen_models: Mapping[str, nnx.Module] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        rules=sharding_lib.DEFAULT_RULES,
+        checkpointer: ckpt_lib.Checkpointer | None = None,
+    ):
+        self.model, self.loss_fn, self.config = model, loss_fn, config
+        self.mesh = sharding_lib.make_mesh() if mesh is None else mesh
+        sharding_lib.check_batch(config.batch_size, self.mesh)
+        self.checkpointer = checkpointer
+        self.step = 0
+        self.rng = jax.random.key(config.seed)
+        keep = trainable_filter(config.trainable)
+        self.graphdef, self.params, self.rest = nnx.split(model, keep, ...)
+        if not jax.tree.leaves(self.params):
+            raise ValueError(
+                f"TrainConfig.trainable={config.trainable!r} matches no parameter of the model"
+            )
+        self.tx = _optimizer(config)
+        frozen_models = dict(frozen_models or {})
+        self.frozen_defs = {k: nnx.split(m) for k, m in frozen_models.items()}
+        # Placement: parameters and moments by the rules, batches on "data".
+        place = lambda tree: sharding_lib.param_shardings(tree, self.mesh, rules)[0]
+        # A copy: the step donates the parameter buffers, which must not be the model's own
+        # (or another model's, for a student made from a teacher).
+        self.params = jax.tree.map(
+            lambda x: x.copy(), jax.device_put(self.params, place(self.params))
+        )
+        self.rest = jax.device_put(self.rest, place(self.rest))
+        self.opt_state = self.tx.init(self.params)
+        self.frozen_states = {
+            k: jax.device_put(state, place(state)) for k, (_, state) in self.frozen_defs.items()
+        }
+        self._shardings = (
+            place(self.params),
+            place(self.rest),
+            place(self.opt_state),
+            {k: place(s) for k, s in self.frozen_states.items()},
+        )
+        self._batch_sharding = sharding_lib.batch_sharding(self.mesh)
+        self._step_fn = self._compile_step()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _model(self, params, rest):
+        return nnx.merge(self.graphdef, params, rest)
+
+    def _compile_step(self):
+        graphdefs = {k: g for k, (g, _) in self.frozen_defs.items()}
+
+        def step(params, rest, opt_state, frozen, batch, key):
+            def objective(params):
+                model = nnx.merge(self.graphdef, params, rest)
+                others = {k: nnx.merge(graphdefs[k], s) for k, s in frozen.items()}
+                loss, metrics = self.loss_fn(model, batch, key, **others)
+                return loss, metrics
+
+            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+            return params, opt_state, metrics
+
+        p, r, o, f = self._shardings
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(
+            step,
+            in_shardings=(p, r, o, f, self._batch_sharding, replicated),
+            out_shardings=(p, o, replicated),
+            donate_argnums=(0, 2),
+        )
+
+    def _put_batch(self, batch) -> jax.Array:
+        return sharding_lib.shard_batch(np.asarray(batch), self.mesh)
+
+    # ------------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The checkpointed arrays: trained parameters, the rest of the model, optimizer."""
+        return {"params": self.params, "rest": self.rest, "opt": self.opt_state}
+
+    def save(self, data_state: Mapping[str, Any], metrics=None, *, force=False) -> bool:
+        if self.checkpointer is None:
+            return False
+        return self.checkpointer.save(
+            self.step,
+            self.state(),
+            data_state={**data_state, "step": self.step},
+            rng=self.rng,
+            metrics=metrics,
+            force=force,
+        )
+
+    def restore(self) -> dict[str, Any] | None:
+        """Restores the latest readable checkpoint onto the current mesh; returns its data
+        state (None when there is no checkpoint)."""
+        if self.checkpointer is None or self.checkpointer.latest_step() is None:
+            return None
+        target = ckpt_lib.abstract_like(self.state())
+        state, data_state, rng, step = self.checkpointer.restore(target=target)
+        self.params, self.rest, self.opt_state = state["params"], state["rest"], state["opt"]
+        self.rng, self.step = rng, step
+        self.sync_model()
+        return data_state
+
+    def sync_model(self) -> nnx.Module:
+        """Writes the trained state back into ``self.model`` (in place) and returns it."""
+        nnx.update(self.model, self.params, self.rest)
+        return self.model
+
+    def fit(
+        self,
+        batches: Iterable[Any],
+        *,
+        data_state: Callable[[], Mapping[str, Any]] | None = None,
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+        evaluate: Callable[[nnx.Module], Mapping[str, float]] | None = None,
+        eval_every: int = 0,
+    ) -> Iterator[dict[str, float]]:
+        """Runs updates ``self.step + 1 ... config.steps``; yields each step's metrics.
+
+        Args:
+          batches: an iterable of ``[batch_size, ...]`` int arrays (one per update).
+          data_state: returns the data pipeline's position, saved with checkpoints.
+          on_step: called with ``(step, metrics)`` after every update.
+          evaluate: ``evaluate(model) -> metrics``, run every ``eval_every`` updates and at the
+            end; its metrics are yielded (prefixed ``eval_``) and rank checkpoints.
+          eval_every: 0 = only at the end.
+
+        Raises:
+          NonFiniteLossError: on a NaN/inf loss, naming the step and the last good checkpoint.
+        """
+        iterator = iter(batches)
+        start = time.perf_counter()
+        while self.step < self.config.steps:
+            batch = self._put_batch(next(iterator))
+            key = jax.random.fold_in(self.rng, self.step)
+            self.params, self.opt_state, metrics = self._step_fn(
+                self.params, self.rest, self.opt_state, self.frozen_states, batch, key
+            )
+            self.step += 1
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            ckpt_lib.check_finite(metrics["loss"], self.step, self.checkpointer)
+            metrics["tokens_per_s"] = batch.size / max(time.perf_counter() - start, 1e-9)
+            start = time.perf_counter()
+            last = self.step == self.config.steps
+            eval_metrics = None
+            if evaluate is not None and (last or (eval_every and self.step % eval_every == 0)):
+                eval_metrics = {
+                    f"eval_{k}": float(v) for k, v in evaluate(self.sync_model()).items()
+                }
+                metrics.update(eval_metrics)
+            if self.checkpointer is not None:
+                position = dict(data_state()) if data_state is not None else {}
+                self.save(position, eval_metrics, force=last)
+            if on_step is not None:
+                on_step(self.step, metrics)
+            yield metrics
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self.sync_model()
+
+
+def append_jsonl(path, record: Mapping[str, Any]) -> None:
+    """Appends one JSON line (floats, ints, strings, lists)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=float) + "\n")

@@ -1,0 +1,125 @@
+"""The main job end to end on a tiny configuration: run folder, report, resumption after
+SIGKILL, and configuration errors before anything compiles."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import distill
+from sparse_jax.training.checkpoint import Checkpointer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+TINY = [
+    "--teacher-size", "tiny", "--teacher-steps", "6", "--seq-len", "16", "--batch-size", "4",
+    "--steps", "8", "--finetune-steps", "3", "--eval-batches", "1", "--checkpoint-every", "2",
+    "--windows", "4", "8", "--report-prompts", "1",
+]  # fmt: skip
+
+
+def _args(tmp_path, run="run", *extra):
+    return [*TINY, "--run-dir", str(tmp_path / run), "--cache-dir", str(tmp_path / "cache"), *extra]
+
+
+def test_tiny_run_writes_the_run_folder_and_report(tmp_path):
+    summary = distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path)))
+    run = tmp_path / "run"
+    for name in ("config.json", "metrics.jsonl", "summary.json", "report.md", "curves.png"):
+        assert (run / name).exists(), name
+    assert (run / "weights.png").exists() and (run / "density.png").exists()
+    report = (run / "report.md").read_text()
+    assert "| perplexity |" in report and "forward tokens/s at n=16" in report
+    assert set(summary["speed"]) == {16}  # 4 x 16 = 64 > the tiny teacher's 37 positions
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    phases = {json.loads(line)["phase"] for line in lines}
+    assert phases == {"teacher", "student", "hardened"}
+    for phase in ("teacher", "student", "hardened"):
+        assert Checkpointer(run / "checkpoints" / phase, save_every=2).latest_step() is not None
+    # The teacher is cached: a second run reuses it (no teacher phase).
+    distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path, "again")))
+    lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
+    assert "teacher" not in {json.loads(line)["phase"] for line in lines}
+
+
+def _final_params(run_dir):
+    state, *_ = Checkpointer(run_dir / "checkpoints" / "hardened", save_every=1).restore()
+    return state["params"]
+
+
+def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(tmp_path):
+    args = _args(tmp_path, "killed", "--steps", "30", "--checkpoint-every", "1")
+    cmd = [sys.executable, "-m", "experiments.distill", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    student_ckpts = tmp_path / "killed" / "checkpoints" / "student"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        steps = (
+            [p for p in student_ckpts.glob("*") if p.name.isdigit()]
+            if student_ckpts.exists()
+            else []
+        )
+        if len(steps) >= 1 and max(int(p.name) for p in steps) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(
+        [*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "student: resumed at step" in resumed.stderr
+    whole = _args(tmp_path, "whole", "--steps", "30", "--checkpoint-every", "1")
+    distill.run(distill.tyro.cli(distill.DistillConfig, args=whole))
+    a, b = _final_params(tmp_path / "killed"), _final_params(tmp_path / "whole")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--seq-len", "64"], "longer than the teacher's 37 positions"),
+        (["--batch-size", "0"], "--batch-size must be an int >= 1"),
+        (["--data", "/no/such/folder"], "--data path '/no/such/folder' does not exist"),
+        (["--budget", "1.5"], "--budget must be in"),
+        (["--normalizer", "soft"], "--normalizer must be"),
+    ],
+)
+def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys):
+    with pytest.raises((ValueError, SystemExit)) as info:
+        distill.main(_args(tmp_path, "bad", *extra))
+    message = str(info.value) + capsys.readouterr().err
+    message = " ".join(message.replace("│", " ").split())  # tyro boxes and wraps the message
+    assert match in message
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_unknown_student_kind_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        distill.main(_args(tmp_path, "bad", "--student", "dense"))
+    assert "student" in capsys.readouterr().err
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="already holds a run: pass --resume"):
+        distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path)))
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        distill.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--teacher", "--data", "--student", "--resume", "--run-dir", "--budget"):
+        assert flag in text

@@ -1,0 +1,152 @@
+"""The trainer: only named parameters move, resumption is exact, 8 devices follow 1 device."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
+from sparse_jax.training.checkpoint import Checkpointer
+from sparse_jax.training.loop import TrainConfig, Trainer
+from sparse_jax.training.losses import cross_entropy_loss
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def lm_loss(model, batch, rng):
+    return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
+
+
+def batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 101, (4, 17)).astype(np.int32) for _ in range(n)]
+
+
+def params_of(model):
+    return {str(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_only_the_named_parameters_are_trained():
+    spec = AttentionSpec(kind="candidates")
+    model = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+    before = params_of(model)
+    config = TrainConfig(steps=3, batch_size=4, warmup_steps=0, trainable="core/logits")
+    list(Trainer(model, lm_loss, config).fit(batches(3)))
+    after = params_of(model)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and all("logits" in k for k in changed)
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="`trainable`"):
+        TrainConfig(trainable="(")
+    model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="matches no parameter"):
+        Trainer(model, lm_loss, TrainConfig(trainable="nothing-here"))
+
+
+def test_nan_loss_stops_with_the_step_and_last_checkpoint(tmp_path):
+    model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch, rng):
+        loss, metrics = lm_loss(model, batch, rng)
+        return jnp.where(batch[0, 0] == 7, jnp.nan, loss), metrics
+
+    data = batches(4)
+    data[3][0, 0] = 7
+    ckpt = Checkpointer(tmp_path, save_every=2)
+    trainer = Trainer(model, loss_fn, TrainConfig(steps=4, batch_size=4), checkpointer=ckpt)
+    with pytest.raises(FloatingPointError, match=r"step 4.*last good checkpoint: step 2"):
+        list(trainer.fit(data, data_state=lambda: {}))
+    assert ckpt.all_steps() == [2]
+
+
+def test_resumed_training_ends_with_the_same_parameters(tmp_path):
+    data = batches(6)
+    config = TrainConfig(steps=6, batch_size=4, warmup_steps=2)
+    spec = AttentionSpec(kind="candidates", head_gate="hard_concrete")
+
+    def fresh():
+        return GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch, rng):  # uses the step key: Hard Concrete samples
+        loss, metrics = cross_entropy_loss(
+            model(batch[:, :-1], rngs=nnx.Rngs(gates=rng)), batch[:, 1:]
+        )
+        return loss, metrics
+
+    whole = fresh()
+    list(Trainer(whole, loss_fn, config).fit(data))
+
+    part = fresh()
+    ckpt = Checkpointer(tmp_path, save_every=2)
+    trainer = Trainer(part, loss_fn, config, checkpointer=ckpt)
+    for i, _ in enumerate(trainer.fit(data, data_state=lambda: {"next": trainer.step})):
+        if i == 3:  # stop after 4 updates (checkpoint at 4)
+            break
+    ckpt.close()
+
+    resumed = fresh()
+    ckpt = Checkpointer(tmp_path, save_every=2)
+    trainer = Trainer(resumed, loss_fn, config, checkpointer=ckpt)
+    position = trainer.restore()
+    assert trainer.step == 4 and position["next"] == 4
+    list(trainer.fit(data[position["next"] :], data_state=lambda: {"next": trainer.step}))
+    ckpt.close()
+    a, b = params_of(whole), params_of(resumed)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+SCRIPT = """
+import json, sys
+import numpy as np
+from flax import nnx
+import jax
+from sparse_jax.models import GPT2, GPT2Config
+from sparse_jax.training.loop import TrainConfig, Trainer
+from sparse_jax.training.losses import cross_entropy_loss
+from sparse_jax.training.sharding import make_mesh
+
+def loss_fn(model, batch, rng):
+    return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
+
+rng = np.random.default_rng(0)
+data = [rng.integers(0, 101, (8, 17)).astype(np.int32) for _ in range(4)]
+model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+mesh = make_mesh(*map(int, sys.argv[1:3]))
+trainer = Trainer(model, loss_fn, TrainConfig(steps=4, batch_size=8, warmup_steps=1), mesh=mesh)
+losses = [m["loss"] for m in trainer.fit(data)]
+kernel = trainer.params["h"][0]["attn"]["c_attn"]["kernel"][...]
+print(json.dumps({"devices": jax.device_count(), "losses": losses,
+                  "spec": str(kernel.sharding.spec)}))
+"""
+
+
+def _run(data_axis, model_axis, devices):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(data_axis), str(model_axis)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_eight_devices_follow_the_one_device_loss_curve():
+    one = _run(1, 1, 1)
+    eight = _run(4, 2, 8)
+    assert eight["devices"] == 8 and "model" in eight["spec"]
+    np.testing.assert_allclose(eight["losses"], one["losses"], rtol=1e-5)
