@@ -42,40 +42,20 @@ import numpy as np
 
 from sparse_jax import masks as masks_lib
 from sparse_jax._attention_common import check_scale
+from sparse_jax.blocksparse import _check_qkv as check_shapes
 
 __all__ = ["cudnn_attention", "cudnn_mask_arguments", "splash_attention"]
 
 
 def _check_qkv(q: Any, k: Any, v: Any, where: str, dtypes: tuple[Any, ...]) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"{where}: `{name}` must be an array [batch, seq, heads, head_dim]; got "
-                f"{type(x).__name__}"
-            )
-        if x.ndim != 4 or 0 in x.shape:
-            raise ValueError(
-                f"{where}: `{name}` must have rank 4 [batch, seq, heads, head_dim] and no empty "
-                f"axis; got shape {tuple(x.shape)}"
-            )
-        if x.dtype not in dtypes:
-            allowed = ", ".join(str(np.dtype(d)) for d in dtypes)
-            raise TypeError(f"{where}: `{name}` has dtype {x.dtype}; the kernel takes {allowed}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
-            f"{where}: `q`, `k` and `v` must have the same dtype; got {q.dtype}, {k.dtype}, "
-            f"{v.dtype}"
-        )
-    (b, _, n, h), (bk, tk, kh, hk), (bv, tv, vh, hv) = q.shape, k.shape, v.shape
-    if not b == bk == bv or tk != tv or kh != vh or not h == hk == hv:
+    """The block-sparse kernel's shape checks, plus the kernels' dtypes and equal head dims."""
+    check_shapes(q, k, v, where)
+    if q.dtype not in dtypes:
+        allowed = ", ".join(str(np.dtype(d)) for d in dtypes)
+        raise TypeError(f"{where}: `q` has dtype {q.dtype}; the kernel takes {allowed}")
+    if v.shape[3] != q.shape[3]:
         raise ValueError(
-            f"{where}: `q`, `k`, `v` must share the batch size and head_dim, and `k`, `v` the "
-            f"sequence length and number of heads; got q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-    if n % kh:
-        raise ValueError(
-            f"{where}: the number of key/value heads ({kh}, axis 2 of k) must divide the number "
-            f"of query heads ({n}, axis 2 of q); got q {q.shape}, k {k.shape}"
+            f"{where}: the kernel needs v's head_dim equal to q's; got q {q.shape}, v {v.shape}"
         )
 
 
