@@ -1,6 +1,6 @@
 """The main job: distil a dense GPT-2 teacher into a sparse student, harden it, measure both.
 
-    python -m experiments.distill                       # the embedded default, ~10 min on 2 cores
+    python -m experiments.distill                       # the embedded default, ~6 min on 2 cores
     python -m experiments.distill --data ../shared/data/wikitext-2 --seq-len 512
     python -m experiments.distill --teacher path/to/hf-gpt2-folder --tokenizer path/to/vocab
     python -m experiments.distill --resume              # continue the run in --run-dir
