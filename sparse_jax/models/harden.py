@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -321,10 +319,3 @@ def _copy_weights(src: GPT2, dst: GPT2, plan: HardenReport) -> None:
             dm.c_proj_bias[...] = sm.c_proj.bias[...]
         else:
             dm.c_proj_bias[...] = sm.c_proj_bias[...]
-
-
-def _unused(*_: Any) -> None:  # keep jax imported for type references in docs
-    return None
-
-
-del _unused, jax
