@@ -97,6 +97,9 @@ class DistillConfig:
     """Learning-rate multiplier of --fast-params."""
     mask_l1: float = 0.02
     """Weight of the L1 penalty on candidate weights (sum of sigmoid(logits), per block)."""
+    mask_density: float = 0.0
+    """Weight of the density-weighted penalty on candidate weights (Σ weight x the candidate's
+    share of the causal entries, per block): prices each candidate by what it costs."""
     gate_l1: float = 0.0005
     """Weight of the head/FFN gate penalties."""
     temperature: float = 1.0
@@ -139,6 +142,14 @@ class DistillConfig:
             positive(name)
         for name in ("checkpoint_every", "model_axis", "block_size"):
             positive(name)
+        for name in ("mask_l1", "mask_density", "gate_l1"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0; got {value}")
+        for name in ("learning_rate", "teacher_lr", "temperature", "fast_lr_multiplier"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number > 0; got {value}")
         if self.finetune_steps < 0:
             raise ValueError(f"--finetune-steps must be >= 0; got {self.finetune_steps}")
         if self.budget is not None and not 0 < self.budget <= 1:
@@ -242,6 +253,25 @@ def student_spec(config: DistillConfig):
 # Phases.
 
 
+# Flags that may differ between a run and its resumption (they change no trained number).
+_RESUME_FREE = ("resume", "run_dir", "report_prompts", "cache_dir")
+
+
+def _check_same_config(saved: dict, given: dict) -> None:
+    """--resume continues the run it finds: refuse flags that would change what it computes."""
+    changed = [
+        f"--{key.replace('_', '-')} (run: {saved.get(key)!r}, now: {given.get(key)!r})"
+        for key in sorted(set(saved) | set(given))
+        if key not in _RESUME_FREE and saved.get(key) != given.get(key)
+    ]
+    if changed:
+        raise ValueError(
+            "--resume: this command's configuration differs from the run's config.json in "
+            + "; ".join(changed)
+            + ". Resume with the run's flags, or start a new --run-dir"
+        )
+
+
 class Run:
     """State shared by the phases of one run: data, mesh, folders, the metrics log."""
 
@@ -268,7 +298,12 @@ class Run:
         self.cache = cache
         self.metrics_path = self.dir / "metrics.jsonl"
         record = {**dataclasses.asdict(config), "data_description": self.data.describe()}
-        (self.dir / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+        record = json.loads(json.dumps(record, default=str))
+        config_path = self.dir / "config.json"
+        if config.resume and config_path.exists():
+            _check_same_config(json.loads(config_path.read_text()), record)
+        else:
+            config_path.write_text(json.dumps(record, indent=2) + "\n")
         _log(self.data.describe())
         # Fixed evaluation batches: the first windows of the evaluation split.
         n_eval = min(len(self.data.eval), config.eval_batches * config.batch_size)
@@ -280,6 +315,24 @@ class Run:
         from sparse_jax.training.loop import append_jsonl
 
         append_jsonl(self.metrics_path, record)
+
+    def forget_metrics_after(self, phase: str, step: int) -> None:
+        """Drops the metrics a killed run logged for ``phase`` after the checkpoint it resumes
+        from (``step``): they are computed again, and the log keeps one line per step."""
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+            if record.get("phase") == phase and record.get("step", -1) > step:
+                continue
+            kept.append(line)
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(self.metrics_path)
 
     def batches(self, phase: str, data_state):
         from sparse_jax.data.text import BatchIterator
@@ -310,6 +363,8 @@ class Run:
         data_state = trainer.restore() if c.resume else None
         if data_state is not None:
             _log(f"{phase}: resumed at step {trainer.step} from {ckpt.directory}")
+        if c.resume:
+            self.forget_metrics_after(phase, trainer.step)
         iterator = self.batches(phase, data_state)
         bar = tqdm(total=train_config.steps, initial=trainer.step, desc=phase, file=sys.stderr)
 
@@ -394,7 +449,12 @@ def distillation_objective(config: DistillConfig):
     """``loss_fn(student, batch, rng, teacher=...)``: KL to the teacher plus the penalties."""
     from sparse_jax.training.losses import distillation_loss, sparsity_penalty
 
-    weights = {"mask_l1": config.mask_l1, "head_gate": config.gate_l1, "ffn_gate": config.gate_l1}
+    weights = {
+        "mask_l1": config.mask_l1,
+        "mask_density": config.mask_density,
+        "head_gate": config.gate_l1,
+        "ffn_gate": config.gate_l1,
+    }
 
     def loss_fn(model, batch, rng, teacher):
         ids = batch[:, :-1]
@@ -520,6 +580,32 @@ def measure_speed(model, seq_len: int, vocab: int, repeats: int = 5) -> tuple[fl
     return seq_len / stats.median_s, stats.median_ms
 
 
+def measure_attention_time(model, seq_len: int, repeats: int = 5) -> float:
+    """Milliseconds of the attention cores alone (scores, normalizer, values; no projections),
+    summed over the blocks: each block's jitted core on random ``[1, seq_len, heads, head_dim]``
+    queries, keys and values, median of repeated calls."""
+    from flax import nnx
+
+    from experiments import timing
+
+    total_ms = 0.0
+    head_dim = model.config.head_dim
+    for i, block in enumerate(model.h):
+        heads = block.attn.num_heads
+        if not heads:
+            continue
+        graphdef, state = nnx.split(block.attn.core)
+        keys = jax.random.split(jax.random.key(i), 3)
+        q, k, v = (jax.random.normal(key, (1, seq_len, heads, head_dim)) for key in keys)
+
+        def core(state, q, k, v, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(q, k, v)[0]
+
+        stats = timing.time_fn(core, state, q, k, v, repeats=repeats, slow_s=10.0, budget_s=10.0)
+        total_ms += stats.median_ms
+    return total_ms
+
+
 def run(config: DistillConfig) -> dict:
     """Runs every phase; returns the summary (also written to ``summary.json``)."""
     from sparse_jax import flops
@@ -536,11 +622,6 @@ def run(config: DistillConfig) -> dict:
     def evaluate(model):
         nll, kl = evaluate_lm(model, r.eval_windows, teacher)
         return {"loss": kl, "nll": nll, "kl": kl}
-
-    def log_weights(phase, model):
-        weights = candidate_weights(model)
-        if weights:
-            r.log({"phase": phase, "candidate_weights": weights})
 
     tc = TrainConfig(
         steps=config.steps,
@@ -576,8 +657,12 @@ def run(config: DistillConfig) -> dict:
     for length in lengths:
         t_tps, t_ms = measure_speed(teacher, length, teacher.config.vocab_size)
         h_tps, h_ms = measure_speed(hard, length, teacher.config.vocab_size)
+        t_attn_ms = measure_attention_time(teacher, length)
+        h_attn_ms = measure_attention_time(hard, length)
         f_t, f_h = flops.model_flops(teacher, length), flops.model_flops(hard, length)
         speed[length] = {
+            "teacher_attention_ms": t_attn_ms,
+            "hardened_attention_ms": h_attn_ms,
             "teacher_tokens_per_s": t_tps,
             "hardened_tokens_per_s": h_tps,
             "teacher_ms": t_ms,

@@ -156,6 +156,11 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
             f"| attention FLOPs at n={length} | {_flops(s['teacher_attention_flops'])} | – | "
             f"{_flops(s['hardened_attention_flops'])} |"
         )
+        if "teacher_attention_ms" in s:
+            lines.append(
+                f"| attention time (forward, all blocks) at n={length}, ms | "
+                f"{s['teacher_attention_ms']:.1f} | – | {s['hardened_attention_ms']:.1f} |"
+            )
         lines.append(
             f"| forward tokens/s at n={length} | {s['teacher_tokens_per_s']:.0f} | – | "
             f"{s['hardened_tokens_per_s']:.0f} |"
@@ -165,7 +170,10 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
         f"Hardened heads per block: {summary['hardened_heads']}; FFN units per block: "
         f"{summary['hardened_ffn_units']}. Device: {summary['device']}; wall time "
         f"{summary['wall_time_s']:.0f} s. tokens/s: one sequence, jitted forward, median of "
-        "repeated calls; FLOPs: sparse_jax.flops (matmuls over the score entries each "
+        "repeated calls; attention time: each block's attention core alone (no projections) on "
+        "random q, k, v, jitted, median of repeated calls, summed over blocks; "
+        "density: allowed fraction of the full n x n score matrix (causal = 50%); "
+        "FLOPs: sparse_jax.flops (matmuls over the score entries each "
         "implementation forms).",
         "",
     ]

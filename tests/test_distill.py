@@ -38,6 +38,7 @@ def test_tiny_run_writes_the_run_folder_and_report(tmp_path):
     assert (run / "weights.png").exists() and (run / "density.png").exists()
     report = (run / "report.md").read_text()
     assert "| perplexity |" in report and "forward tokens/s at n=16" in report
+    assert "attention time (forward, all blocks) at n=16" in report
     assert set(summary["speed"]) == {16}  # 4 x 16 = 64 > the tiny teacher's 37 positions
     lines = (run / "metrics.jsonl").read_text().splitlines()
     phases = {json.loads(line)["phase"] for line in lines}
@@ -78,6 +79,12 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "student: resumed at step" in resumed.stderr
+    # The resumed run logs each step once (what the kill left after its checkpoint is dropped).
+    records = [
+        json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [(r["phase"], r["step"]) for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)) and ("student", 30) in steps
     whole = _args(tmp_path, "whole", "--steps", "30", "--checkpoint-every", "1")
     distill.run(distill.tyro.cli(distill.DistillConfig, args=whole))
     a, b = _final_params(tmp_path / "killed"), _final_params(tmp_path / "whole")
@@ -93,6 +100,8 @@ def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(tmp_path):
         (["--data", "/no/such/folder"], "--data path '/no/such/folder' does not exist"),
         (["--budget", "1.5"], "--budget must be in"),
         (["--normalizer", "soft"], "--normalizer must be"),
+        (["--mask-density", "-1"], "--mask-density must be a number >= 0; got -1.0"),
+        (["--learning-rate", "0"], "--learning-rate must be a number > 0; got 0.0"),
     ],
 )
 def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys):
@@ -108,6 +117,17 @@ def test_unknown_student_kind_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         distill.main(_args(tmp_path, "bad", "--student", "dense"))
     assert "student" in capsys.readouterr().err
+
+
+def test_resume_refuses_flags_that_change_the_run(tmp_path):
+    distill.Run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path)))
+    saved = (tmp_path / "run" / "config.json").read_text()
+    changed = _args(tmp_path, "run", "--steps", "9", "--resume")
+    with pytest.raises(ValueError, match=r"--steps \(run: 8, now: 9\)"):
+        distill.Run(distill.tyro.cli(distill.DistillConfig, args=changed))
+    assert (tmp_path / "run" / "config.json").read_text() == saved
+    same = _args(tmp_path, "run", "--report-prompts", "2", "--resume")
+    distill.Run(distill.tyro.cli(distill.DistillConfig, args=same))  # no trained number changes
 
 
 def test_existing_run_folder_is_not_overwritten(tmp_path):

@@ -22,6 +22,7 @@ from sparse_jax.models import (
     harden,
     student_from_teacher,
 )
+from sparse_jax.models.layers import CandidateMaskAttention, default_candidates, mask_at
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 
@@ -185,10 +186,28 @@ def test_aux_penalties_are_summed_over_blocks():
     spec = AttentionSpec(kind="candidates", head_gate="hard_concrete", ffn_gate="sigmoid_ste")
     model = _tiny(spec)
     _, aux = model(_ids(1, 8), return_aux=True)
-    assert sorted(aux) == ["ffn_gate", "head_gate", "mask_l1"]
+    assert sorted(aux) == ["ffn_gate", "head_gate", "mask_density", "mask_l1"]
     # 2 blocks x 7 default candidates at sigmoid(3); 2 x 192 FFN gates at sigmoid(3).
     np.testing.assert_allclose(aux["mask_l1"], 14 * jax.nn.sigmoid(3.0), rtol=1e-6)
+    # density-weighted: each weight times its candidate's share of the 36 causal entries
+    shares = [np.sum(mask_at(c, 8, 8)) / 36 for c in default_candidates()]
+    assert shares[-1] == 1.0 and min(shares) < 1.0
+    np.testing.assert_allclose(aux["mask_density"], 2 * sum(shares) * jax.nn.sigmoid(3.0), 1e-6)
     np.testing.assert_allclose(aux["ffn_gate"], 384 * jax.nn.sigmoid(3.0), rtol=1e-6)
+
+
+def test_density_penalty_prices_candidates_by_their_causal_share():
+    cands = (sink(1) & causal(), causal() & local(3, 0), causal())
+    core = CandidateMaskAttention(2, cands, granularity="head")
+    # 16 queries: sink 16 entries, window 4 wide 58, causal 136
+    np.testing.assert_allclose(core.candidate_shares(16, 16), [16 / 136, 58 / 136, 1.0])
+    # decoding 2 queries against 10 keys: causal has 9 + 10 entries
+    np.testing.assert_allclose(core.candidate_shares(2, 10), [2 / 19, 8 / 19, 1.0])
+    core.logits[...] = jnp.asarray([[30.0, -30.0, -30.0], [-30.0, -30.0, 30.0]])
+    q = jnp.zeros((1, 16, 2, 4))
+    _, aux = core(q, q, q)
+    np.testing.assert_allclose(aux["density"], 16 / 136 + 1.0, rtol=1e-5)
+    np.testing.assert_allclose(aux["l1"], 2.0, rtol=1e-5)
 
 
 def test_first_token_weight_falls_below_full_attention_weight():

@@ -60,6 +60,8 @@ PRESETS = {
     "tiny": (48, 2, 3, 37, 101),
     # A CPU-sized model on bytes (the byte tokenizer's 257 ids): the embedded default teacher.
     "cpu-small": (256, 4, 4, 512, 257),
+    # The same with 2048 positions: trains at 512 and is measured at 4x that (WikiText-2 study).
+    "cpu-long": (256, 4, 4, 2048, 257),
 }
 
 
@@ -316,8 +318,8 @@ class GPT2(nnx.Module):
 
     Call: ``model(ids [B, T], *, rngs=None, return_aux=False)`` -> logits ``[B, T, V]``
     (float32), or ``(logits, aux)`` where ``aux`` sums each penalty over the blocks
-    (``mask_l1``, ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard Concrete gates (training);
-    without it gates are deterministic.
+    (``mask_l1``, ``mask_density``, ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard
+    Concrete gates (training); without it gates are deterministic.
     """
 
     def __init__(

@@ -47,9 +47,10 @@ __all__ = [
 DIRECTIONS = ("forward", "reverse", "jsd")
 
 # The penalties sparse_jax.models.GPT2(..., return_aux=True) can return (summed over blocks):
-# `mask_l1` the L1 norm of learned candidate-mask weights, `head_gate` / `ffn_gate` the gates'
-# L1 / expected-L0 penalties.
-KNOWN_PENALTIES = ("mask_l1", "head_gate", "ffn_gate")
+# `mask_l1` the L1 norm of learned candidate-mask weights, `mask_density` those weights priced by
+# each candidate's share of the causal entries, `head_gate` / `ffn_gate` the gates' L1 /
+# expected-L0 penalties.
+KNOWN_PENALTIES = ("mask_l1", "mask_density", "head_gate", "ffn_gate")
 
 
 def _float(x, where: str, arg: str) -> jax.Array:
