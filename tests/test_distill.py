@@ -4,10 +4,12 @@ SIGKILL, and configuration errors before anything compiles."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -56,40 +58,86 @@ def _final_params(run_dir):
     return state["params"]
 
 
-def test_sigkill_then_resume_ends_with_the_uninterrupted_parameters(tmp_path):
-    args = _args(tmp_path, "killed", "--steps", "30", "--checkpoint-every", "1")
-    cmd = [sys.executable, "-m", "experiments.distill", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    student_ckpts = tmp_path / "killed" / "checkpoints" / "student"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        steps = (
-            [p for p in student_ckpts.glob("*") if p.name.isdigit()]
-            if student_ckpts.exists()
-            else []
-        )
-        if len(steps) >= 1 and max(int(p.name) for p in steps) >= 3:
-            break
+# Runs the distill CLI with Orbax's JSON items (data position, metrics) hanging in the write of
+# the student's step-3 checkpoint: its arrays are being written, nothing of it is committed.
+_HANG_IN_WRITE = textwrap.dedent(
+    """
+    import sys, time
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+    from experiments import distill
+
+    original = handler.JsonCheckpointHandler.async_save
+
+    async def async_save(self, directory, *args, **kwargs):
+        if "student/3." in str(directory).replace("\\\\", "/"):
+            print("WRITING", flush=True)
+            time.sleep(600)  # the parent kills us here
+        return await original(self, directory, *args, **kwargs)
+
+    handler.JsonCheckpointHandler.async_save = async_save
+    distill.main(sys.argv[1:])
+    """
+)
+
+
+def _kill_when(proc, ready, log, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
         time.sleep(0.2)
-    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    assert proc.poll() is None, log.read_text()[-2000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = subprocess.run(
-        [*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+
+
+def _resume(args, run_dir):
+    cmd = [sys.executable, "-m", "experiments.distill", *args, "--resume"]
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "student: resumed at step" in resumed.stderr
     # The resumed run logs each step once (what the kill left after its checkpoint is dropped).
-    records = [
-        json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    ]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["phase"], r["step"]) for r in records if "loss" in r]
-    assert len(steps) == len(set(steps)) and ("student", 30) in steps
-    whole = _args(tmp_path, "whole", "--steps", "30", "--checkpoint-every", "1")
-    distill.run(distill.tyro.cli(distill.DistillConfig, args=whole))
-    a, b = _final_params(tmp_path / "killed"), _final_params(tmp_path / "whole")
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert len(steps) == len(set(steps)) and ("student", 16) in steps
+
+
+def test_sigkill_in_training_or_in_a_checkpoint_write_then_resume_ends_identically(tmp_path):
+    flags = ("--steps", "16", "--checkpoint-every", "1")
+    # 1. Killed between updates, once the student has checkpoints up to step 3.
+    args = _args(tmp_path, "killed", *flags)
+    cmd = [sys.executable, "-m", "experiments.distill", *args]
+    log = tmp_path / "killed.log"  # a file, not a pipe nobody reads: the child never blocks
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    ckpts = tmp_path / "killed" / "checkpoints" / "student"
+    ready = lambda: any(p.name.isdigit() and int(p.name) >= 3 for p in ckpts.glob("*"))
+    _kill_when(proc, ready, log)
+    _resume(args, tmp_path / "killed")
+    # 2. Killed inside the third student checkpoint write.
+    script = tmp_path / "hang_in_write.py"
+    script.write_text(_HANG_IN_WRITE)
+    args_write = _args(tmp_path, "killed_in_write", *flags)
+    log = tmp_path / "killed_in_write.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), *args_write],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+    _kill_when(proc, lambda: proc.stdout.readline().strip() == b"WRITING", log)
+    proc.stdout.close()
+    ckpts = tmp_path / "killed_in_write" / "checkpoints" / "student"
+    assert sorted(p.name for p in ckpts.glob("*") if p.name.isdigit()) == ["1", "2"]
+    assert any(".orbax-checkpoint-tmp" in p.name for p in ckpts.glob("3.*"))
+    _resume(args_write, tmp_path / "killed_in_write")
+    # 3. The uninterrupted run: the same parameters, bit for bit.
+    distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path, "whole", *flags)))
+    whole = _final_params(tmp_path / "whole")
+    for run in ("killed", "killed_in_write"):
+        resumed = _final_params(tmp_path / run)
+        for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize(
