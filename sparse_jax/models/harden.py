@@ -77,19 +77,22 @@ def _density(mask: masks_lib.Mask, n: int) -> float:
     return float(mask.blocks(n, n, min(n, 128), min(n, 128)).density)
 
 
+def _kept_per_block(blocks, weights_of, choose):
+    """Kept-candidate matrices, one per block: ``choose(weights [N, C], block) -> bool [N, C]``
+    where the block learns candidate weights, None elsewhere."""
+    return [None if (w := weights_of(b)) is None else choose(w, b) for b in blocks]
+
+
 def _cheapest(blocks, weights_of, n_ref):
     """Kept matrices with every head on its least dense candidate."""
-    out = []
-    for block in blocks:
-        w = weights_of(block)
-        if w is None:
-            out.append(None)
-            continue
+
+    def choose(w, block):
         dens = np.array([_density(c, n_ref) for c in block.attn.core.candidates])
         kept = np.zeros(w.shape, bool)
         kept[:, dens.argmin()] = True
-        out.append(kept)
-    return out
+        return kept
+
+    return _kept_per_block(blocks, weights_of, choose)
 
 
 def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref):
@@ -175,16 +178,12 @@ def harden_plan(
         return heads, units, head_masks, list(kept_by_block), density
 
     def kept_at(t: float):
-        out = []
-        for block in blocks:
-            w = weights_of(block)
-            if w is None:
-                out.append(None)
-                continue
+        def choose(w, block):
             kept = w >= t
             kept[np.arange(w.shape[0]), w.argmax(axis=1)] = True  # never an empty head
-            out.append(kept)
-        return out
+            return kept
+
+        return _kept_per_block(blocks, weights_of, choose)
 
     if budget is None:
         t = 0.5 if threshold is None else float(threshold)
