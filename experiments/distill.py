@@ -75,6 +75,9 @@ class DistillConfig:
     """Student normalizer: softmax, sparsemax, entmax15 or a float alpha > 1."""
     combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"
     """How candidate masks combine (see sparse_jax.models.layers)."""
+    anchor_self: bool = False
+    """Candidates: keep each query's own position at weight 1, so that the penalty cannot
+    shrink all candidate weights together at no cost (see CandidateMaskAttention)."""
     granularity: Literal["layer", "head"] = "head"
     """Candidate weights per layer or per head."""
     windows: tuple[int, ...] = (8, 16, 32)
@@ -237,6 +240,7 @@ def student_spec(config: DistillConfig):
             candidates=bank,
             granularity=config.granularity,
             combine=config.combine,
+            anchor_self=config.anchor_self,
             normalizer=norm,
             block_size=blocks,
         )
@@ -510,7 +514,7 @@ def attention_density(model, seq_len: int) -> jax.Array:
     head, the union of the candidates with weight >= 0.5 and the strongest one (candidate
     students), the mask times the fraction of open head gates (gated), or the fixed mask's
     density; averaged over heads."""
-    from sparse_jax.models.layers import CandidateMaskAttention, mask_at
+    from sparse_jax.models.layers import SELF, CandidateMaskAttention, mask_at
 
     values = []
     for block in model.h:
@@ -525,6 +529,8 @@ def attention_density(model, seq_len: int) -> jax.Array:
             union = jnp.einsum(
                 "nc,cts->nts", kept.astype(jnp.float32), jnp.asarray(dense, jnp.float32)
             )
+            if core.anchor_self:
+                union = union + jnp.asarray(mask_at(SELF, seq_len, seq_len), jnp.float32)
             values.append(jnp.mean(union > 0, axis=(1, 2)))
         else:
             d = float(np.mean(mask_at(core.mask, seq_len, seq_len)))

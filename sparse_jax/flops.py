@@ -130,7 +130,7 @@ def model_flops(model: Any, seq_len: int, *, batch: int = 1) -> ModelFlops:
     Returns:
       A :class:`ModelFlops`.
     """
-    from sparse_jax.models.layers import CandidateMaskAttention
+    from sparse_jax.models.layers import SELF, CandidateMaskAttention
 
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"model_flops: `seq_len` must be an int >= 1; got {seq_len!r}")
@@ -146,6 +146,8 @@ def model_flops(model: Any, seq_len: int, *, batch: int = 1) -> ModelFlops:
                 union = core.candidates[0]
                 for c in core.candidates[1:]:
                     union = union | c
+                if core.anchor_self:
+                    union = union | SELF
                 density = float(union.blocks(t, t, min(t, 128), min(t, 128)).density)
                 if core.combine == "mixture":
                     formed = sum(

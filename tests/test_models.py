@@ -111,8 +111,9 @@ def test_models_the_layout_cannot_hold_are_not_saved(tmp_path):
         AttentionSpec(),
         AttentionSpec(mask=causal() & local(3, 0) | sink(1), normalizer="sparsemax"),
         AttentionSpec(kind="candidates", candidates=(sink(2) & causal(), causal() & local(4, 0))),
+        AttentionSpec(kind="candidates", candidates=(sink(2) & causal(),), anchor_self=True),
     ],
-    ids=["teacher", "sparse-mask", "candidates"],
+    ids=["teacher", "sparse-mask", "candidates", "anchored-candidates"],
 )
 def test_cached_decoding_equals_the_full_forward_pass(spec):
     model = _perturb(_tiny(spec))
@@ -261,6 +262,44 @@ def test_hardened_candidates_equal_the_soft_model_at_hard_weights():
         mask0.dense(37, 37),
         per_head([cands[0] | cands[1], cands[0], cands[2]]).dense(37, 37),
     )
+
+
+@pytest.mark.parametrize("combine", ["soft_union", "soft_mask"])
+def test_anchored_hardening_keeps_the_diagonal_and_equals_the_soft_model(combine):
+    cands = (sink(2) & causal(), causal() & local(4, 0), causal())
+    spec = AttentionSpec(
+        kind="candidates", candidates=cands, granularity="head", anchor_self=True, combine=combine
+    )
+    student = _perturb(_tiny(spec))
+    hard_logits = [[[30, -30, -30], [-30, 30, -30], [-30, -30, 30]], [[30, -30, -30]] * 3]
+    for block, logits in zip(student.h, hard_logits, strict=True):
+        _set_logits(block.attn.core, logits)
+    hard = harden(student)
+    ids = _ids(2, 37)
+    np.testing.assert_allclose(hard(ids), student(ids), atol=1e-5)
+    diagonal = np.eye(37, dtype=bool)
+    got = np.broadcast_to(hard.h[1].attn.core.mask.dense(37, 37), (3, 37, 37))
+    np.testing.assert_array_equal(got, np.stack([cands[0].dense(37, 37) | diagonal] * 3))
+
+
+def test_the_anchor_makes_the_size_of_the_weights_matter():
+    cands = (sink(1) & causal(), causal() & local(2, 0), causal())
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 12, 2, 8)) for i in range(3))
+
+    def out(anchor, logit):
+        core = CandidateMaskAttention(2, cands, combine="soft_mask", anchor_self=anchor)
+        core.logits[...] = jnp.asarray([1.0, 0.0, -1.0]) + logit
+        return core(q, k, v)[0]
+
+    # Without the anchor, Σ w·M scaled by one factor leaves softmax unchanged (up to the
+    # sigmoid's curvature: logits shifted far below 0 scale every weight by about e^-shift).
+    np.testing.assert_allclose(out(False, -12.0), out(False, -16.0), atol=1e-4)
+    # With it, shrinking every weight moves attention onto each query's own position.
+    shrunk = out(True, -16.0)
+    assert float(jnp.max(jnp.abs(out(True, 0.0) - shrunk))) > 1e-2
+    np.testing.assert_allclose(shrunk, v, atol=1e-3)
+    with pytest.raises(ValueError, match="anchor_self"):
+        CandidateMaskAttention(2, cands, combine="mixture", anchor_self=True)
 
 
 def test_pruned_heads_and_units_are_removed_not_zeroed():

@@ -163,6 +163,7 @@ class AttentionSpec:
     candidates: tuple[masks_lib.Mask, ...] | None = None  # candidates (None: the default bank)
     granularity: Literal["layer", "head"] = "layer"  # candidates: weights per layer or head
     combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"  # candidates
+    anchor_self: bool = False  # candidates: each query keeps its own position at weight 1
     head_gate: str | None = None  # gate kind per head, or None
     ffn_gate: str | None = None  # gate kind per FFN unit, or None
     gate_init: float = 3.0  # initial gate logit (open)
@@ -221,6 +222,7 @@ class SelfAttention(nnx.Module):
                 granularity=spec.granularity,
                 combine=spec.combine,
                 normalizer=spec.normalizer,
+                anchor_self=spec.anchor_self,
             )
         elif n:
             self.core = FixedAttention(

@@ -39,7 +39,7 @@ from flax import nnx
 
 from sparse_jax import masks as masks_lib
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
-from sparse_jax.models.layers import CandidateMaskAttention, Gate
+from sparse_jax.models.layers import SELF, CandidateMaskAttention, Gate
 
 __all__ = ["HardenReport", "harden", "harden_plan"]
 
@@ -65,8 +65,10 @@ def _gate_values(gate: Gate | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     return hard, np.where(hard, value, 0.0)
 
 
-def _union(candidates, kept_row: np.ndarray) -> masks_lib.Mask:
-    chosen = [c for c, k in zip(candidates, kept_row, strict=True) if k]
+def _union(core: CandidateMaskAttention, kept_row: np.ndarray) -> masks_lib.Mask:
+    """The union of the kept candidates (and the diagonal, for an anchored layer)."""
+    chosen = [c for c, k in zip(core.candidates, kept_row, strict=True) if k]
+    chosen += [SELF] if core.anchor_self else []
     out = chosen[0]
     for m in chosen[1:]:
         out = out | m
@@ -166,7 +168,7 @@ def harden_plan(
                 head_masks.append(None)
                 continue
             if kept is not None:
-                masks = tuple(_union(attn.core.candidates, kept[h]) for h in range(n))
+                masks = tuple(_union(attn.core, kept[h]) for h in range(n))
             else:
                 mask = attn.core.mask
                 masks = tuple(

@@ -24,11 +24,17 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   - ``"mixture"`` (DuoAttention-style): ``out = Σ_c π_c out_c`` with ``π = w / Σ w``, each
     ``out_c`` computed under candidate ``c`` alone (cost: the sum of the candidates').
 
-  The penalty is ``aux["l1"] = Σ w`` (the L1 norm of the weights). The default is decided by
-  measurement (``python -m experiments.distill --combine ...``, docs/results.md): on the
-  embedded default, ``soft_union`` ended with KL 0.023 nats/token after hardening against 0.032
-  (``soft_mask``) and 0.030 (``mixture``, whose run also took 1.35x longer), at ~25-30%
-  attention density, and it is the one whose hardening is exact.
+  ``anchor_self=True`` (``soft_union``/``soft_mask``) keeps every query's own position at
+  ``A = 1`` whatever the weights: under softmax, ``log A`` of small weights is ≈ ``log Σ w·M``,
+  which scaling every weight by one factor only shifts by a constant, so without an anchor a
+  penalty can shrink all weights together at no cost in KL; against the fixed diagonal the
+  weights' absolute size matters. Hardening then adds the diagonal to each head's union.
+
+  The penalties are ``aux["l1"] = Σ w`` and ``aux["density"]`` (see ``__call__``). The
+  default combine is decided by measurement (``python -m experiments.distill --combine ...``,
+  docs/results.md): on the embedded default, ``soft_union`` ended with KL 0.023 nats/token
+  after hardening against 0.032 (``soft_mask``) and 0.030 (``mixture``, whose run also took
+  1.35x longer), at ~25-30% attention density, and it is the one whose hardening is exact.
 * :class:`Gate`: one learnable gate per head or per FFN unit (``"sigmoid_ste"``,
   ``"sigmoid"``, ``"hard_concrete"``), multiplying head *outputs* or FFN activations, so that
   a closed gate removes the unit's whole contribution (what :func:`~sparse_jax.models.harden`
@@ -44,7 +50,7 @@ Example:
   >>> q = jnp.ones((1, 16, 2, 8))  # [batch, seq, heads, head_dim]
   >>> out, aux = attn(q, q, q)
   >>> out.shape, sorted(aux)
-  ((1, 16, 2, 8), ['l1'])
+  ((1, 16, 2, 8), ['density', 'l1'])
 """
 
 from __future__ import annotations
@@ -88,6 +94,10 @@ def default_candidates(sink_tokens: int = 4, windows: Sequence[int] = (32, 64, 1
     bank = [masks_lib.sink(sink_tokens) & c]
     bank += [c & masks_lib.local(w - 1, 0) for w in windows]
     return (*bank, masks_lib.strided(64), c)
+
+
+# Each query's own position: what `anchor_self` always keeps.
+SELF = masks_lib.local(0, 0)
 
 
 def mask_at(
@@ -203,6 +213,7 @@ class CandidateMaskAttention(nnx.Module):
       combine: ``"soft_union"`` (default), ``"soft_mask"`` or ``"mixture"``.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"`` or a float α.
       init_logit: initial logit of every weight (``sigmoid(3) = 0.95``: all candidates on).
+      anchor_self: keep each query's own position at weight 1 (log-bias combines only).
       rngs: unused (weights start equal); accepted for the NNX constructor convention.
     """
 
@@ -215,9 +226,18 @@ class CandidateMaskAttention(nnx.Module):
         combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union",
         normalizer: str | float = "softmax",
         init_logit: float = 3.0,
+        anchor_self: bool = False,
         rngs: nnx.Rngs | None = None,
     ):
         where = "CandidateMaskAttention"
+        if not isinstance(anchor_self, bool):
+            raise TypeError(f"{where}: `anchor_self` must be a bool; got {anchor_self!r}")
+        if anchor_self and combine == "mixture":
+            raise ValueError(
+                f"{where}: `anchor_self` applies to the log-bias combines ('soft_union', "
+                "'soft_mask'); `combine`='mixture' has no bias to anchor"
+            )
+        self.anchor_self = anchor_self
         self.num_heads = _check_heads(num_heads, where)
         candidates = tuple(default_candidates() if candidates is None else candidates)
         if not candidates:
@@ -283,7 +303,12 @@ class CandidateMaskAttention(nnx.Module):
             a = jnp.einsum("nc,cts->nts", w, m)
         else:
             a = 1.0 - jnp.exp(jnp.einsum("nc,cts->nts", jnp.log1p(-w * (1 - 1e-7)), m))
-        allowed = jnp.asarray(dense.any(axis=0))  # [T, S]: the union of the candidates
+        allowed = dense.any(axis=0)  # [T, S]: the union of the candidates
+        if self.anchor_self:
+            own = mask_at(SELF, tq, tk, q_offset)
+            a = jnp.where(own, 1.0, a)
+            allowed = allowed | own
+        allowed = jnp.asarray(allowed)
         bias = jnp.log(jnp.where(allowed, a, 1.0))[None]  # [1, N, T, S]
         out = attention(
             q, k, v, mask=allowed, bias=bias.astype(jnp.float32), normalizer=self.normalizer
