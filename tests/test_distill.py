@@ -48,7 +48,8 @@ def test_tiny_run_writes_the_run_folder_and_report(tmp_path):
     for phase in ("teacher", "student", "hardened"):
         assert Checkpointer(run / "checkpoints" / phase, save_every=2).latest_step() is not None
     # The teacher is cached: a second run reuses it (no teacher phase).
-    distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path, "again")))
+    again = _args(tmp_path, "again", "--steps", "2", "--finetune-steps", "0")
+    distill.run(distill.tyro.cli(distill.DistillConfig, args=again))
     lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
     assert "teacher" not in {json.loads(line)["phase"] for line in lines}
 
@@ -59,7 +60,7 @@ def _final_params(run_dir):
 
 
 # Runs the distill CLI with Orbax's JSON items (data position, metrics) hanging in the write of
-# the student's step-3 checkpoint: its arrays are being written, nothing of it is committed.
+# the student's step-12 checkpoint: its arrays are being written, nothing of it is committed.
 _HANG_IN_WRITE = textwrap.dedent(
     """
     import sys, time
@@ -69,7 +70,7 @@ _HANG_IN_WRITE = textwrap.dedent(
     original = handler.JsonCheckpointHandler.async_save
 
     async def async_save(self, directory, *args, **kwargs):
-        if "student/3." in str(directory).replace("\\\\", "/"):
+        if "student/12." in str(directory).replace("\\\\", "/"):
             print("WRITING", flush=True)
             time.sleep(600)  # the parent kills us here
         return await original(self, directory, *args, **kwargs)
@@ -78,6 +79,11 @@ _HANG_IN_WRITE = textwrap.dedent(
     distill.main(sys.argv[1:])
     """
 )
+
+
+def _start(cmd, log, **kwargs):
+    with open(log, "w") as err:  # a file, not a pipe nobody reads: the child never blocks
+        return subprocess.Popen(cmd, cwd=ROOT, stderr=err, **kwargs)
 
 
 def _kill_when(proc, ready, log, timeout=240):
@@ -89,55 +95,44 @@ def _kill_when(proc, ready, log, timeout=240):
     proc.wait()
 
 
-def _resume(args, run_dir):
-    cmd = [sys.executable, "-m", "experiments.distill", *args, "--resume"]
-    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "student: resumed at step" in resumed.stderr
-    # The resumed run logs each step once (what the kill left after its checkpoint is dropped).
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [(r["phase"], r["step"]) for r in records if "loss" in r]
-    assert len(steps) == len(set(steps)) and ("student", 16) in steps
-
-
-def test_sigkill_in_training_or_in_a_checkpoint_write_then_resume_ends_identically(tmp_path):
+def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identically(tmp_path):
     flags = ("--steps", "16", "--checkpoint-every", "1")
-    # 1. Killed between updates, once the student has checkpoints up to step 3.
     args = _args(tmp_path, "killed", *flags)
-    cmd = [sys.executable, "-m", "experiments.distill", *args]
-    log = tmp_path / "killed.log"  # a file, not a pipe nobody reads: the child never blocks
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    cli = [sys.executable, "-m", "experiments.distill"]
     ckpts = tmp_path / "killed" / "checkpoints" / "student"
-    ready = lambda: any(p.name.isdigit() and int(p.name) >= 3 for p in ckpts.glob("*"))
-    _kill_when(proc, ready, log)
-    _resume(args, tmp_path / "killed")
-    # 2. Killed inside the third student checkpoint write.
-    script = tmp_path / "hang_in_write.py"
-    script.write_text(_HANG_IN_WRITE)
-    args_write = _args(tmp_path, "killed_in_write", *flags)
-    log = tmp_path / "killed_in_write.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), *args_write],
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)),
-            stdout=subprocess.PIPE,
-            stderr=err,
-        )
+
+    def saved_steps():
+        return sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
+
+    # 1. Killed between updates, once the student has checkpoints up to step 3.
+    log = tmp_path / "first.log"
+    proc = _start([*cli, *args], log, stdout=subprocess.DEVNULL)
+    _kill_when(proc, lambda: max(saved_steps(), default=0) >= 3, log)
+    # 2. Resumed, then killed inside the write of the step-12 checkpoint.
+    (tmp_path / "hang_in_write.py").write_text(_HANG_IN_WRITE)
+    log = tmp_path / "second.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(tmp_path / "hang_in_write.py"), *args, "--resume"]
+    proc = _start(cmd, log, stdout=subprocess.PIPE, env=env)
     _kill_when(proc, lambda: proc.stdout.readline().strip() == b"WRITING", log)
     proc.stdout.close()
-    ckpts = tmp_path / "killed_in_write" / "checkpoints" / "student"
-    assert sorted(p.name for p in ckpts.glob("*") if p.name.isdigit()) == ["1", "2"]
-    assert any(".orbax-checkpoint-tmp" in p.name for p in ckpts.glob("3.*"))
-    _resume(args_write, tmp_path / "killed_in_write")
-    # 3. The uninterrupted run: the same parameters, bit for bit.
+    assert "student: resumed at step" in log.read_text()
+    assert max(saved_steps()) == 11 and list(ckpts.glob("12.*orbax-checkpoint-tmp*"))
+    # 3. Resumed to the end.
+    resumed = subprocess.run(
+        [*cli, *args, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "student: resumed at step 11" in resumed.stderr
+    # Each step is logged once (what a kill left after its checkpoint is dropped on resuming).
+    records = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").open()]
+    steps = [(r["phase"], r["step"]) for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)) and ("student", 16) in steps
+    # The uninterrupted run ends with the same parameters, bit for bit.
     distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path, "whole", *flags)))
-    whole = _final_params(tmp_path / "whole")
-    for run in ("killed", "killed_in_write"):
-        resumed = _final_params(tmp_path / run)
-        for x, y in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    a, b = _final_params(tmp_path / "killed"), _final_params(tmp_path / "whole")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize(
