@@ -257,16 +257,22 @@ def student_spec(config: DistillConfig):
 # Phases.
 
 
-# Flags that may differ between a run and its resumption (they change no trained number).
-_RESUME_FREE = ("resume", "run_dir", "report_prompts", "cache_dir")
+# Flags that may differ between a run and its resumption (they change no trained number); the
+# data description follows from --data, --tokenizer and --seq-len (and names the cache folder).
+_RESUME_FREE = ("resume", "run_dir", "report_prompts", "cache_dir", "data_description")
 
 
 def _check_same_config(saved: dict, given: dict) -> None:
-    """--resume continues the run it finds: refuse flags that would change what it computes."""
+    """--resume continues the run it finds: refuse flags that would change what it computes.
+    A flag that the run's (older) config.json lacks must be at its default."""
+    defaults = json.loads(
+        json.dumps({f.name: f.default for f in dataclasses.fields(DistillConfig)}, default=str)
+    )
     changed = [
-        f"--{key.replace('_', '-')} (run: {saved.get(key)!r}, now: {given.get(key)!r})"
+        f"--{key.replace('_', '-')} (run: {saved.get(key, defaults.get(key))!r}, "
+        f"now: {given.get(key)!r})"
         for key in sorted(set(saved) | set(given))
-        if key not in _RESUME_FREE and saved.get(key) != given.get(key)
+        if key not in _RESUME_FREE and saved.get(key, defaults.get(key)) != given.get(key)
     ]
     if changed:
         raise ValueError(

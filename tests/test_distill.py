@@ -171,6 +171,14 @@ def test_resume_refuses_flags_that_change_the_run(tmp_path):
     assert (tmp_path / "run" / "config.json").read_text() == saved
     same = _args(tmp_path, "run", "--report-prompts", "2", "--resume")
     distill.Run(distill.tyro.cli(distill.DistillConfig, args=same))  # no trained number changes
+    # A run written before a flag existed resumes when that flag is at its default.
+    record = json.loads(saved)
+    del record["mask_density"]
+    (tmp_path / "run" / "config.json").write_text(json.dumps(record))
+    distill.Run(distill.tyro.cli(distill.DistillConfig, args=same))
+    with pytest.raises(ValueError, match=r"--mask-density \(run: 0.0, now: 0.1\)"):
+        changed = [*same, "--mask-density", "0.1"]
+        distill.Run(distill.tyro.cli(distill.DistillConfig, args=changed))
 
 
 def test_existing_run_folder_is_not_overwritten(tmp_path):
