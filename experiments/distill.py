@@ -153,8 +153,12 @@ class DistillConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number > 0; got {value}")
-        if self.finetune_steps < 0:
-            raise ValueError(f"--finetune-steps must be >= 0; got {self.finetune_steps}")
+        for name in ("finetune_steps", "report_prompts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be an int >= 0; got {value!r}")
+        if self.anchor_self and self.combine == "mixture":
+            raise ValueError("--anchor-self needs --combine soft_union or soft_mask; got mixture")
         if self.budget is not None and not 0 < self.budget <= 1:
             raise ValueError(f"--budget must be in (0, 1] or None; got {self.budget}")
         if not 0 < self.threshold < 1:

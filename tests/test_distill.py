@@ -32,8 +32,20 @@ def _args(tmp_path, run="run", *extra):
     return [*TINY, "--run-dir", str(tmp_path / run), "--cache-dir", str(tmp_path / "cache"), *extra]
 
 
-def test_tiny_run_writes_the_run_folder_and_report(tmp_path):
-    summary = distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path)))
+# The uninterrupted run: its folder is checked, and the killed-and-resumed runs must end with
+# its parameters (shared, since a run is the slowest thing these tests do).
+WHOLE = ("--steps", "16", "--checkpoint-every", "1")
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    summary = distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(root, "run", *WHOLE)))
+    return root, summary
+
+
+def test_tiny_run_writes_the_run_folder_and_report(whole_run):
+    tmp_path, summary = whole_run
     run = tmp_path / "run"
     for name in ("config.json", "metrics.jsonl", "summary.json", "report.md", "curves.png"):
         assert (run / name).exists(), name
@@ -48,7 +60,9 @@ def test_tiny_run_writes_the_run_folder_and_report(tmp_path):
     for phase in ("teacher", "student", "hardened"):
         assert Checkpointer(run / "checkpoints" / phase, save_every=2).latest_step() is not None
     # The teacher is cached: a second run reuses it (no teacher phase).
-    again = _args(tmp_path, "again", "--steps", "2", "--finetune-steps", "0")
+    again = _args(
+        tmp_path, "again", "--steps", "2", "--finetune-steps", "0", "--report-prompts", "0"
+    )
     distill.run(distill.tyro.cli(distill.DistillConfig, args=again))
     lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
     assert "teacher" not in {json.loads(line)["phase"] for line in lines}
@@ -95,9 +109,9 @@ def _kill_when(proc, ready, log, timeout=240):
     proc.wait()
 
 
-def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identically(tmp_path):
-    flags = ("--steps", "16", "--checkpoint-every", "1")
-    args = _args(tmp_path, "killed", *flags)
+def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identically(whole_run):
+    tmp_path, _ = whole_run
+    args = _args(tmp_path, "killed", *WHOLE, "--report-prompts", "0")
     cli = [sys.executable, "-m", "experiments.distill"]
     ckpts = tmp_path / "killed" / "checkpoints" / "student"
 
@@ -129,8 +143,7 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
     steps = [(r["phase"], r["step"]) for r in records if "loss" in r]
     assert len(steps) == len(set(steps)) and ("student", 16) in steps
     # The uninterrupted run ends with the same parameters, bit for bit.
-    distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path, "whole", *flags)))
-    a, b = _final_params(tmp_path / "killed"), _final_params(tmp_path / "whole")
+    a, b = _final_params(tmp_path / "killed"), _final_params(tmp_path / "run")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -144,6 +157,8 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
         (["--budget", "1.5"], "--budget must be in"),
         (["--normalizer", "soft"], "--normalizer must be"),
         (["--mask-density", "-1"], "--mask-density must be a number >= 0; got -1.0"),
+        (["--report-prompts", "-1"], "--report-prompts must be an int >= 0; got -1"),
+        (["--anchor-self", "--combine", "mixture"], "--anchor-self needs --combine soft_union"),
         (["--learning-rate", "0"], "--learning-rate must be a number > 0; got 0.0"),
     ],
 )

@@ -178,6 +178,11 @@ class AttentionSpec:
             )
         if self.combine not in COMBINES:
             raise ValueError(f"{where}: unknown `combine`={self.combine!r}; allowed: {COMBINES}")
+        if self.anchor_self and self.combine == "mixture":
+            raise ValueError(
+                f"{where}: `anchor_self` needs a log-bias `combine` ('soft_union', 'soft_mask'); "
+                "got 'mixture'"
+            )
         for name in ("head_gate", "ffn_gate"):
             value = getattr(self, name)
             allowed = GATE_KINDS if name == "head_gate" else GATE_KINDS[:3]

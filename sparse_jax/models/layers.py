@@ -29,8 +29,8 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   which scaling every weight by one factor only shifts by a constant, so without an anchor a
   penalty can shrink all weights together at no cost in KL; against the fixed diagonal the
   weights' absolute size matters. Hardening then adds the diagonal to each head's union.
-  (In the distillation runs of docs/results.md this alone did not keep the weights apart:
-  there Adam's step size, not the model, set how far every logit fell.)
+  (In the distillation runs of docs/results.md this alone did not keep the weights apart;
+  the evidence there points at Adam's step size setting how far every logit fell.)
 
   The penalties are ``aux["l1"] = Σ w`` and ``aux["density"]`` (see ``__call__``). The
   default combine is decided by measurement (``python -m experiments.distill --combine ...``,
