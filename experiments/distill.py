@@ -23,6 +23,11 @@ The run folder gets ``config.json``, ``metrics.jsonl`` (one line per step and ev
 teacher, student and hardened model on the evaluation split, KL), attention density, FLOPs per
 token and measured tokens/s of the dense teacher and the hardened student at the run's length
 and at 4x it, all measured in this run.
+
+On several hosts the same command runs in every process (``jax.distributed`` is initialised from
+``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI or a Cloud
+TPU pod): each process reads its rows of every batch, trains its part of the sharded step and
+evaluates on its own device; process 0 writes the run folder (a shared filesystem is assumed).
 """
 
 from __future__ import annotations
@@ -205,8 +210,9 @@ def _teacher_positions(config: DistillConfig) -> int | None:
 DistillConfig.teacher_positions = _teacher_positions
 
 
-def resolve_run_dir(config: DistillConfig) -> pathlib.Path:
-    """The run folder: --run-dir, a new timestamped one, or the newest one for --resume."""
+def resolve_run_dir(config: DistillConfig, now: float | None = None) -> pathlib.Path:
+    """The run folder: --run-dir, a new one named after ``now`` (default: the current time),
+    or the newest one for --resume."""
     if config.run_dir is not None:
         return config.run_dir
     if config.resume:
@@ -214,11 +220,14 @@ def resolve_run_dir(config: DistillConfig) -> pathlib.Path:
         if not runs:
             raise ValueError("--resume: no runs/distill-* folder to resume; pass --run-dir")
         return runs[-1]
-    return pathlib.Path("runs") / time.strftime("distill-%Y%m%d-%H%M%S")
+    stamp = time.localtime(time.time() if now is None else now)
+    return pathlib.Path("runs") / time.strftime("distill-%Y%m%d-%H%M%S", stamp)
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """Progress on stderr, from the primary process only (the others run the same steps)."""
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _normalizer(config: DistillConfig):
@@ -294,21 +303,30 @@ class Run:
         from sparse_jax.training import sharding
 
         self.config = config
-        self.dir = resolve_run_dir(config)
+        # Several processes (one per host): all run every step; process 0 alone writes the
+        # run's files (Orbax coordinates the checkpoints), and each reads its slice of a batch.
+        sharding.maybe_initialize_distributed()
+        self.primary = sharding.is_primary()
+        now = float(sharding.broadcast_from_primary(np.float64(time.time())))
+        self.dir = resolve_run_dir(config, now)
         cache = pathlib.Path(os.path.expanduser(config.cache_dir))
         if self.dir.exists() and any(self.dir.iterdir()) and not config.resume:
             raise ValueError(
                 f"--run-dir {str(self.dir)!r} already holds a run: pass --resume to continue it "
                 "or choose another --run-dir (nothing is overwritten)"
             )
+        sharding.sync_processes("distill_run_dir_checked")
         self.dir.mkdir(parents=True, exist_ok=True)
-        sharding.maybe_initialize_distributed()
         self.mesh = sharding.make_mesh(config.data_axis, config.model_axis)
         sharding.check_batch(config.batch_size, self.mesh)
         _log(f"preparing data {config.data!r} ...")
-        self.data = text.prepare(
-            config.data, config.tokenizer, config.seq_len, data_dir=cache / "tfds"
-        )
+        # The primary writes the prepared dataset once; the others then read it.
+        for turn in ("primary", "others"):
+            if self.primary == (turn == "primary"):
+                self.data = text.prepare(
+                    config.data, config.tokenizer, config.seq_len, data_dir=cache / "tfds"
+                )
+            sharding.sync_processes(f"distill_data_prepared_{turn}")
         self.cache = cache
         self.metrics_path = self.dir / "metrics.jsonl"
         record = {**dataclasses.asdict(config), "data_description": self.data.describe()}
@@ -316,7 +334,7 @@ class Run:
         config_path = self.dir / "config.json"
         if config.resume and config_path.exists():
             _check_same_config(json.loads(config_path.read_text()), record)
-        else:
+        elif self.primary:
             config_path.write_text(json.dumps(record, indent=2) + "\n")
         _log(self.data.describe())
         # Fixed evaluation batches: the first windows of the evaluation split.
@@ -328,12 +346,13 @@ class Run:
     def log(self, record) -> None:
         from sparse_jax.training.loop import append_jsonl
 
-        append_jsonl(self.metrics_path, record)
+        if self.primary:
+            append_jsonl(self.metrics_path, record)
 
     def forget_metrics_after(self, phase: str, step: int) -> None:
         """Drops the metrics a killed run logged for ``phase`` after the checkpoint it resumes
         from (``step``): they are computed again, and the log keeps one line per step."""
-        if not self.metrics_path.exists():
+        if not self.primary or not self.metrics_path.exists():
             return
         kept = []
         for line in self.metrics_path.read_text().splitlines():
@@ -350,19 +369,24 @@ class Run:
 
     def batches(self, phase: str, data_state):
         from sparse_jax.data.text import BatchIterator
+        from sparse_jax.training import sharding
 
         c = self.config
+        index, count = sharding.process_data_slice(self.mesh)  # this process's rows
+        processes = {"process_index": index, "process_count": count}
         if data_state and "iterator" in data_state:
-            return BatchIterator.from_state(self.data.train, data_state["iterator"])
+            return BatchIterator.from_state(self.data.train, data_state["iterator"], **processes)
         seed = c.seed + zlib.crc32(phase.encode()) % 1000
-        return BatchIterator(self.data.train, c.batch_size, seed=seed)
+        return BatchIterator(self.data.train, c.batch_size, seed=seed, **processes)
 
     def train_phase(self, phase, model, loss_fn, train_config, *, frozen=None, evaluate=None):
-        """Runs (or resumes) one phase with a progress bar; returns the trained model."""
+        """Runs (or resumes) one phase with a progress bar; returns the trained model (its
+        arrays on this process's device, see :func:`~sparse_jax.training.sharding.local_model`)."""
         from tqdm.auto import tqdm
 
         from sparse_jax.training.checkpoint import Checkpointer
         from sparse_jax.training.loop import Trainer
+        from sparse_jax.training.sharding import local_model
 
         c = self.config
         ckpt = Checkpointer(
@@ -380,7 +404,13 @@ class Run:
         if c.resume:
             self.forget_metrics_after(phase, trainer.step)
         iterator = self.batches(phase, data_state)
-        bar = tqdm(total=train_config.steps, initial=trainer.step, desc=phase, file=sys.stderr)
+        bar = tqdm(
+            total=train_config.steps,
+            initial=trainer.step,
+            desc=phase,
+            file=sys.stderr,
+            disable=not self.primary,
+        )
 
         def on_step(step, metrics):
             shown = {k: metrics[k] for k in ("loss", "kl", "density") if k in metrics}
@@ -399,7 +429,7 @@ class Run:
             pass
         bar.close()
         ckpt.close()
-        return trainer.sync_model()
+        return local_model(trainer.sync_model())
 
 
 def _teacher_key(config: DistillConfig, data) -> str:
@@ -413,6 +443,7 @@ def get_teacher(run: Run):
     from flax import nnx
 
     from sparse_jax.models import GPT2, GPT2Config
+    from sparse_jax.training import sharding
     from sparse_jax.training.loop import TrainConfig
     from sparse_jax.training.losses import cross_entropy_loss
 
@@ -449,7 +480,9 @@ def get_teacher(run: Run):
                 return {"loss": evaluate_lm(model, run.eval_windows)[0]}
 
             teacher = run.train_phase("teacher", teacher, loss_fn, tc, evaluate=evaluate)
-            teacher.save_pretrained(folder)
+            if run.primary:
+                teacher.save_pretrained(folder)
+            sharding.sync_processes("distill_teacher_cached")
             _log(f"teacher: cached in {folder}")
     if teacher.config.n_positions < c.seq_len:
         raise ValueError(
@@ -505,10 +538,14 @@ def _eval_scores(graphdef, state, teacher_def, teacher_state, windows):
 
 
 def evaluate_lm(model, windows: np.ndarray, teacher=None, batch: int = 8):
-    """(mean next-token NLL, mean KL(teacher || model) or None) over ``windows``."""
+    """(mean next-token NLL, mean KL(teacher || model) or None) over ``windows``; each process
+    evaluates all of them on its own device."""
     from flax import nnx
 
-    graphdef, state = nnx.split(model)
+    from sparse_jax.training.sharding import local_model
+
+    graphdef, state = nnx.split(local_model(model))
+    teacher = local_model(teacher) if teacher is not None else None
     teacher_def, teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
     nlls, kls = [], []
     for start in range(0, len(windows), batch):
@@ -708,10 +745,11 @@ def run(config: DistillConfig) -> dict:
         "wall_time_s": time.perf_counter() - started,
         "device": f"{jax.default_backend()} x{jax.device_count()}",
     }
-    (r.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
-    from experiments.report import write_report
+    if r.primary:
+        (r.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+        from experiments.report import write_report
 
-    write_report(r.dir)
+        write_report(r.dir)
     _log(f"done in {summary['wall_time_s']:.0f} s: {r.dir / 'report.md'}")
     return summary
 

@@ -311,3 +311,57 @@ def test_eight_device_mesh_matches_one_device(tmp_path):
     assert "8 available device" in errors["mesh"]
     assert "xla_force_host_platform_device_count=8" in errors["mesh"]
     assert "8 available device" in errors["mesh_model"]
+
+
+def _fake_mesh(owners):
+    """A stand-in mesh whose devices belong to the processes in ``owners`` [data, model]."""
+    import types
+
+    owners = np.asarray(owners)
+    devices = np.empty(owners.shape, object)
+    for idx in np.ndindex(owners.shape):
+        devices[idx] = types.SimpleNamespace(process_index=int(owners[idx]))
+    return types.SimpleNamespace(axis_names=("data", "model"), devices=devices)
+
+
+@pytest.mark.parametrize(
+    "owners, expected",
+    [
+        ([[0, 1], [2, 3]], [(0, 2), (0, 2), (1, 2), (1, 2)]),  # model axis across processes
+        ([[0, 0], [1, 1]], [(0, 2), (1, 2)]),  # two devices per process, model within
+        ([[0], [0], [1], [1]], [(0, 2), (1, 2)]),  # pure data parallelism, 2 devices each
+        ([[0], [1], [2], [3]], [(0, 4), (1, 4), (2, 4), (3, 4)]),
+        ([[0, 1]], [(0, 1), (0, 1)]),  # one data position: every process reads everything
+    ],
+)
+def test_process_data_slice_follows_the_mesh(owners, expected):
+    from sparse_jax.training.sharding import process_data_slice
+
+    mesh = _fake_mesh(owners)
+    assert [process_data_slice(mesh, p) for p in range(len(expected))] == expected
+
+
+def test_process_data_slice_refuses_interleaved_processes():
+    from sparse_jax.training.sharding import process_data_slice
+
+    with pytest.raises(ValueError, match=r"process 0 holds data positions \[0, 2\] of 4"):
+        process_data_slice(_fake_mesh([[0], [1], [0], [1]]), 0)
+    with pytest.raises(ValueError, match="process 5 has no device"):
+        process_data_slice(_fake_mesh([[0], [1]]), 5)
+
+
+def test_multi_process_helpers_on_one_process():
+    from flax import nnx
+
+    from sparse_jax.models import GPT2, GPT2Config
+    from sparse_jax.training import sharding as sh
+
+    assert sh.is_primary()
+    sh.sync_processes("nothing to wait for")
+    assert sh.broadcast_from_primary({"a": 3})["a"] == 3
+    model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    assert sh.local_model(model) is model
+    copied = sh.host_copy(nnx.state(model))
+    assert isinstance(jax.tree.leaves(copied)[0], np.ndarray)
+    with pytest.raises(TypeError, match=r"local_model: `model` must be an nnx\.Module"):
+        sh.local_model({"not": "a module"})

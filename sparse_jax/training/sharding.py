@@ -44,22 +44,30 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = [
     "AXES",
     "DEFAULT_RULES",
     "batch_sharding",
+    "broadcast_from_primary",
     "check_batch",
     "distributed_environment",
+    "host_copy",
+    "is_primary",
+    "local_model",
     "make_mesh",
     "maybe_initialize_distributed",
     "param_shardings",
+    "process_data_slice",
     "shard_batch",
     "shard_model",
     "spec_for",
+    "sync_processes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -299,13 +307,49 @@ def check_batch(batch_size: int, mesh: Mesh) -> None:
         )
 
 
+def process_data_slice(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
+    """``(index, count)``: this process reads slice ``index`` of ``count`` equal, contiguous
+    row slices of every global batch (``(0, 1)`` on a single process).
+
+    The slices follow the mesh: the process's devices hold a contiguous range of positions on
+    the data axis, and processes whose devices share data positions (a model axis that spans
+    processes) read the same rows. With 4 processes of one device on a ``(data=2, model=2)``
+    mesh, for example, processes 0 and 1 read the first half and 2 and 3 the second.
+
+    Raises:
+      ValueError: the process's devices hold a non-contiguous or uneven part of the data axis
+        (a mesh laid out across processes in a way no batch slicing can follow).
+
+    Example:
+      >>> process_data_slice(make_mesh())
+      (0, 1)
+    """
+    process = jax.process_index() if process_index is None else process_index
+    data_dim = mesh.axis_names.index("data")
+    devices = np.asarray(mesh.devices)
+    size = devices.shape[data_dim]
+    owners = np.vectorize(lambda d: d.process_index, otypes=[int])(devices)
+    mine = sorted({int(i) for i in np.nonzero(owners == process)[data_dim]})
+    if not mine:
+        raise ValueError(f"process_data_slice: process {process} has no device on the mesh")
+    per = len(mine)
+    if mine != list(range(mine[0], mine[0] + per)) or size % per or mine[0] % per:
+        raise ValueError(
+            f"process_data_slice: process {process} holds data positions {mine} of {size}; "
+            "each process must hold a contiguous, equal share of the data axis (lay the mesh "
+            "out with the devices of one process next to each other)"
+        )
+    return mine[0] // per, size // per
+
+
 def shard_batch(batch, mesh: Mesh):
     """Puts a pytree of ``[batch, ...]`` arrays on ``mesh``, split over the data axis.
 
     On a single process ``batch`` is the global batch (``jax.device_put``). When several
-    processes run (``jax.process_count() > 1``) each passes *its own* slice of the batch and the
-    global arrays are assembled with ``jax.make_array_from_process_local_data`` (global batch =
-    local batch x number of processes, which must divide over the data axis).
+    processes run (``jax.process_count() > 1``) each passes *its own* slice of the batch, the
+    rows :func:`process_data_slice` names, and the global arrays are assembled with
+    ``jax.make_array_from_process_local_data`` (global batch = local batch x the number of
+    slices, which must divide over the data axis).
 
     Example:
       >>> import numpy as np
@@ -315,6 +359,7 @@ def shard_batch(batch, mesh: Mesh):
     """
     sharding = batch_sharding(mesh)
     processes = jax.process_count()
+    slices = process_data_slice(mesh)[1] if processes > 1 else 1
 
     def put(leaf):
         if np.ndim(leaf) < 1:
@@ -322,9 +367,11 @@ def shard_batch(batch, mesh: Mesh):
                 f"shard_batch: every array of `batch` must be [batch, ...]; got shape "
                 f"{np.shape(leaf)}"
             )
-        check_batch(int(np.shape(leaf)[0]) * processes, mesh)
+        shape = np.shape(leaf)
+        check_batch(int(shape[0]) * slices, mesh)
         if processes > 1:
-            return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
+            global_shape = (shape[0] * slices, *shape[1:])
+            return jax.make_array_from_process_local_data(sharding, np.asarray(leaf), global_shape)
         return jax.device_put(leaf, sharding)
 
     return jax.tree.map(put, batch)
@@ -419,3 +466,67 @@ def maybe_initialize_distributed(*, force: bool = False, environ=None) -> bool:
         logger.info("initializing jax.distributed (%s)", kind or "forced")
         jax.distributed.initialize()
     return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes (multi-host): one writes files, all run the same programs.
+
+
+def is_primary() -> bool:
+    """True on the process that writes shared files (process 0; always True on one process)."""
+    return jax.process_index() == 0
+
+
+def sync_processes(name: str) -> None:
+    """Waits until every process has reached the point called ``name`` (nothing on one
+    process): e.g. the others wait while the primary writes a file they then read."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def broadcast_from_primary(value):
+    """Process 0's ``value`` (a pytree of numbers or arrays) on every process, so that the
+    processes agree on something each computed alone (a timestamp, a file's existence).
+
+    Example:
+      >>> int(broadcast_from_primary(np.int32(7)))
+      7
+    """
+    if jax.process_count() == 1:
+        return value
+    return multihost_utils.broadcast_one_to_all(value)
+
+
+def host_copy(tree):
+    """NumPy copies of the arrays in ``tree``, whole on every process: an array split over
+    several processes' devices is gathered (``process_allgather``), a replicated one is read
+    from this process's copy. Other leaves are returned as they are.
+
+    Example:
+      >>> host_copy({"w": jnp.ones(2)})["w"].tolist()
+      [1.0, 1.0]
+    """
+
+    def get(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(get, tree)
+
+
+def local_model(model: nnx.Module) -> nnx.Module:
+    """``model`` with its state on this process's default device (a new module), for work
+    that each process does alone: evaluation, measurement, generation, saving. On a single
+    process the model is returned as it is (its arrays are addressable already).
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"local_model: `model` must be an nnx.Module; got {type(model).__name__}")
+    if jax.process_count() == 1:
+        return model
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(jnp.asarray, host_copy(state)))
