@@ -108,6 +108,9 @@ class DistillConfig:
     mask_density: float = 0.0
     """Weight of the density-weighted penalty on candidate weights (Σ weight x the candidate's
     share of the causal entries, per block): prices each candidate by what it costs."""
+    mask_expected_density: float = 0.0
+    """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
+    share_c with π = weights / their sum): only the weights' ratios count, as under softmax."""
     gate_l1: float = 0.0005
     """Weight of the head/FFN gate penalties."""
     temperature: float = 1.0
@@ -150,7 +153,7 @@ class DistillConfig:
             positive(name)
         for name in ("checkpoint_every", "model_axis", "block_size"):
             positive(name)
-        for name in ("mask_l1", "mask_density", "gate_l1"):
+        for name in ("mask_l1", "mask_density", "mask_expected_density", "gate_l1"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"--{name.replace('_', '-')} must be a number >= 0; got {value}")
@@ -499,6 +502,7 @@ def distillation_objective(config: DistillConfig):
     weights = {
         "mask_l1": config.mask_l1,
         "mask_density": config.mask_density,
+        "mask_expected_density": config.mask_expected_density,
         "head_gate": config.gate_l1,
         "ffn_gate": config.gate_l1,
     }
@@ -666,8 +670,15 @@ def run(config: DistillConfig) -> dict:
     from sparse_jax.training.loop import TrainConfig
 
     started = time.perf_counter()
+    seconds = {}  # wall time of each part of the run
+
+    def lap(name):
+        seconds[name] = time.perf_counter() - started - sum(seconds.values())
+
     r = Run(config)
+    lap("data")
     teacher = get_teacher(r)
+    lap("teacher")
     spec = student_spec(config)
     student = student_from_teacher(teacher, spec)
     objective = distillation_objective(config)
@@ -690,6 +701,7 @@ def run(config: DistillConfig) -> dict:
     student = r.train_phase(
         "student", student, objective, tc, frozen={"teacher": teacher}, evaluate=evaluate
     )
+    lap("student")
     if config.budget is not None:
         hard = harden(student, budget=config.budget, length=config.seq_len)
     else:
@@ -699,6 +711,7 @@ def run(config: DistillConfig) -> dict:
         hard = r.train_phase(
             "hardened", hard, objective, ft, frozen={"teacher": teacher}, evaluate=evaluate
         )
+    lap("hardened")
     # Quality on the evaluation split.
     t_nll, _ = evaluate_lm(teacher, r.eval_windows)
     s_nll, s_kl = evaluate_lm(student, r.eval_windows, teacher)
@@ -727,6 +740,9 @@ def run(config: DistillConfig) -> dict:
             "hardened_density": f_h.attention_density,
             "teacher_density": f_t.attention_density,
         }
+    lap("measure")
+    samples = sample_texts(r, teacher, hard)
+    lap("samples")
     layer_density = [layer.attention_density for layer in flops.model_flops(hard, n).layers]
     summary = {
         "candidates": [repr(c) for c in (spec.candidates or ())],
@@ -741,8 +757,9 @@ def run(config: DistillConfig) -> dict:
         "hardened_ffn_units": list(hard.config.inner_per_layer),
         "speed": speed,
         "candidate_weights": candidate_weights(student),
-        "samples": sample_texts(r, teacher, hard),
+        "samples": samples,
         "wall_time_s": time.perf_counter() - started,
+        "phase_seconds": seconds,
         "device": f"{jax.default_backend()} x{jax.device_count()}",
     }
     if r.primary:

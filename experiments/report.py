@@ -18,6 +18,13 @@ def _flops(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _seconds(summary) -> str:
+    parts = summary.get("phase_seconds") or {}
+    if not parts:
+        return ""
+    return " (" + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items()) + ")"
+
+
 def _read_metrics(run_dir: pathlib.Path) -> dict[str, list[dict]]:
     phases: dict[str, list[dict]] = collections.defaultdict(list)
     path = run_dir / "metrics.jsonl"
@@ -169,9 +176,10 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
         "",
         f"Hardened heads per block: {summary['hardened_heads']}; FFN units per block: "
         f"{summary['hardened_ffn_units']}. Device: {summary['device']}; wall time "
-        f"{summary['wall_time_s']:.0f} s. tokens/s: one sequence, jitted forward, median of "
-        "repeated calls; attention time: each block's attention core alone (no projections) on "
-        "random q, k, v, jitted, median of repeated calls, summed over blocks; "
+        f"{summary['wall_time_s']:.0f} s{_seconds(summary)}. tokens/s: one sequence, jitted "
+        "forward, median of repeated calls; attention time: each block's attention core "
+        "alone (no projections) on random q, k, v, jitted, median of repeated calls, summed "
+        "over blocks; "
         "density: allowed fraction of the full n x n score matrix (causal = 50%); "
         "FLOPs: sparse_jax.flops (matmuls over the score entries each "
         "implementation forms).",

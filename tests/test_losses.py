@@ -251,12 +251,12 @@ def _student_aux():
 
 def test_sparsity_penalty_on_a_gpt2_student():
     aux = _student_aux()
-    assert set(aux) == {"mask_l1", "mask_density", "head_gate", "ffn_gate"}
+    assert set(aux) == {"mask_l1", "mask_density", "mask_expected_density", "head_gate", "ffn_gate"}
     weights = {"mask_l1": 0.1, "mask_density": 0.2, "head_gate": 0.01, "ffn_gate": 0.0}
     total, metrics = sparsity_penalty(aux, weights)
     expected = sum(w * float(aux[k]) for k, w in weights.items())
     np.testing.assert_allclose(total, expected, rtol=1e-6)
-    assert set(metrics) == {"mask_l1", "mask_density", "head_gate", "ffn_gate", "total"}
+    assert set(metrics) == set(aux) | {"total"}
     np.testing.assert_allclose(metrics["head_gate"], aux["head_gate"])
     # a dense model returns no penalties: zero weights are fine, the total is 0
     total, metrics = sparsity_penalty({}, {"mask_l1": 0.0, "head_gate": 0.0})

@@ -187,13 +187,21 @@ def test_aux_penalties_are_summed_over_blocks():
     spec = AttentionSpec(kind="candidates", head_gate="hard_concrete", ffn_gate="sigmoid_ste")
     model = _tiny(spec)
     _, aux = model(_ids(1, 8), return_aux=True)
-    assert sorted(aux) == ["ffn_gate", "head_gate", "mask_density", "mask_l1"]
+    assert sorted(aux) == [
+        "ffn_gate",
+        "head_gate",
+        "mask_density",
+        "mask_expected_density",
+        "mask_l1",
+    ]
     # 2 blocks x 7 default candidates at sigmoid(3); 2 x 192 FFN gates at sigmoid(3).
     np.testing.assert_allclose(aux["mask_l1"], 14 * jax.nn.sigmoid(3.0), rtol=1e-6)
     # density-weighted: each weight times its candidate's share of the 36 causal entries
     shares = [np.sum(mask_at(c, 8, 8)) / 36 for c in default_candidates()]
     assert shares[-1] == 1.0 and min(shares) < 1.0
     np.testing.assert_allclose(aux["mask_density"], 2 * sum(shares) * jax.nn.sigmoid(3.0), 1e-6)
+    # equal weights: each block's expected density is the candidates' mean share
+    np.testing.assert_allclose(aux["mask_expected_density"], 2 * np.mean(shares), rtol=1e-6)
     np.testing.assert_allclose(aux["ffn_gate"], 384 * jax.nn.sigmoid(3.0), rtol=1e-6)
 
 
@@ -209,6 +217,25 @@ def test_density_penalty_prices_candidates_by_their_causal_share():
     _, aux = core(q, q, q)
     np.testing.assert_allclose(aux["density"], 16 / 136 + 1.0, rtol=1e-5)
     np.testing.assert_allclose(aux["l1"], 2.0, rtol=1e-5)
+    # expected density: head 0 picks the sink, head 1 full causal; the mean over heads
+    np.testing.assert_allclose(aux["expected_density"], (16 / 136 + 1.0) / 2, rtol=1e-5)
+
+
+def test_expected_density_depends_only_on_the_weights_ratios():
+    cands = (sink(1) & causal(), causal() & local(3, 0), causal())
+    core = CandidateMaskAttention(2, cands, granularity="head")
+    logits = jnp.asarray([[-6.0, -7.0, -8.0], [-7.5, -6.5, -9.0]])  # small: w ≈ exp(logit)
+    q = jnp.zeros((1, 16, 2, 4))
+    core.logits[...] = logits
+    _, before = core(q, q, q)
+    core.logits[...] = logits - 2.0  # every weight / e^2, ratios (nearly) unchanged
+    _, after = core(q, q, q)
+    np.testing.assert_allclose(after["expected_density"], before["expected_density"], rtol=1e-2)
+    assert float(after["density"]) < float(before["density"]) / 5  # the other one falls
+    w = jax.nn.sigmoid(logits)
+    pi = w / w.sum(axis=1, keepdims=True)
+    shares = np.array([16, 58, 136]) / 136
+    np.testing.assert_allclose(before["expected_density"], np.mean(pi @ shares), rtol=1e-5)
 
 
 def test_first_token_weight_falls_below_full_attention_weight():

@@ -52,7 +52,7 @@ Example:
   >>> q = jnp.ones((1, 16, 2, 8))  # [batch, seq, heads, head_dim]
   >>> out, aux = attn(q, q, q)
   >>> out.shape, sorted(aux)
-  ((1, 16, 2, 8), ['density', 'l1'])
+  ((1, 16, 2, 8), ['density', 'expected_density', 'l1'])
 """
 
 from __future__ import annotations
@@ -269,6 +269,12 @@ class CandidateMaskAttention(nnx.Module):
         shares = jnp.asarray(self.candidate_shares(tq, tk), jnp.float32)
         return jnp.sum(self.weights() * shares)
 
+    def _expected_density(self, tq: int, tk: int) -> jax.Array:
+        shares = jnp.asarray(self.candidate_shares(tq, tk), jnp.float32)
+        w = self._per_head_weights()  # [N, C]
+        pi = w / jnp.sum(w, axis=-1, keepdims=True)
+        return jnp.mean(pi @ shares)
+
     def _per_head_weights(self) -> jax.Array:
         w = self.weights()
         return jnp.broadcast_to(w, (self.num_heads, w.shape[-1]))
@@ -286,7 +292,11 @@ class CandidateMaskAttention(nnx.Module):
         """
         tq, tk = q.shape[1], k.shape[1]
         w = self._per_head_weights()  # [N, C]
-        aux = {"l1": jnp.sum(self.weights()), "density": self._density_penalty(tq, tk)}
+        aux = {
+            "l1": jnp.sum(self.weights()),
+            "density": self._density_penalty(tq, tk),
+            "expected_density": self._expected_density(tq, tk),
+        }
         if self.combine == "mixture":
             outs = []
             for c in self.candidates:

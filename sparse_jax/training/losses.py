@@ -50,7 +50,7 @@ DIRECTIONS = ("forward", "reverse", "jsd")
 # `mask_l1` the L1 norm of learned candidate-mask weights, `mask_density` those weights priced by
 # each candidate's share of the causal entries, `head_gate` / `ffn_gate` the gates' L1 /
 # expected-L0 penalties.
-KNOWN_PENALTIES = ("mask_l1", "mask_density", "head_gate", "ffn_gate")
+KNOWN_PENALTIES = ("mask_l1", "mask_density", "mask_expected_density", "head_gate", "ffn_gate")
 
 
 def _float(x, where: str, arg: str) -> jax.Array:
