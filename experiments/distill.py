@@ -1,6 +1,6 @@
 """The main job: distil a dense GPT-2 teacher into a sparse student, harden it, measure both.
 
-    python -m experiments.distill                       # the embedded default, ~6 min on 2 cores
+    python -m experiments.distill                       # the embedded default, ~7 min on 2 cores
     python -m experiments.distill --data ../shared/data/wikitext-2 --seq-len 512
     python -m experiments.distill --teacher path/to/hf-gpt2-folder --tokenizer path/to/vocab
     python -m experiments.distill --resume              # continue the run in --run-dir
@@ -61,7 +61,7 @@ class DistillConfig:
     Face GPT-2 (config.json + model.safetensors); or a hub name such as 'gpt2' (network)."""
     teacher_size: str = "cpu-small"
     """Preset of the trained teacher (sparse_jax.models.gpt2.PRESETS), vocab from the tokenizer."""
-    teacher_steps: int = 1200
+    teacher_steps: int = 800
     """Updates of the trained teacher."""
     teacher_lr: float = 3e-3
     """Peak learning rate of the trained teacher."""
@@ -93,7 +93,7 @@ class DistillConfig:
     """Block size of the block-sparse kernel in the students (64 ran fastest on CPU; 128 on TPU)."""
     gate: Literal["sigmoid_ste", "hard_concrete", "sigmoid"] = "sigmoid_ste"
     """Gate kind of the 'gated' student."""
-    steps: int = 600
+    steps: int = 400
     """Distillation updates of the student."""
     learning_rate: float = 3e-3
     """Peak learning rate of the student."""
@@ -103,12 +103,12 @@ class DistillConfig:
     """Regex of parameters trained at --fast-lr-multiplier x the rate (mask weights, gates)."""
     fast_lr_multiplier: float = 10.0
     """Learning-rate multiplier of --fast-params."""
-    mask_l1: float = 0.02
+    mask_l1: float = 0.0
     """Weight of the L1 penalty on candidate weights (sum of sigmoid(logits), per block)."""
     mask_density: float = 0.0
     """Weight of the density-weighted penalty on candidate weights (Σ weight x the candidate's
     share of the causal entries, per block): prices each candidate by what it costs."""
-    mask_expected_density: float = 0.0
+    mask_expected_density: float = 0.02
     """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
     share_c with π = weights / their sum): only the weights' ratios count, as under softmax."""
     gate_l1: float = 0.0005

@@ -32,7 +32,8 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   (In the distillation runs of docs/results.md this alone did not keep the weights apart;
   the evidence there points at Adam's step size setting how far every logit fell.)
 
-  The penalties are ``aux["l1"] = Σ w`` and ``aux["density"]`` (see ``__call__``). The
+  The penalties are ``aux["l1"] = Σ w``, ``aux["density"]`` and the scale-free
+  ``aux["expected_density"]`` (see ``__call__``). The
   default combine is decided by measurement (``python -m experiments.distill --combine ...``,
   docs/results.md): on the embedded default, ``soft_union`` ended with KL 0.023 nats/token
   after hardening against 0.032 (``soft_mask``) and 0.030 (``mixture``, whose run also took
@@ -283,12 +284,20 @@ class CandidateMaskAttention(nnx.Module):
         """``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], aux)``; see
         :func:`mask_at` for ``q_offset``.
 
-        ``aux`` holds two penalties on the weights (a model sums them over blocks as
-        ``mask_l1`` and ``mask_density``): ``"l1"`` = ``Σ w`` and ``"density"`` = ``Σ w_c ·
-        share_c``, where ``share_c`` is the fraction of the causal score entries candidate ``c``
-        allows at this length (full causal 1, a 32-token window at T=512 about 0.12). Under
-        softmax a plain L1 can shrink all weights together with little effect on the output;
-        the density-weighted one prices each candidate by what it costs to compute.
+        ``aux`` holds three penalties on the weights (a model sums them over blocks as
+        ``mask_l1``, ``mask_density`` and ``mask_expected_density``): ``"l1"`` = ``Σ w``,
+        ``"density"`` = ``Σ w_c · share_c``, where ``share_c`` is the fraction of the causal
+        score entries candidate ``c`` allows at this length (full causal 1, a 32-token window
+        at T=512 about 0.12), and ``"expected_density"`` = the mean over heads of
+        ``Σ_c π_c · share_c`` with ``π = w / Σ w``: the density a head would have if it picked
+        one candidate with probability ``π``, in ``[0, 1]``.
+
+        Under softmax the log-bias of small weights changes only by a constant when every
+        weight is scaled by one factor, so the first two can be lowered by shrinking all
+        weights together at almost no cost in KL (and Adam, whose steps do not depend on the
+        gradient's size, then moves every logit down alike). ``expected_density`` depends only
+        on the weights' ratios: it falls only when cheap candidates gain on expensive ones,
+        which is what the KL can weigh.
         """
         tq, tk = q.shape[1], k.shape[1]
         w = self._per_head_weights()  # [N, C]
