@@ -103,14 +103,15 @@ class DistillConfig:
     """Regex of parameters trained at --fast-lr-multiplier x the rate (mask weights, gates)."""
     fast_lr_multiplier: float = 10.0
     """Learning-rate multiplier of --fast-params."""
-    mask_l1: float = 0.0
+    mask_l1: float = 0.02
     """Weight of the L1 penalty on candidate weights (sum of sigmoid(logits), per block)."""
     mask_density: float = 0.0
     """Weight of the density-weighted penalty on candidate weights (Σ weight x the candidate's
     share of the causal entries, per block): prices each candidate by what it costs."""
-    mask_expected_density: float = 0.02
+    mask_expected_density: float = 0.0
     """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
-    share_c with π = weights / their sum): only the weights' ratios count, as under softmax."""
+    share_c with π = weights / their sum): only the weights' ratios count, as under softmax.
+    It prices score entries, not kernel blocks: see docs/results.md before using it."""
     gate_l1: float = 0.0005
     """Weight of the head/FFN gate penalties."""
     temperature: float = 1.0
