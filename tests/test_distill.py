@@ -256,18 +256,21 @@ def test_two_processes_follow_the_one_process_run(whole_run):
 
     # The same updates up to the order of float sums (batch means and projections split over
     # devices). Measured relative differences: teacher (cross-entropy) <= 2e-7; student (KL of
-    # ~0.03 + penalty) <= 9e-4, since Adam turns tiny gradient differences into whole steps;
-    # hardened (KL ~0.002-0.01, fine-tuned from those weights) <= 3.3e-2.
+    # ~0.03 + penalty) <= 9e-4, since Adam turns tiny gradient differences into whole steps.
+    # The hardened model starts from those slightly different weights (and harden() ranks
+    # near-equal candidate weights), then fine-tunes on a KL of 0.002-0.01 that its first
+    # updates make jump: measured up to 2e-4 apart in absolute terms (10% relative), so that
+    # phase is only checked to be in the same place.
     one, two = steps(tmp_path / "run"), steps(run_dir)
     assert two.keys() == one.keys()  # one line per step: only process 0 writes
-    tolerance = {"teacher": 1e-5, "student": 5e-3, "hardened": 0.1}
+    tolerance = {"teacher": (1e-5, 0.0), "student": (5e-3, 0.0), "hardened": (0.0, 2e-3)}
     for key, (loss, tokens) in one.items():
         assert two[key][1] == tokens, key  # the global batch: each process read its own rows
-        np.testing.assert_allclose(two[key][0], loss, rtol=tolerance[key[0]], err_msg=str(key))
+        rtol, atol = tolerance[key[0]]
+        np.testing.assert_allclose(two[key][0], loss, rtol=rtol, atol=atol, err_msg=str(key))
     two_summary = json.loads((run_dir / "summary.json").read_text())
     assert two_summary["device"] == "cpu x4"
-    assert two_summary["hardened_masks"] == summary["hardened_masks"]
     np.testing.assert_allclose(two_summary["student_kl"], summary["student_kl"], rtol=5e-3)
-    for key in ("hardened_kl", "hardened_ppl"):
-        np.testing.assert_allclose(two_summary[key], summary[key], rtol=0.1, err_msg=key)
+    np.testing.assert_allclose(two_summary["hardened_kl"], summary["hardened_kl"], atol=2e-3)
+    np.testing.assert_allclose(two_summary["hardened_ppl"], summary["hardened_ppl"], rtol=0.05)
     assert (run_dir / "report.md").exists()
