@@ -230,7 +230,9 @@ def resolve_run_dir(config: DistillConfig, now: float | None = None) -> pathlib.
 
 def _log(msg: str) -> None:
     """Progress on stderr, from the primary process only (the others run the same steps)."""
-    if jax.process_index() == 0:
+    from sparse_jax.training.sharding import is_primary
+
+    if is_primary():
         print(msg, file=sys.stderr, flush=True)
 
 

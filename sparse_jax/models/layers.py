@@ -266,15 +266,16 @@ class CandidateMaskAttention(nnx.Module):
         n_causal = max(int(np.sum(mask_at(masks_lib.causal(), tq, tk))), 1)
         return np.array([np.sum(mask_at(c, tq, tk)) / n_causal for c in self.candidates])
 
-    def _density_penalty(self, tq: int, tk: int) -> jax.Array:
-        shares = jnp.asarray(self.candidate_shares(tq, tk), jnp.float32)
-        return jnp.sum(self.weights() * shares)
-
-    def _expected_density(self, tq: int, tk: int) -> jax.Array:
-        shares = jnp.asarray(self.candidate_shares(tq, tk), jnp.float32)
+    def _penalties(self, tq: int, tk: int) -> dict[str, jax.Array]:
+        """The three penalties of ``__call__``'s ``aux`` (the shares computed once)."""
+        shares = jnp.asarray(self.candidate_shares(tq, tk), jnp.float32)  # [C]
         w = self._per_head_weights()  # [N, C]
         pi = w / jnp.sum(w, axis=-1, keepdims=True)
-        return jnp.mean(pi @ shares)
+        return {
+            "l1": jnp.sum(self.weights()),
+            "density": jnp.sum(self.weights() * shares),
+            "expected_density": jnp.mean(pi @ shares),
+        }
 
     def _per_head_weights(self) -> jax.Array:
         w = self.weights()
@@ -301,11 +302,7 @@ class CandidateMaskAttention(nnx.Module):
         """
         tq, tk = q.shape[1], k.shape[1]
         w = self._per_head_weights()  # [N, C]
-        aux = {
-            "l1": jnp.sum(self.weights()),
-            "density": self._density_penalty(tq, tk),
-            "expected_density": self._expected_density(tq, tk),
-        }
+        aux = self._penalties(tq, tk)
         if self.combine == "mixture":
             outs = []
             for c in self.candidates:
