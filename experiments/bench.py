@@ -447,7 +447,7 @@ def _naive_dense_mib(q, k, v, go) -> float | None:
 
 def _attention_cells(config, q, k, v, go, mask, normalizer, impl) -> list[timing.TimingStats]:
     """[fwd, fwd+bwd] timings of sparse_jax.attention with this mask/normalizer/impl."""
-    from sparse_jax.attention import attention
+    from sparse_jax.dispatch import attention
 
     blocks = (config.block, config.block)
 
@@ -663,9 +663,9 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
     from flax import nnx
 
     from sparse_jax import masks
-    from sparse_jax.attention import attention
-    from sparse_jax.flops import model_flops
+    from sparse_jax.dispatch import attention
     from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
+    from sparse_jax.models.flops import model_flops
 
     start = time.perf_counter()
     header = timing.environment_line(command)
@@ -769,7 +769,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
         f"+ a causal window sized for ~{config.density:.0%} mean density; its blocks run "
         f"impl='auto' (block-sparse, blocks {config.block}); dense = impl='xla' with the same "
         "weights.",
-        "GFLOPs = analytic forward FLOPs (sparse_jax.flops: matmuls, the score entries each "
+        "GFLOPs = analytic forward FLOPs (sparse_jax.models.flops: matmuls, the score entries each "
         "implementation forms); forward ms = whole model; attention ms = one block's attention "
         "alone (dense causal vs the hardened per-head pattern); attn ratio = hardened attention "
         "/ (density x dense attention); peak MiB = XLA buffer assignment of the forward pass.",

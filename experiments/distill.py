@@ -668,8 +668,7 @@ def measure_attention_time(model, seq_len: int, repeats: int = 5) -> float:
 
 def run(config: DistillConfig) -> dict:
     """Runs every phase; returns the summary (also written to ``summary.json``)."""
-    from sparse_jax import flops
-    from sparse_jax.models import harden, student_from_teacher
+    from sparse_jax.models import flops, harden, student_from_teacher
     from sparse_jax.training.loop import TrainConfig
 
     started = time.perf_counter()

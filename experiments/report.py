@@ -181,7 +181,7 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
         "alone (no projections) on random q, k, v, jitted, median of repeated calls, summed "
         "over blocks; "
         "density: allowed fraction of the full n x n score matrix (causal = 50%); "
-        "FLOPs: sparse_jax.flops (matmuls over the score entries each "
+        "FLOPs: sparse_jax.models.flops (matmuls over the score entries each "
         "implementation forms).",
         "",
     ]

@@ -8,11 +8,11 @@ The functional API is re-exported here::
 """
 
 from sparse_jax import gates, masks
-from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.blocksparse import BlockSparseCost, blocksparse_attention, blocksparse_cost
+from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.dynamic import topk_block_attention, topk_mask
 from sparse_jax.fused import cudnn_attention, splash_attention
-from sparse_jax.sparsemax import (
+from sparse_jax.normalizers import (
     entmax,
     entmax15,
     entmax15_loss,

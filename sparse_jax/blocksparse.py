@@ -30,7 +30,7 @@ full row. Work and memory are O(B · N · nq · K · block_q · block_kv), i.e. 
 (padded to the widest row of each row group), instead of O(B · N · Tq · Tk).
 
 Gradients (q, k, v, bias, and α for α-entmax) come from autodiff: through the gathers (a
-scatter-add in the backward pass) and the normalizers' custom rules (:mod:`sparse_jax.sparsemax`).
+scatter-add in the backward pass) and the normalizers' custom rules (:mod:`sparse_jax.normalizers`).
 
 Long sequences: the query blocks are processed ``query_blocks_per_step`` at a time with
 ``jax.lax.map`` over a ``jax.checkpoint``-ed step, so the peak memory of the forward *and* the
@@ -62,7 +62,6 @@ naming the argument.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -70,14 +69,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax._attention_common import (
-    NORMALIZERS,
-    check_bias,
-    check_normalizer,
-    check_scale,
-    normalize,
-)
 from sparse_jax.masks import SENTINEL, BlockLayout
+from sparse_jax.normalizers import NORMALIZERS, normalize
+from sparse_jax.validation import check_bias, check_int, check_normalizer, check_qkv, check_scale
 
 __all__ = [
     "MAX_ROW_GROUPS",
@@ -103,100 +97,51 @@ _NAME = "blocksparse_attention"
 # Argument checking (Python, on static shapes; runs before anything is traced).
 
 
-def _check_qkv(q: Any, k: Any, v: Any, where: str) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"{where}: `{name}` must be a jax or numpy array [batch, seq, heads, head_dim]; "
-                f"got {type(x).__name__}"
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{where}: `{name}` must have a floating dtype; got dtype {x.dtype}")
-        if x.ndim != 4 or 0 in x.shape:
-            raise ValueError(
-                f"{where}: `{name}` must have rank 4 [batch, seq, heads, head_dim] and no empty "
-                f"axis; got shape {tuple(x.shape)}"
-            )
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
-            f"{where}: `q`, `k` and `v` must have the same dtype; got {q.dtype}, {k.dtype}, "
-            f"{v.dtype}"
-        )
-    (b, _, n, h), (bk, tk, kh, hk), (bv, tv, vh, _) = q.shape, k.shape, v.shape
-    if not b == bk == bv or tk != tv or kh != vh:
-        raise ValueError(
-            f"{where}: `q`, `k`, `v` must share the batch size, and `k`, `v` the sequence length "
-            f"and number of heads; got q {q.shape}, k {k.shape}, v {v.shape}"
-        )
-    if hk != h:
-        raise ValueError(
-            f"{where}: `q` and `k` must have the same head_dim (axis 3); got q {q.shape} and "
-            f"k {k.shape} (only v's head_dim may differ)"
-        )
-    if n % kh:
-        raise ValueError(
-            f"{where}: the number of key/value heads ({kh}, axis 2 of k) must divide the number "
-            f"of query heads ({n}, axis 2 of q); got q {q.shape}, k {k.shape}"
-        )
-
-
-def _check_layout(layout: Any, tq: int, tk: int, n: int, where: str) -> BlockLayout:
+def _check_layout(layout: Any, tq: int, tk: int, n: int, caller: str) -> BlockLayout:
     if not isinstance(layout, BlockLayout):
         raise TypeError(
-            f"{where}: `layout` must be a sparse_jax.masks.BlockLayout (from "
+            f"{caller}: `layout` must be a sparse_jax.masks.BlockLayout (from "
             f"`mask.blocks(q_len, kv_len, block_q, block_kv)`); got {type(layout).__name__}"
         )
     if (layout.q_len, layout.kv_len) != (tq, tk):
         raise ValueError(
-            f"{where}: `layout` was built for (q_len, kv_len) = ({layout.q_len}, "
+            f"{caller}: `layout` was built for (q_len, kv_len) = ({layout.q_len}, "
             f"{layout.kv_len}) but q and k have lengths ({tq}, {tk}); build it with "
             f"`mask.blocks({tq}, {tk}, {layout.block_q}, {layout.block_kv})`"
         )
     if layout.num_heads is not None and layout.num_heads != n:
         raise ValueError(
-            f"{where}: `layout` is per-head with {layout.num_heads} heads but q has {n} query "
+            f"{caller}: `layout` is per-head with {layout.num_heads} heads but q has {n} query "
             f"heads; allowed: a per-head layout with exactly {n} heads, or a shared one"
         )
     return layout
 
 
-def _check_mask(mask: Any, layout: BlockLayout, b: int, where: str) -> Any:
+def _check_mask(mask: Any, layout: BlockLayout, b: int, caller: str) -> Any:
     if not layout.dynamic:
         if mask is not None and not isinstance(mask, masks_lib.Mask):
             raise TypeError(
-                f"{where}: `mask` must be None or a sparse_jax.masks.Mask; got "
+                f"{caller}: `mask` must be None or a sparse_jax.masks.Mask; got "
                 f"{type(mask).__name__}"
             )
         return None  # a static layout is exact: the mask is not needed
     if not isinstance(mask, masks_lib.Mask) or not mask.is_dynamic:
         raise ValueError(
-            f"{where}: `layout` is dynamic (built from a run-time `padding` mask) and only "
+            f"{caller}: `layout` is dynamic (built from a run-time `padding` mask) and only "
             "bounds the mask: pass the run-time mask it was built from as `mask=` (got "
             f"{type(mask).__name__}{'' if mask is None else ' without a padding part'})"
         )
     if mask.batch_size != b:
         raise ValueError(
-            f"{where}: `mask` is a run-time (padding) mask for batch size {mask.batch_size} but "
+            f"{caller}: `mask` is a run-time (padding) mask for batch size {mask.batch_size} but "
             f"q has batch size {b}"
         )
     if mask.num_heads != layout.num_heads:
         raise ValueError(
-            f"{where}: `mask` has num_heads={mask.num_heads} but `layout` has "
+            f"{caller}: `mask` has num_heads={mask.num_heads} but `layout` has "
             f"num_heads={layout.num_heads}; pass the mask the layout was built from"
         )
     return mask
-
-
-def _check_steps(value: Any, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{where}: `query_blocks_per_step` must be None or an int >= 1; got {value!r}"
-        )
-    if value < 1:
-        raise ValueError(f"{where}: `query_blocks_per_step` must be an int >= 1; got {value!r}")
-    return int(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,18 +490,22 @@ def blocksparse_attention(
       >>> (12 * w[0, 0, :5, :5]).round().astype(int).tolist()  # uniform on allowed keys
       [[12, 0, 0, 0, 0], [6, 6, 0, 0, 0], [4, 4, 4, 0, 0], [3, 3, 3, 3, 0], [0, 3, 3, 3, 3]]
     """
-    where = _NAME
-    _check_qkv(q, k, v, where)
+    caller = _NAME
+    check_qkv(q, k, v, caller)
     b, tq, n, d = q.shape
     tk = k.shape[1]
-    layout = _check_layout(layout, tq, tk, n, where)
-    mask = _check_mask(mask, layout, b, where)
-    bias = check_bias(bias, (b, n, tq, tk), where)
-    normalizer = check_normalizer(normalizer, n, where)
-    scale = check_scale(scale, d, where)
-    steps = _check_steps(query_blocks_per_step, where)
+    layout = _check_layout(layout, tq, tk, n, caller)
+    mask = _check_mask(mask, layout, b, caller)
+    bias = check_bias(bias, (b, n, tq, tk), caller)
+    normalizer = check_normalizer(normalizer, n, caller)
+    scale = check_scale(scale, d, caller)
+    steps = (
+        None
+        if query_blocks_per_step is None
+        else check_int(query_blocks_per_step, "query_blocks_per_step", caller)
+    )
     if not isinstance(return_weights, (bool, np.bool_)):
-        raise TypeError(f"{where}: `return_weights` must be a bool; got {return_weights!r}")
+        raise TypeError(f"{caller}: `return_weights` must be a bool; got {return_weights!r}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     groups = head_groups(layout)
     if len(groups) == 1:

@@ -70,9 +70,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax._attention_common import check_normalizer, check_scale, normalize
-from sparse_jax.blocksparse import _check_qkv
 from sparse_jax.masks import SENTINEL
+from sparse_jax.normalizers import normalize
+from sparse_jax.validation import (
+    check_block_size,
+    check_bool,
+    check_int,
+    check_normalizer,
+    check_qkv,
+    check_scale,
+)
 
 __all__ = ["SENTINEL", "topk_block_attention", "topk_mask"]
 
@@ -80,22 +87,6 @@ __all__ = ["SENTINEL", "topk_block_attention", "topk_mask"]
 # each). Measured on [8, 2048, 2048] float32, k = 64 (2-core CPU, jax 0.10.2): 0.35 s against
 # 0.63 s for 1 bit per pass and 0.46 s for 4.
 _BITS_PER_PASS = 2
-
-
-def _check_bool(value: Any, name: str, where: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: `{name}` must be a bool; got {value!r}")
-    return bool(value)
-
-
-def _check_int(value: Any, name: str, low: int, where: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{where}: `{name}` must be a python int >= {low}; got {type(value).__name__} {value!r}"
-        )
-    if value < low:
-        raise ValueError(f"{where}: `{name}` must be an int >= {low}; got {value!r}")
-    return int(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,34 +197,34 @@ def topk_mask(scores: jax.Array, k: int, *, where: jax.Array | None = None) -> j
       >>> topk_mask(s, 2, where=jnp.array([True, False, True, False])).astype(int).tolist()
       [[1, 0, 1, 0], [1, 0, 1, 0]]
     """
-    where_ = "topk_mask"
+    caller = "topk_mask"
     if not isinstance(scores, (jax.Array, np.ndarray)):
         raise TypeError(
-            f"{where_}: `scores` must be a jax or numpy float array [..., q_len, kv_len]; got "
+            f"{caller}: `scores` must be a jax or numpy float array [..., q_len, kv_len]; got "
             f"{type(scores).__name__}"
         )
     if not jnp.issubdtype(scores.dtype, jnp.floating):
-        raise TypeError(f"{where_}: `scores` must have a floating dtype; got dtype {scores.dtype}")
+        raise TypeError(f"{caller}: `scores` must have a floating dtype; got dtype {scores.dtype}")
     if scores.ndim < 1 or scores.shape[-1] == 0:
         raise ValueError(
-            f"{where_}: `scores` must have rank >= 1 and a non-empty last (key) axis; got shape "
+            f"{caller}: `scores` must have rank >= 1 and a non-empty last (key) axis; got shape "
             f"{tuple(scores.shape)}"
         )
     kv_len = scores.shape[-1]
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
         raise TypeError(
-            f"{where_}: `k` must be a python int in [1, kv_len] = [1, {kv_len}]; got "
+            f"{caller}: `k` must be a python int in [1, kv_len] = [1, {kv_len}]; got "
             f"{type(k).__name__} {k!r}"
         )
     if not 1 <= k <= kv_len:
         raise ValueError(
-            f"{where_}: `k` must be an int in [1, kv_len] = [1, {kv_len}]; got k={k}"
+            f"{caller}: `k` must be an int in [1, kv_len] = [1, {kv_len}]; got k={k}"
             + (f", larger than kv_len={kv_len} (the last axis of scores)" if k > kv_len else "")
         )
     if where is not None:
         if not isinstance(where, (jax.Array, np.ndarray)) or where.dtype != np.bool_:
             raise TypeError(
-                f"{where_}: `where` must be None or a bool array broadcastable to scores "
+                f"{caller}: `where` must be None or a bool array broadcastable to scores "
                 f"{tuple(scores.shape)}; got {type(where).__name__} "
                 f"{getattr(where, 'dtype', '')}"
             )
@@ -243,7 +234,7 @@ def topk_mask(scores: jax.Array, k: int, *, where: jax.Array | None = None) -> j
             ok = False
         if not ok:
             raise ValueError(
-                f"{where_}: `where` with shape {tuple(where.shape)} does not broadcast to the "
+                f"{caller}: `where` with shape {tuple(where.shape)} does not broadcast to the "
                 f"shape of scores {tuple(scores.shape)}"
             )
     return _topk_mask(jnp.asarray(scores), None if where is None else jnp.asarray(where), int(k))
@@ -389,18 +380,6 @@ def _run(q, k, v, normalizer_array, scale_array, *, plan: _Plan, normalizer_stat
     return (out, *extras) if extras else out
 
 
-def _check_block_size(block_size: Any, where: str) -> tuple[int, int]:
-    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
-        raise TypeError(
-            f"{where}: `block_size` must be a pair of ints (block_q, block_kv) >= 1; got "
-            f"{block_size!r}"
-        )
-    return (
-        _check_int(block_size[0], "block_size[0]", 1, where),
-        _check_int(block_size[1], "block_size[1]", 1, where),
-    )
-
-
 def topk_block_attention(
     q: jax.Array,
     k: jax.Array,
@@ -472,18 +451,18 @@ def topk_block_attention(
       >>> idx[0, 0, 0, 1].item()
       -1
     """
-    where = "topk_block_attention"
-    _check_qkv(q, k, v, where)
+    caller = "topk_block_attention"
+    check_qkv(q, k, v, caller)
     b, tq, n, d = q.shape
     tk, kh = k.shape[1], k.shape[2]
-    keep_blocks = _check_int(keep_blocks, "keep_blocks", 0, where)
-    local_blocks = _check_int(local_blocks, "local_blocks", 1, where)
-    bq, bkv = _check_block_size(block_size, where)
-    causal = _check_bool(causal, "causal", where)
-    normalizer = check_normalizer(normalizer, n, where)
-    scale = check_scale(scale, d, where)
-    return_weights = _check_bool(return_weights, "return_weights", where)
-    return_indices = _check_bool(return_indices, "return_indices", where)
+    keep_blocks = check_int(keep_blocks, "keep_blocks", caller, low=0)
+    local_blocks = check_int(local_blocks, "local_blocks", caller, low=1)
+    bq, bkv = check_block_size(block_size, caller)
+    causal = check_bool(causal, "causal", caller)
+    normalizer = check_normalizer(normalizer, n, caller)
+    scale = check_scale(scale, d, caller)
+    return_weights = check_bool(return_weights, "return_weights", caller)
+    return_indices = check_bool(return_indices, "return_indices", caller)
     nq, nk = -(-tq // bq), -(-tk // bkv)
     plan = _Plan(
         b=b,

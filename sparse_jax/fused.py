@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import jax
@@ -41,40 +40,39 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax._attention_common import check_scale
-from sparse_jax.blocksparse import _check_qkv as check_shapes
+from sparse_jax.validation import check_block_size, check_qkv, check_scale
 
 __all__ = ["cudnn_attention", "cudnn_mask_arguments", "splash_attention"]
 
 
-def _check_qkv(q: Any, k: Any, v: Any, where: str, dtypes: tuple[Any, ...]) -> None:
+def _check_qkv(q: Any, k: Any, v: Any, caller: str, dtypes: tuple[Any, ...]) -> None:
     """The block-sparse kernel's shape checks, plus the kernels' dtypes and equal head dims."""
-    check_shapes(q, k, v, where)
+    check_qkv(q, k, v, caller)
     if q.dtype not in dtypes:
         allowed = ", ".join(str(np.dtype(d)) for d in dtypes)
-        raise TypeError(f"{where}: `q` has dtype {q.dtype}; the kernel takes {allowed}")
+        raise TypeError(f"{caller}: `q` has dtype {q.dtype}; the kernel takes {allowed}")
     if v.shape[3] != q.shape[3]:
         raise ValueError(
-            f"{where}: the kernel needs v's head_dim equal to q's; got q {q.shape}, v {v.shape}"
+            f"{caller}: the kernel needs v's head_dim equal to q's; got q {q.shape}, v {v.shape}"
         )
 
 
-def _check_static_mask(mask: Any, n: int, where: str) -> masks_lib.Mask:
+def _check_static_mask(mask: Any, n: int, caller: str) -> masks_lib.Mask:
     if mask is None:
         return masks_lib.full()
     if not isinstance(mask, masks_lib.Mask):
         raise TypeError(
-            f"{where}: `mask` must be None or a sparse_jax.masks.Mask (the kernel needs the "
+            f"{caller}: `mask` must be None or a sparse_jax.masks.Mask (the kernel needs the "
             f"pattern at trace time, not an array); got {type(mask).__name__}"
         )
     if mask.is_dynamic:
         raise ValueError(
-            f"{where}: run-time `padding` masks are not supported by this kernel; use "
+            f"{caller}: run-time `padding` masks are not supported by this kernel; use "
             "impl='blocksparse' or impl='xla'"
         )
     if mask.num_heads is not None and mask.num_heads != n:
         raise ValueError(
-            f"{where}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} query "
+            f"{caller}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} query "
             "heads"
         )
     return mask
@@ -127,20 +125,6 @@ def _splash_kernel(mask, tq: int, tk: int, n: int, bq: int, bk: int, interpret: 
     return kernel, sa.SegmentIds
 
 
-def _check_blocks(block_size: Any, where: str) -> tuple[int, int]:
-    ok = isinstance(block_size, (tuple, list)) and len(block_size) == 2
-    ok = ok and all(
-        isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1 and x % 128 == 0
-        for x in block_size
-    )
-    if not ok:
-        raise ValueError(
-            f"{where}: `block_size` must be a pair of positive multiples of 128 (block_q, "
-            f"block_kv), the kernel's lane width; got {block_size!r}"
-        )
-    return int(block_size[0]), int(block_size[1])
-
-
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -174,19 +158,19 @@ def splash_attention(
       >>> splash_attention(q, k, v, mask=causal()).shape
       (2, 12, 4, 8)
     """
-    where = "splash_attention"
-    _check_qkv(q, k, v, where, (jnp.float32, jnp.bfloat16))
+    caller = "splash_attention"
+    _check_qkv(q, k, v, caller, (jnp.float32, jnp.bfloat16))
     _, tq, n, h = q.shape
     tk, kh = k.shape[1], k.shape[2]
-    mask = _check_static_mask(mask, n, where)
-    scale = check_scale(scale, h, where)
-    bq, bk = _check_blocks(block_size, where)
+    mask = _check_static_mask(mask, n, caller)
+    scale = check_scale(scale, h, caller)
+    bq, bk = check_block_size(block_size, caller, multiple_of=128)
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     tq_p, tk_p = -(-tq // bq) * bq, -(-tk // bk) * bk
     if mask.shape is not None and (tq_p, tk_p) != (tq, tk):
         raise ValueError(
-            f"{where}: a from_array mask cannot be padded to the blocks: lengths ({tq}, {tk}) "
+            f"{caller}: a from_array mask cannot be padded to the blocks: lengths ({tq}, {tk}) "
             f"must be multiples of `block_size`={block_size}"
         )
     kernel, segment_ids = _splash_kernel(mask, tq_p, tk_p, n, bq, bk, bool(interpret))
@@ -285,22 +269,22 @@ def cudnn_attention(
       >>> cudnn_attention(q, k, v, mask=causal(), implementation="xla").shape
       (1, 4, 2, 8)
     """
-    where = "cudnn_attention"
+    caller = "cudnn_attention"
     if implementation not in ("cudnn", "xla"):
         raise ValueError(
-            f"{where}: `implementation` must be 'cudnn' or 'xla'; got {implementation!r}"
+            f"{caller}: `implementation` must be 'cudnn' or 'xla'; got {implementation!r}"
         )
-    _check_qkv(q, k, v, where, (jnp.float16, jnp.bfloat16))
+    _check_qkv(q, k, v, caller, (jnp.float16, jnp.bfloat16))
     _, tq, n, h = q.shape
     if isinstance(mask, masks_lib.Mask):
-        _check_static_mask(mask, n, where)
+        _check_static_mask(mask, n, caller)
     elif mask is not None:
-        raise TypeError(f"{where}: `mask` must be None or a sparse_jax.masks.Mask; got {mask!r}")
+        raise TypeError(f"{caller}: `mask` must be None or a sparse_jax.masks.Mask; got {mask!r}")
     kwargs = cudnn_mask_arguments(mask)
-    scale = check_scale(scale, h, where)
+    scale = check_scale(scale, h, caller)
     if implementation == "cudnn" and jax.default_backend() != "gpu":
         raise ValueError(
-            f"{where}: implementation='cudnn' needs an NVIDIA GPU; the default backend is "
+            f"{caller}: implementation='cudnn' needs an NVIDIA GPU; the default backend is "
             f"{jax.default_backend()!r} (use impl='xla' or 'blocksparse' there)"
         )
     if not isinstance(scale, float):  # a scalar array: jax.nn takes a python float

@@ -472,19 +472,19 @@ def expected_sparsity(
             kept, total = kept + jnp.sum(p), total + leaf.size
             concrete_total += leaf.size
             continue
-        where = "weights" if len(leaves) == 1 else f"weights[{i}]"
+        label = "weights" if len(leaves) == 1 else f"weights[{i}]"
         if isinstance(w, (bool, np.bool_)):
-            raise TypeError(f"{name}: `{where}` must be real numbers; got {w!r}.")
+            raise TypeError(f"{name}: `{label}` must be real numbers; got {w!r}.")
         w = jnp.asarray(w)
         if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer)):
-            raise TypeError(f"{name}: `{where}` must be real numbers; got dtype {w.dtype}.")
+            raise TypeError(f"{name}: `{label}` must be real numbers; got dtype {w.dtype}.")
         try:
             broadcast = np.broadcast_shapes(w.shape, leaf.shape)
         except ValueError:
             broadcast = None
         if broadcast != leaf.shape:
             raise ValueError(
-                f"{name}: `{where}` with shape {w.shape} does not broadcast to the shape "
+                f"{name}: `{label}` with shape {w.shape} does not broadcast to the shape "
                 f"{leaf.shape} of its `log_alpha` array."
             )
         w = jnp.broadcast_to(w.astype(dtype), leaf.shape)
@@ -492,7 +492,7 @@ def expected_sparsity(
             w_np = np.asarray(w)
             if not np.all(w_np >= 0.0):
                 raise ValueError(
-                    f"{name}: `{where}` must be non-negative; got minimum {float(w_np.min())!r}."
+                    f"{name}: `{label}` must be non-negative; got minimum {float(w_np.min())!r}."
                 )
             concrete_total += float(w_np.sum())
         else:

@@ -65,13 +65,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sparse_jax.validation import check_int
 
 __all__ = [
     "SENTINEL",
@@ -122,32 +123,27 @@ _BLOCK_CHUNK_ELEMENTS = 1 << 22
 # Argument checking.
 
 
-def _check_int(where: str, name: str, value: Any, *, low: int = 0, high: int = _INT32_MAX) -> int:
-    """``value`` as an int; raises naming ``where``, ``name``, the value and the range."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: {name} must be an int in [{low}, {high}], got {value!r}")
-    value = operator.index(value)
-    if not low <= value <= high:
-        raise ValueError(f"{where}: {name} must be an int in [{low}, {high}], got {value!r}")
-    return value
+def _check_int(caller: str, name: str, value: Any, *, low: int = 0, high: int = _INT32_MAX) -> int:
+    """``value`` as an int in ``[low, high]`` (mask sizes and offsets live in int32)."""
+    return check_int(value, name, caller, low=low, high=high)
 
 
-def _check_mask(where: str, name: str, value: Any) -> Mask:
+def _check_mask(caller: str, name: str, value: Any) -> Mask:
     if not isinstance(value, Mask):
         raise TypeError(
-            f"{where}: {name} must be a sparse_jax.masks.Mask, got {type(value).__name__} "
+            f"{caller}: {name} must be a sparse_jax.masks.Mask, got {type(value).__name__} "
             f"({value!r:.80})"
         )
     return value
 
 
-def _merge(where: str, what: str, a: Any, b: Any) -> Any:
+def _merge(caller: str, what: str, a: Any, b: Any) -> Any:
     """Common value of a structural property of two operands (None = unconstrained)."""
     if a is None:
         return b
     if b is None or a == b:
         return a
-    raise ValueError(f"{where}: operands have mismatched {what}: {a!r} and {b!r}")
+    raise ValueError(f"{caller}: operands have mismatched {what}: {a!r} and {b!r}")
 
 
 def _is_jax(x: Any) -> bool:
@@ -431,13 +427,13 @@ class Mask:
             return out
         return jnp.broadcast_to(self._eval(q, kv, head, batch, jnp), shape).astype(bool)
 
-    def _check_lengths(self, where: str, q_len: Any, kv_len: Any) -> tuple[int, int]:
-        q_len = _check_int(where, "q_len", q_len, low=1)
-        kv_len = _check_int(where, "kv_len", kv_len, low=1)
+    def _check_lengths(self, caller: str, q_len: Any, kv_len: Any) -> tuple[int, int]:
+        q_len = _check_int(caller, "q_len", q_len, low=1)
+        kv_len = _check_int(caller, "kv_len", kv_len, low=1)
         shape = self.shape
         if shape is not None and (q_len > shape[0] or kv_len > shape[1]):
             raise ValueError(
-                f"{where}: (q_len, kv_len) = ({q_len}, {kv_len}) does not fit this mask of fixed "
+                f"{caller}: (q_len, kv_len) = ({q_len}, {kv_len}) does not fit this mask of fixed "
                 f"shape {shape} (from_array); allowed: q_len <= {shape[0]}, kv_len <= {shape[1]}"
             )
         return q_len, kv_len
@@ -1234,12 +1230,12 @@ class PerHead(Mask):
         return out
 
 
-def _check_structure(where: str, left: Any, right: Any) -> None:
-    _check_mask(where, "left operand", left)
-    _check_mask(where, "right operand", right)
-    _merge(where, "shapes", left.shape, right.shape)
-    _merge(where, "num_heads", left.num_heads, right.num_heads)
-    _merge(where, "batch sizes", left.batch_size, right.batch_size)
+def _check_structure(caller: str, left: Any, right: Any) -> None:
+    _check_mask(caller, "left operand", left)
+    _check_mask(caller, "right operand", right)
+    _merge(caller, "shapes", left.shape, right.shape)
+    _merge(caller, "num_heads", left.num_heads, right.num_heads)
+    _merge(caller, "batch sizes", left.batch_size, right.batch_size)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -436,7 +436,7 @@ def test_per_head_groups_return_weights_in_head_order():
     layout = mask.blocks(tq, tk, bq, bkv)
     # jitted: one compilation instead of op-by-op dispatch of every head group (much faster)
     out, w = jax.jit(lambda *a: blocksparse_attention(*a, layout, return_weights=True))(q, k, v)
-    from sparse_jax.attention import attention
+    from sparse_jax.dispatch import attention
 
     ref_out, ref_w = attention(q, k, v, mask=mask, impl="xla", return_weights=True)
     np.testing.assert_allclose(out, ref_out, atol=1e-5)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from sparse_jax import dynamic as dynamic_module
-from sparse_jax.attention import attention
+from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import SENTINEL, topk_block_attention, topk_mask
 from sparse_jax.masks import causal
 
@@ -379,8 +379,8 @@ def test_scale_array_and_jit():
     ("kwargs", "error", "match"),
     [
         ({"keep_blocks": -1}, ValueError, r"`keep_blocks` must be an int >= 0; got -1"),
-        ({"keep_blocks": 1.0}, TypeError, r"`keep_blocks` must be a python int >= 0"),
-        ({"keep_blocks": True}, TypeError, r"`keep_blocks` must be a python int >= 0"),
+        ({"keep_blocks": 1.0}, TypeError, r"`keep_blocks` must be an int >= 0"),
+        ({"keep_blocks": True}, TypeError, r"`keep_blocks` must be an int >= 0"),
         ({"local_blocks": 0}, ValueError, r"`local_blocks` must be an int >= 1; got 0"),
         ({"block_size": (8,)}, TypeError, r"`block_size` must be a pair"),
         ({"block_size": (8, 0)}, ValueError, r"`block_size\[1\]` must be an int >= 1"),

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from sparse_jax.flops import attention_scores, model_flops
 from sparse_jax.masks import causal, local, sink
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
+from sparse_jax.models.flops import attention_scores, model_flops
 
 
 def test_dense_two_layer_model_by_hand():
@@ -67,5 +67,5 @@ def test_bad_length():
 
 
 def test_module_doctests():
-    module = importlib.import_module("sparse_jax.flops")
+    module = importlib.import_module("sparse_jax.models.flops")
     assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax.attention import attention, attention_impl
+from sparse_jax.dispatch import attention, attention_impl
 from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
 from sparse_jax.masks import causal, chunked, full, local, per_head, sink, strided
 

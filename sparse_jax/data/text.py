@@ -74,6 +74,7 @@ import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
 from sparse_jax.data.tokenizers import Tokenizer, get_tokenizer
+from sparse_jax.validation import check_bool, check_int
 
 __all__ = [
     "BUILDER_NAME",
@@ -892,20 +893,6 @@ def _tokenize_splits(
 # Batches.
 
 
-def _check_int(value: object, arg: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int >= {minimum}, got {type(value).__name__}: {value!r}")
-    if value < minimum:
-        raise ValueError(f"{arg} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_bool(value: object, arg: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}")
-    return bool(value)
-
-
 class BatchIterator:
     """Deterministic, resumable batches of windows: int32 ``[batch_size // process_count, L]``.
 
@@ -952,13 +939,17 @@ class BatchIterator:
             )
         self.source = source
         self.num_examples = len(source)
-        self.batch_size = _check_int(batch_size, "batch_size", 1)
-        self.seed = _check_int(seed, "seed", 0)
-        self.shuffle = _check_bool(shuffle, "shuffle")
-        self.drop_remainder = _check_bool(drop_remainder, "drop_remainder")
-        self.num_epochs = None if num_epochs is None else _check_int(num_epochs, "num_epochs", 1)
-        self.process_count = _check_int(process_count, "process_count", 1)
-        self.process_index = _check_int(process_index, "process_index", 0)
+        self.batch_size = check_int(batch_size, "batch_size", "BatchIterator", low=1)
+        self.seed = check_int(seed, "seed", "BatchIterator", low=0)
+        self.shuffle = check_bool(shuffle, "shuffle", "BatchIterator")
+        self.drop_remainder = check_bool(drop_remainder, "drop_remainder", "BatchIterator")
+        self.num_epochs = (
+            None
+            if num_epochs is None
+            else check_int(num_epochs, "num_epochs", "BatchIterator", low=1)
+        )
+        self.process_count = check_int(process_count, "process_count", "BatchIterator", low=1)
+        self.process_index = check_int(process_index, "process_index", "BatchIterator", low=0)
         if self.process_index >= self.process_count:
             raise ValueError(
                 f"process_index must lie in [0, process_count = {self.process_count}), got "
@@ -977,7 +968,7 @@ class BatchIterator:
                 f"batch_size {self.batch_size} (the global batch) must be divisible by "
                 f"process_count {self.process_count}"
             )
-        self._global_step = _check_int(start_step, "start_step", 0)
+        self._global_step = check_int(start_step, "start_step", "BatchIterator", low=0)
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
 
@@ -1043,7 +1034,7 @@ class BatchIterator:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The order in which epoch ``epoch`` visits the examples."""
-        epoch = _check_int(epoch, "epoch", 0)
+        epoch = check_int(epoch, "epoch", "BatchIterator", low=0)
         if epoch != self._perm_epoch:
             if self.shuffle:
                 self._perm = np.random.default_rng([self.seed, epoch]).permutation(
@@ -1057,7 +1048,9 @@ class BatchIterator:
 
     def indices(self, global_step: int) -> np.ndarray:
         """Example indices of this process's part of the batch at ``global_step``."""
-        epoch, step = divmod(_check_int(global_step, "global_step", 0), self.steps_per_epoch)
+        epoch, step = divmod(
+            check_int(global_step, "global_step", "BatchIterator", low=0), self.steps_per_epoch
+        )
         rows = self.epoch_order(epoch)[step * self.batch_size : (step + 1) * self.batch_size]
         if self.process_count == 1:
             return rows

@@ -171,16 +171,16 @@ class AttentionSpec:
     block_size: tuple[int, int] = (128, 128)  # block-sparse kernel blocks
 
     def __post_init__(self):
-        where = "AttentionSpec"
+        caller = "AttentionSpec"
         if self.kind not in ("fixed", "candidates"):
             raise ValueError(
-                f"{where}: unknown `kind`={self.kind!r}; allowed: 'fixed', 'candidates'"
+                f"{caller}: unknown `kind`={self.kind!r}; allowed: 'fixed', 'candidates'"
             )
         if self.combine not in COMBINES:
-            raise ValueError(f"{where}: unknown `combine`={self.combine!r}; allowed: {COMBINES}")
+            raise ValueError(f"{caller}: unknown `combine`={self.combine!r}; allowed: {COMBINES}")
         if self.anchor_self and self.combine == "mixture":
             raise ValueError(
-                f"{where}: `anchor_self` needs a log-bias `combine` ('soft_union', 'soft_mask'); "
+                f"{caller}: `anchor_self` needs a log-bias `combine` ('soft_union', 'soft_mask'); "
                 "got 'mixture'"
             )
         for name in ("head_gate", "ffn_gate"):
@@ -188,7 +188,7 @@ class AttentionSpec:
             allowed = GATE_KINDS if name == "head_gate" else GATE_KINDS[:3]
             if value is not None and value not in allowed:
                 raise ValueError(
-                    f"{where}: unknown `{name}`={value!r}; allowed: None or {list(allowed)}"
+                    f"{caller}: unknown `{name}`={value!r}; allowed: None or {list(allowed)}"
                 )
         if self.candidates is not None:
             object.__setattr__(self, "candidates", tuple(self.candidates))
@@ -490,33 +490,33 @@ def generate(
       >>> generate(model, jnp.zeros((2, 3), jnp.int32), 4, temperature=0.0).shape
       (2, 7)
     """
-    where = "generate"
+    caller = "generate"
     if not isinstance(model, GPT2):
-        raise TypeError(f"{where}: `model` must be a GPT2; got {type(model).__name__}")
+        raise TypeError(f"{caller}: `model` must be a GPT2; got {type(model).__name__}")
     model._check_ids(prompt_ids)
     if prompt_ids.shape[1] < 1:
-        raise ValueError(f"{where}: `prompt_ids` must hold at least one token per row")
+        raise ValueError(f"{caller}: `prompt_ids` must hold at least one token per row")
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
         or max_new_tokens < 1
     ):
-        raise ValueError(f"{where}: `max_new_tokens` must be an int >= 1; got {max_new_tokens!r}")
+        raise ValueError(f"{caller}: `max_new_tokens` must be an int >= 1; got {max_new_tokens!r}")
     total = prompt_ids.shape[1] + max_new_tokens
     if total > model.config.n_positions:
         raise ValueError(
-            f"{where}: prompt ({prompt_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = "
+            f"{caller}: prompt ({prompt_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = "
             f"{total} exceeds n_positions={model.config.n_positions}"
         )
     if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"{where}: `temperature` must be a float >= 0; got {temperature!r}")
+        raise ValueError(f"{caller}: `temperature` must be a float >= 0; got {temperature!r}")
     if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
         raise ValueError(
-            f"{where}: `top_k` must be None or an int in [1, {model.config.vocab_size}]; got "
+            f"{caller}: `top_k` must be None or an int in [1, {model.config.vocab_size}]; got "
             f"{top_k!r}"
         )
     if temperature > 0 and rng is None:
-        raise ValueError(f"{where}: sampling with temperature={temperature} needs `rng`")
+        raise ValueError(f"{caller}: sampling with temperature={temperature} needs `rng`")
     graphdef, state = nnx.split(model)
     ids, logits = _generate(
         graphdef,

@@ -133,16 +133,16 @@ def harden_plan(
     model: GPT2, *, threshold: float | None = None, budget: float | None = None, length=None
 ) -> HardenReport:
     """Decides what :func:`harden` keeps (see there for the arguments)."""
-    where = "harden"
+    caller = "harden"
     if not isinstance(model, GPT2):
-        raise TypeError(f"{where}: `model` must be a sparse_jax GPT2; got {type(model).__name__}")
+        raise TypeError(f"{caller}: `model` must be a sparse_jax GPT2; got {type(model).__name__}")
     if threshold is not None and budget is not None:
-        raise ValueError(f"{where}: pass `threshold` or `budget`, not both")
+        raise ValueError(f"{caller}: pass `threshold` or `budget`, not both")
     if threshold is not None and not (isinstance(threshold, numbers.Real) and 0 < threshold < 1):
-        raise ValueError(f"{where}: `threshold` must be in (0, 1); got {threshold!r}")
+        raise ValueError(f"{caller}: `threshold` must be in (0, 1); got {threshold!r}")
     if budget is not None and not (isinstance(budget, numbers.Real) and 0 < budget <= 1):
         raise ValueError(
-            f"{where}: `budget` (mean attention density) must be in (0, 1]; got {budget!r}"
+            f"{caller}: `budget` (mean attention density) must be in (0, 1]; got {budget!r}"
         )
     n_ref = length or model.config.n_positions
     blocks = list(model.h)
@@ -205,7 +205,7 @@ def harden_plan(
         if plan is None:
             floor = assemble(_cheapest(blocks, weights_of, n_ref))[4]
             raise ValueError(
-                f"{where}: `budget`={budget} cannot be met: every head on its cheapest "
+                f"{caller}: `budget`={budget} cannot be met: every head on its cheapest "
                 f"candidate still gives mean density {floor:.3f}"
             )
     heads, units, head_masks, kept_cands, density = plan

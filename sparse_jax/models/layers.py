@@ -1,5 +1,5 @@
 """Flax NNX layers for sparse and learned-sparse attention: thin modules around the pure
-functions of :mod:`sparse_jax.attention`, :mod:`sparse_jax.masks` and :mod:`sparse_jax.gates`.
+functions of :mod:`sparse_jax.dispatch`, :mod:`sparse_jax.masks` and :mod:`sparse_jax.gates`.
 
 Shapes: ``B`` batch, ``T`` query length, ``S`` key length (``S >= T``; with a cache the queries
 are the last ``T`` positions, i.e. query ``i`` sits at absolute position ``S - T + i``), ``N``
@@ -69,7 +69,7 @@ from flax import nnx
 
 from sparse_jax import gates as gates_lib
 from sparse_jax import masks as masks_lib
-from sparse_jax.attention import attention
+from sparse_jax.dispatch import attention
 
 __all__ = [
     "COMBINES",
@@ -125,15 +125,15 @@ def mask_at(
     return mask.predicate(q_pos[:, None], kv_pos[None, :]) & written
 
 
-def _check_heads(num_heads: Any, where: str) -> int:
+def _check_heads(num_heads: Any, caller: str) -> int:
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"{where}: `num_heads` must be an int >= 1; got {num_heads!r}")
+        raise ValueError(f"{caller}: `num_heads` must be an int >= 1; got {num_heads!r}")
     return num_heads
 
 
-def _check_choice(value: Any, name: str, allowed: Sequence[str], where: str) -> str:
+def _check_choice(value: Any, name: str, allowed: Sequence[str], caller: str) -> str:
     if value not in allowed:
-        raise ValueError(f"{where}: unknown `{name}`={value!r}; allowed: {list(allowed)}")
+        raise ValueError(f"{caller}: unknown `{name}`={value!r}; allowed: {list(allowed)}")
     return value
 
 
@@ -162,22 +162,24 @@ class FixedAttention(nnx.Module):
         impl: str = "auto",
         block_size: tuple[int, int] = (128, 128),
     ):
-        where = "FixedAttention"
-        self.num_heads = _check_heads(num_heads, where)
+        caller = "FixedAttention"
+        self.num_heads = _check_heads(num_heads, caller)
         mask = masks_lib.causal() if mask is None else mask
         if not isinstance(mask, masks_lib.Mask) or mask.is_dynamic:
-            raise TypeError(f"{where}: `mask` must be a static sparse_jax.masks.Mask; got {mask!r}")
+            raise TypeError(
+                f"{caller}: `mask` must be a static sparse_jax.masks.Mask; got {mask!r}"
+            )
         self.mask = mask
         self.impl, self.block_size = impl, tuple(block_size)
         if learn_alpha:
             if normalizer not in ("entmax15",) and not isinstance(normalizer, float):
                 raise ValueError(
-                    f"{where}: `learn_alpha` needs `normalizer` to be a float α > 1 or "
+                    f"{caller}: `learn_alpha` needs `normalizer` to be a float α > 1 or "
                     f"'entmax15' (the initial α); got {normalizer!r}"
                 )
             alpha0 = 1.5 if normalizer == "entmax15" else float(normalizer)
             if not alpha0 > 1:
-                raise ValueError(f"{where}: the initial α must be > 1; got {alpha0}")
+                raise ValueError(f"{caller}: the initial α must be > 1; got {alpha0}")
             theta0 = math.log(math.expm1(alpha0 - 1.0))  # softplus^-1(α - 1)
             self.alpha_logit = nnx.Param(jnp.full((num_heads,), theta0, jnp.float32))
             self.normalizer = None
@@ -232,27 +234,27 @@ class CandidateMaskAttention(nnx.Module):
         anchor_self: bool = False,
         rngs: nnx.Rngs | None = None,
     ):
-        where = "CandidateMaskAttention"
+        caller = "CandidateMaskAttention"
         if not isinstance(anchor_self, bool):
-            raise TypeError(f"{where}: `anchor_self` must be a bool; got {anchor_self!r}")
+            raise TypeError(f"{caller}: `anchor_self` must be a bool; got {anchor_self!r}")
         if anchor_self and combine == "mixture":
             raise ValueError(
-                f"{where}: `anchor_self` applies to the log-bias combines ('soft_union', "
+                f"{caller}: `anchor_self` applies to the log-bias combines ('soft_union', "
                 "'soft_mask'); `combine`='mixture' has no bias to anchor"
             )
         self.anchor_self = anchor_self
-        self.num_heads = _check_heads(num_heads, where)
+        self.num_heads = _check_heads(num_heads, caller)
         candidates = tuple(default_candidates() if candidates is None else candidates)
         if not candidates:
-            raise ValueError(f"{where}: `candidates` must name at least one mask")
+            raise ValueError(f"{caller}: `candidates` must name at least one mask")
         for i, c in enumerate(candidates):
             if not isinstance(c, masks_lib.Mask) or c.is_dynamic or c.num_heads is not None:
                 raise TypeError(
-                    f"{where}: candidates[{i}] must be a static head-agnostic Mask; got {c!r}"
+                    f"{caller}: candidates[{i}] must be a static head-agnostic Mask; got {c!r}"
                 )
         self.candidates = candidates
-        self.granularity = _check_choice(granularity, "granularity", ("layer", "head"), where)
-        self.combine = _check_choice(combine, "combine", COMBINES, where)
+        self.granularity = _check_choice(granularity, "granularity", ("layer", "head"), caller)
+        self.combine = _check_choice(combine, "combine", COMBINES, caller)
         self.normalizer = normalizer
         shape = (len(candidates),) if granularity == "layer" else (num_heads, len(candidates))
         self.logits = nnx.Param(jnp.full(shape, float(init_logit), jnp.float32))
@@ -348,10 +350,10 @@ class Gate(nnx.Module):
     """
 
     def __init__(self, num_units: int, kind: str = "sigmoid_ste", *, init: float = 3.0):
-        where = "Gate"
+        caller = "Gate"
         if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
-            raise ValueError(f"{where}: `num_units` must be an int >= 1; got {num_units!r}")
-        self.kind = _check_choice(kind, "kind", GATE_KINDS, where)
+            raise ValueError(f"{caller}: `num_units` must be an int >= 1; got {num_units!r}")
+        self.kind = _check_choice(kind, "kind", GATE_KINDS, caller)
         self.logits = nnx.Param(jnp.full((num_units,), float(init), jnp.float32))
 
     def values(self, rngs: nnx.Rngs | None = None) -> jax.Array:

@@ -53,24 +53,24 @@ DIRECTIONS = ("forward", "reverse", "jsd")
 KNOWN_PENALTIES = ("mask_l1", "mask_density", "mask_expected_density", "head_gate", "ffn_gate")
 
 
-def _float(x, where: str, arg: str) -> jax.Array:
+def _float(x, caller: str, arg: str) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{where}: `{arg}` must be float logits; got dtype {x.dtype}")
+        raise TypeError(f"{caller}: `{arg}` must be float logits; got dtype {x.dtype}")
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _token_mask(mask, shape: tuple[int, ...], where: str) -> jax.Array | None:
+def _token_mask(mask, shape: tuple[int, ...], caller: str) -> jax.Array | None:
     if mask is None:
         return None
     mask = jnp.asarray(mask)
     if mask.shape != shape:
         raise ValueError(
-            f"{where}: `mask` must have the logits' shape without the vocabulary axis {shape}; "
+            f"{caller}: `mask` must have the logits' shape without the vocabulary axis {shape}; "
             f"got {mask.shape}"
         )
     if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
-        raise TypeError(f"{where}: `mask` must be boolean (True = real token); got {mask.dtype}")
+        raise TypeError(f"{caller}: `mask` must be boolean (True = real token); got {mask.dtype}")
     return mask.astype(bool)
 
 
@@ -125,17 +125,17 @@ def _jsd(logp: jax.Array, logq: jax.Array) -> jax.Array:
     return 0.5 * (half(logp, logq) + half(logq, logp))
 
 
-def _check_temperature(temperature, where: str):
+def _check_temperature(temperature, caller: str):
     if isinstance(temperature, jax.core.Tracer):  # traced (e.g. annealed): used unchecked
         return temperature
     if isinstance(temperature, (bool, np.bool_)) or not (
         isinstance(temperature, numbers.Real)
         or (hasattr(temperature, "dtype") and np.ndim(temperature) == 0)
     ):
-        raise ValueError(f"{where}: `temperature` must be a number > 0; got {temperature!r}")
+        raise ValueError(f"{caller}: `temperature` must be a number > 0; got {temperature!r}")
     value = float(temperature)
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{where}: `temperature` must be a finite number > 0; got {value!r}")
+        raise ValueError(f"{caller}: `temperature` must be a finite number > 0; got {value!r}")
     return value
 
 
@@ -188,18 +188,18 @@ def distillation_loss(
       >>> bool(jnp.isclose(loss, 4 * m["kl"]))
       True
     """
-    where = "distillation_loss"
+    caller = "distillation_loss"
     if direction not in DIRECTIONS:
-        raise ValueError(f"{where}: unknown `direction`={direction!r}; allowed: {DIRECTIONS}")
-    temperature = _check_temperature(temperature, where)
-    student = _float(student_logits, where, "student_logits")
-    teacher = _float(teacher_logits, where, "teacher_logits")
+        raise ValueError(f"{caller}: unknown `direction`={direction!r}; allowed: {DIRECTIONS}")
+    temperature = _check_temperature(temperature, caller)
+    student = _float(student_logits, caller, "student_logits")
+    teacher = _float(teacher_logits, caller, "teacher_logits")
     if student.ndim < 1 or student.shape != teacher.shape:
         raise ValueError(
-            f"{where}: `student_logits` {student.shape} and `teacher_logits` {teacher.shape} "
+            f"{caller}: `student_logits` {student.shape} and `teacher_logits` {teacher.shape} "
             "must have the same shape [..., vocab]"
         )
-    mask = _token_mask(mask, student.shape[:-1], where)
+    mask = _token_mask(mask, student.shape[:-1], caller)
     dtype = jnp.promote_types(student.dtype, teacher.dtype)
     logq = jax.nn.log_softmax(student.astype(dtype) / temperature, axis=-1)
     logp = jax.nn.log_softmax(teacher.astype(dtype) / temperature, axis=-1)
@@ -236,17 +236,17 @@ def cross_entropy_loss(logits, targets, *, mask=None):
       >>> round(float(loss), 4), float(m["accuracy"]), int(m["tokens"])  # -log 0.75
       (0.2877, 1.0, 1)
     """
-    where = "cross_entropy_loss"
-    logits = _float(logits, where, "logits")
+    caller = "cross_entropy_loss"
+    logits = _float(logits, caller, "logits")
     targets = jnp.asarray(targets)
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
         raise ValueError(
-            f"{where}: `targets` must have the logits' shape without the vocabulary axis "
+            f"{caller}: `targets` must have the logits' shape without the vocabulary axis "
             f"{logits.shape[:-1]}; got {targets.shape}"
         )
     if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError(f"{where}: `targets` must be integer token ids; got dtype {targets.dtype}")
-    mask = _token_mask(mask, targets.shape, where)
+        raise TypeError(f"{caller}: `targets` must be integer token ids; got dtype {targets.dtype}")
+    mask = _token_mask(mask, targets.shape, caller)
     logp = jax.nn.log_softmax(logits, axis=-1)
     # Negative ids would wrap around in the gather: send them out of range (-> NaN) instead.
     index = jnp.where(targets < 0, logp.shape[-1], targets)
@@ -296,32 +296,32 @@ def sparsity_penalty(aux: Mapping[str, jax.Array], weights: Mapping[str, float])
       >>> float(total), sorted(m)
       (3.0, ['ffn_gate', 'head_gate', 'total'])
     """
-    where = "sparsity_penalty"
+    caller = "sparsity_penalty"
     if not isinstance(aux, Mapping):
-        raise TypeError(f"{where}: `aux` must be a dict of penalties; got {type(aux).__name__}")
+        raise TypeError(f"{caller}: `aux` must be a dict of penalties; got {type(aux).__name__}")
     if not isinstance(weights, Mapping):
         raise TypeError(
-            f"{where}: `weights` must be a dict name -> float; got {type(weights).__name__}"
+            f"{caller}: `weights` must be a dict name -> float; got {type(weights).__name__}"
         )
     available = sorted(aux)
     total = jnp.zeros((), jnp.float32)
     for name, weight in weights.items():
         if name not in aux and name not in KNOWN_PENALTIES:
             raise ValueError(
-                f"{where}: unknown penalty {name!r} in `weights`; the model returns "
+                f"{caller}: unknown penalty {name!r} in `weights`; the model returns "
                 f"{available} (known penalties: {list(KNOWN_PENALTIES)})"
             )
         if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real):
-            raise ValueError(f"{where}: `weights[{name!r}]` must be a number; got {weight!r}")
+            raise ValueError(f"{caller}: `weights[{name!r}]` must be a number; got {weight!r}")
         weight = float(weight)
         if not (weight >= 0 and math.isfinite(weight)):
             raise ValueError(
-                f"{where}: `weights[{name!r}]` must be a finite number >= 0; got {weight!r}"
+                f"{caller}: `weights[{name!r}]` must be a finite number >= 0; got {weight!r}"
             )
         if name not in aux:
             if weight != 0:
                 raise ValueError(
-                    f"{where}: `weights[{name!r}]`={weight} is non-zero but the model returns no "
+                    f"{caller}: `weights[{name!r}]`={weight} is non-zero but the model returns no "
                     f"{name!r} penalty (it returns {available}); give the student that "
                     "mask/gate or set the weight to 0"
                 )

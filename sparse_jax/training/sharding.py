@@ -111,26 +111,26 @@ def make_mesh(data: int | None = None, model: int = 1, *, devices: Sequence[Any]
       >>> mesh.axis_names
       ('data', 'model')
     """
-    where = "make_mesh"
+    caller = "make_mesh"
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if n == 0:
-        raise ValueError(f"{where}: `devices` is empty")
+        raise ValueError(f"{caller}: `devices` is empty")
     for name, value in (("model", model), ("data", data)):
         if value is None and name == "data":
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: `{name}` must be an int >= 1; got {value!r}")
+            raise ValueError(f"{caller}: `{name}` must be an int >= 1; got {value!r}")
     if data is None:
         if n % model:
             raise ValueError(
-                f"{where}: `model`={model} does not divide the {n} available device(s) "
+                f"{caller}: `model`={model} does not divide the {n} available device(s) "
                 f"{_FORCE_DEVICES_HINT}"
             )
         data = n // model
     if data * model != n:
         raise ValueError(
-            f"{where}: a mesh of data={data} x model={model} = {data * model} devices does not "
+            f"{caller}: a mesh of data={data} x model={model} = {data * model} devices does not "
             f"match the {n} available device(s) ({devices[0].platform}); choose sizes whose "
             f"product is {n} {_FORCE_DEVICES_HINT}"
         )
@@ -277,9 +277,9 @@ def shard_model(
     return shardings, notes
 
 
-def _data_size(mesh: Mesh, where: str) -> int:
+def _data_size(mesh: Mesh, caller: str) -> int:
     if "data" not in mesh.axis_names:
-        raise ValueError(f"{where}: `mesh` has no 'data' axis; its axes are {mesh.axis_names}")
+        raise ValueError(f"{caller}: `mesh` has no 'data' axis; its axes are {mesh.axis_names}")
     return mesh.shape["data"]
 
 

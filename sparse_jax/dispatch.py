@@ -9,7 +9,7 @@ in the layout of ``jax.nn.dot_product_attention`` (``[batch, seq, heads, head_di
 with grouped-query attention when the ``K`` key/value heads divide the ``N`` query heads
 (query head ``n`` reads key head ``n // (N // K)``, the convention of jax and flax). The
 normalizer is softmax, sparsemax, 1.5-entmax or α-entmax with a fixed or learnable α per head
-(see :mod:`sparse_jax.sparsemax`); the mask is a :class:`sparse_jax.masks.Mask` description or
+(see :mod:`sparse_jax.normalizers`); the mask is a :class:`sparse_jax.masks.Mask` description or
 a bool array.
 
 Implementations and dispatch
@@ -72,16 +72,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax._attention_common import (
-    NORMALIZERS,
-    as_4d_broadcastable,
-    check_bias,
-    check_normalizer,
-    check_scale,
-    normalize,
-)
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
 from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
+from sparse_jax.normalizers import NORMALIZERS, normalize
+from sparse_jax.validation import (
+    as_4d_broadcastable,
+    check_bias,
+    check_block_size,
+    check_int,
+    check_normalizer,
+    check_qkv,
+    check_scale,
+)
 
 __all__ = [
     "BLOCKSPARSE_MAX_FRACTION",
@@ -115,63 +117,7 @@ class ImplChoice(NamedTuple):
 # Argument checking (all in Python, on static shapes: runs before anything is compiled).
 
 
-def _check_qkv(q: Any, k: Any, v: Any, where: str, abstract: bool = False) -> tuple[Any, Any, Any]:
-    """Checks q, k, v; ``abstract`` also accepts ``jax.ShapeDtypeStruct`` (only shapes are read)."""
-    kinds = (jax.Array, np.ndarray, jax.ShapeDtypeStruct) if abstract else (jax.Array, np.ndarray)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, kinds):
-            raise TypeError(
-                f"{where}: `{name}` must be a jax or numpy array [batch, seq, heads, head_dim]; "
-                f"got {type(x).__name__}"
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
-                f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16, "
-                f"float64); got dtype {x.dtype}"
-            )
-        if x.ndim != 4:
-            raise ValueError(
-                f"{where}: `{name}` must have rank 4 [batch, seq, heads, head_dim]; got shape "
-                f"{tuple(x.shape)} (rank {x.ndim})"
-            )
-        if 0 in x.shape:
-            raise ValueError(f"{where}: `{name}` must have no empty axis; got shape {x.shape}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
-            f"{where}: `q`, `k` and `v` must have the same dtype; got {q.dtype}, {k.dtype}, "
-            f"{v.dtype} (cast them first, e.g. `k.astype(q.dtype)`)"
-        )
-    (b, _, n, h), (bk, tk, kh, hk), (bv, tv, vh, _) = q.shape, k.shape, v.shape
-    if not b == bk == bv:
-        raise ValueError(
-            f"{where}: batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}; axis 0 of "
-            "q, k and v must be equal"
-        )
-    if tk != tv:
-        raise ValueError(
-            f"{where}: `k` and `v` must have the same sequence length (axis 1); got k "
-            f"{k.shape} and v {v.shape}"
-        )
-    if kh != vh:
-        raise ValueError(
-            f"{where}: `k` and `v` must have the same number of heads (axis 2); got k "
-            f"{k.shape} and v {v.shape}"
-        )
-    if hk != h:
-        raise ValueError(
-            f"{where}: `q` and `k` must have the same head_dim (axis 3); got q {q.shape} and "
-            f"k {k.shape} (only v's head_dim may differ)"
-        )
-    if n % kh:
-        raise ValueError(
-            f"{where}: the number of key/value heads ({kh}, axis 2 of k) must divide the number "
-            f"of query heads ({n}, axis 2 of q) for grouped-query attention; got q {q.shape}, "
-            f"k {k.shape}"
-        )
-    return q, k, v
-
-
-def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any:
+def _check_mask(mask: Any, target: tuple[int, int, int, int], caller: str) -> Any:
     if mask is None:
         return None
     b, n, tq, tk = target
@@ -179,39 +125,39 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], where: str) -> Any
         shape = mask.shape
         if shape is not None and (tq > shape[0] or tk > shape[1]):
             raise ValueError(
-                f"{where}: `mask` has the fixed shape {shape} (from_array) but the inputs need "
+                f"{caller}: `mask` has the fixed shape {shape} (from_array) but the inputs need "
                 f"(q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {shape[0]}, "
                 f"kv_len <= {shape[1]}"
             )
         if mask.num_heads is not None and mask.num_heads != n:
             raise ValueError(
-                f"{where}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} "
+                f"{caller}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} "
                 f"query heads; allowed: a per-head mask with exactly {n} heads, or a "
                 "head-agnostic mask"
             )
         if mask.batch_size is not None and mask.batch_size != b:
             raise ValueError(
-                f"{where}: `mask` is a run-time (padding) mask for batch size "
+                f"{caller}: `mask` is a run-time (padding) mask for batch size "
                 f"{mask.batch_size} but q has batch size {b}"
             )
         return mask
     if isinstance(mask, (jax.Array, np.ndarray)):
         if mask.dtype != np.bool_:
             raise TypeError(
-                f"{where}: an array `mask` must have dtype bool (True = may attend); got dtype "
+                f"{caller}: an array `mask` must have dtype bool (True = may attend); got dtype "
                 f"{mask.dtype} (convert with `mask.astype(bool)` if that is what you mean)"
             )
-        return as_4d_broadcastable(mask, "mask", target, where)
+        return as_4d_broadcastable(mask, "mask", target, caller)
     raise TypeError(
-        f"{where}: `mask` must be None, a sparse_jax.masks.Mask or a bool array broadcastable "
+        f"{caller}: `mask` must be None, a sparse_jax.masks.Mask or a bool array broadcastable "
         f"to [batch, heads, q_len, kv_len]; got {type(mask).__name__}"
     )
 
 
-def _check_impl(impl: Any, where: str) -> str:
+def _check_impl(impl: Any, caller: str) -> str:
     if isinstance(impl, str) and impl in IMPLS:
         return impl
-    raise ValueError(f"{where}: unknown `impl`={impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
+    raise ValueError(f"{caller}: unknown `impl`={impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
 
 
 def _fused_problems(normalizer: Any, bias: Any, mask_arr: Any, return_weights: bool) -> list:
@@ -228,32 +174,13 @@ def _fused_problems(normalizer: Any, bias: Any, mask_arr: Any, return_weights: b
     return problems
 
 
-def _check_fused(impl, normalizer, bias, mask_arr, return_weights, where) -> None:
+def _check_fused(impl, normalizer, bias, mask_arr, return_weights, caller) -> None:
     problems = _fused_problems(normalizer, bias, mask_arr, return_weights)
     if problems:
         raise ValueError(
-            f"{where}: impl={impl!r} does not take {'; '.join(problems)}. Use "
+            f"{caller}: impl={impl!r} does not take {'; '.join(problems)}. Use "
             "impl='blocksparse' (every normalizer, Mask patterns) or impl='xla'"
         )
-
-
-def _check_positive_int(value: Any, name: str, where: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: `{name}` must be an int >= 1; got {value!r}")
-    if value < 1:
-        raise ValueError(f"{where}: `{name}` must be an int >= 1; got {value!r}")
-    return int(value)
-
-
-def _check_block_size(block_size: Any, where: str) -> tuple[int, int]:
-    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
-        raise TypeError(
-            f"{where}: `block_size` must be a pair of ints (block_q, block_kv); got {block_size!r}"
-        )
-    return (
-        _check_positive_int(block_size[0], "block_size[0]", where),
-        _check_positive_int(block_size[1], "block_size[1]", where),
-    )
 
 
 class _Args(NamedTuple):
@@ -283,33 +210,33 @@ def _check_all(
     block_size,
     query_chunk,
     return_weights,
-    where,
+    caller,
     abstract=False,
 ) -> _Args:
-    q, k, v = _check_qkv(q, k, v, where, abstract)
+    q, k, v = check_qkv(q, k, v, caller, abstract)
     b, tq, n, h = q.shape
     target = (b, n, tq, k.shape[1])
-    mask = _check_mask(mask, target, where)
+    mask = _check_mask(mask, target, caller)
     is_obj = isinstance(mask, masks_lib.Mask)
-    bias = check_bias(bias, target, where)
-    normalizer = check_normalizer(normalizer, n, where)
-    scale = check_scale(scale, h, where)
-    impl = _check_impl(impl, where)
-    block_size = _check_block_size(block_size, where)
+    bias = check_bias(bias, target, caller)
+    normalizer = check_normalizer(normalizer, n, caller)
+    scale = check_scale(scale, h, caller)
+    impl = _check_impl(impl, caller)
+    block_size = check_block_size(block_size, caller)
     if impl == "blocksparse" and not isinstance(mask, masks_lib.Mask):
         raise ValueError(
-            f"{where}: `impl`='blocksparse' needs `mask` to be a sparse_jax.masks.Mask (the "
+            f"{caller}: `impl`='blocksparse' needs `mask` to be a sparse_jax.masks.Mask (the "
             f"kernel skips the blocks the mask leaves out); got "
             f"{'None' if mask is None else 'a bool array'}. Use impl='xla', or describe the "
             "pattern with sparse_jax.masks (masks.from_array for a fixed numpy array)."
         )
     if query_chunk is None:
         query_chunk = max(8, CHUNK_SCORES // (b * n * k.shape[1]))
-    query_chunk = _check_positive_int(query_chunk, "query_chunk", where)
+    query_chunk = check_int(query_chunk, "query_chunk", caller)
     if not isinstance(return_weights, (bool, np.bool_)):
-        raise TypeError(f"{where}: `return_weights` must be a bool; got {return_weights!r}")
+        raise TypeError(f"{caller}: `return_weights` must be a bool; got {return_weights!r}")
     if impl in ("splash", "cudnn"):
-        _check_fused(impl, normalizer, bias, None if is_obj else mask, return_weights, where)
+        _check_fused(impl, normalizer, bias, None if is_obj else mask, return_weights, caller)
         if impl == "cudnn" and is_obj:
             cudnn_mask_arguments(mask)  # raises for masks cuDNN cannot express
     return _Args(
@@ -662,22 +589,22 @@ def attention_fn(
       >>> layer(jnp.ones((1, 5, 8))).shape
       (1, 5, 8)
     """
-    where = "attention_fn"
+    caller = "attention_fn"
     if mask is not None and not isinstance(mask, masks_lib.Mask):
         raise TypeError(
-            f"{where}: `mask` must be None or a sparse_jax.masks.Mask (array masks are passed "
+            f"{caller}: `mask` must be None or a sparse_jax.masks.Mask (array masks are passed "
             f"per call by flax); got {type(mask).__name__}"
         )
     if isinstance(normalizer, (str, numbers.Real)):
-        check_normalizer(normalizer, 1, where)
+        check_normalizer(normalizer, 1, caller)
     if scale is not None:
-        check_scale(scale, 1, where)
-    _check_impl(impl, where)
+        check_scale(scale, 1, caller)
+    _check_impl(impl, caller)
     if impl in ("splash", "cudnn"):
-        _check_fused(impl, normalizer, None, None, False, where)
-    _check_block_size(block_size, where)
+        _check_fused(impl, normalizer, None, None, False, caller)
+    check_block_size(block_size, caller)
     if query_chunk is not None:
-        _check_positive_int(query_chunk, "query_chunk", where)
+        check_int(query_chunk, "query_chunk", caller)
     static_mask = mask
 
     def fn(
@@ -699,7 +626,7 @@ def attention_fn(
         del broadcast_dropout, dropout_rng
         if dropout_rate > 0.0 and not deterministic:
             raise ValueError(
-                f"{where}: attention dropout is not supported (dropout_rate={dropout_rate}, "
+                f"{caller}: attention dropout is not supported (dropout_rate={dropout_rate}, "
                 "deterministic=False); use dropout_rate=0.0 or deterministic=True"
             )
         if promote_dtype is not None:
@@ -713,7 +640,7 @@ def attention_fn(
             or not shapes[0][:-3] == shapes[1][:-3] == shapes[2][:-3]
         ):
             raise ValueError(
-                f"{where}: query, key and value must be [batch..., length, heads, depth] with the "
+                f"{caller}: query, key and value must be [batch..., length, heads, depth] with the "
                 f"same batch axes; got {query.shape}, {key.shape}, {value.shape}"
             )
         batch = query.shape[:-3]
@@ -751,11 +678,11 @@ def attention_fn(
             block_size,
             query_chunk,
             False,
-            where,
+            caller,
         )
         if mask_arr is not None:
             target = (q4.shape[0], q4.shape[2], q4.shape[1], k4.shape[1])
-            args = args._replace(mask_arr=_check_mask(mask_arr, target, where))
+            args = args._replace(mask_arr=_check_mask(mask_arr, target, caller))
         sow = module is not None
         result = _xla_attention(args, return_weights=sow, precision=precision)
         if sow:

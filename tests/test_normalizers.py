@@ -1,4 +1,4 @@
-"""Tests of the normalizers and Fenchel–Young losses in ``sparse_jax.sparsemax``.
+"""Tests of the normalizers and Fenchel–Young losses in ``sparse_jax.normalizers``.
 
 Exactness is checked against the float64 sort-based references in ``tests/reference.py``;
 properties (non-negativity, sums, masking, shift invariance) with hypothesis; derivatives with
@@ -383,6 +383,6 @@ def test_bad_input_raises_a_clear_error(call, error, match):
 
 def test_docstring_examples():
     # The module shares its name with the function `sparse_jax.sparsemax`, hence importlib.
-    module = importlib.import_module("sparse_jax.sparsemax")
+    module = importlib.import_module("sparse_jax.normalizers")
     failures, tried = doctest.testmod(module, extraglobs={"jnp": jnp, "np": np})
     assert tried >= 6 and failures == 0

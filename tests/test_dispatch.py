@@ -1,4 +1,4 @@
-"""Tests of sparse_jax.attention: the query-chunked XLA path against a naive dense reference
+"""Tests of sparse_jax.dispatch: the query-chunked XLA path against a naive dense reference
 (values and gradients), masks, GQA/MQA, cross-attention, fully masked rows, low precision,
 the flax adapter, argument errors and the memory bound of the chunking."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import sparse_jax as sj
-from sparse_jax.attention import ImplChoice, attention, attention_fn, attention_impl
+from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.masks import causal, from_array, local, padding, per_head, sink, strided
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
@@ -401,7 +401,7 @@ def test_flax_multi_head_attention_adapter():
 
 def test_module_doctests():
     # The module shares its name with the function `sparse_jax.attention`, hence importlib.
-    attention_module = importlib.import_module("sparse_jax.attention")
+    attention_module = importlib.import_module("sparse_jax.dispatch")
     failures, _ = doctest.testmod(attention_module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
 

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.attention import attention_impl
 from sparse_jax.blocksparse import blocksparse_cost
+from sparse_jax.dispatch import attention_impl
 
 __all__ = ["LayerFlops", "ModelFlops", "attention_scores", "model_flops"]
 

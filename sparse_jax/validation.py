@@ -1,0 +1,201 @@
+"""Argument checks shared by the attention engines: each raises ``TypeError``/``ValueError`` naming
+the caller, the argument, its value and what is allowed, before anything is traced."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparse_jax.normalizers import NORMALIZERS
+
+
+def check_qkv(q: Any, k: Any, v: Any, caller: str, abstract: bool = False) -> tuple[Any, Any, Any]:
+    """q ``[B, Tq, N, H]``, k ``[B, Tk, K, H]``, v ``[B, Tk, K, Hv]`` (K divides N), one dtype.
+
+    ``abstract`` also accepts ``jax.ShapeDtypeStruct`` (only shapes and dtypes are read).
+    """
+    kinds = (jax.Array, np.ndarray, jax.ShapeDtypeStruct) if abstract else (jax.Array, np.ndarray)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, kinds):
+            raise TypeError(
+                f"{caller}: `{name}` must be a jax or numpy array [batch, seq, heads, head_dim]; "
+                f"got {type(x).__name__}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{caller}: `{name}` must have a floating dtype (float32, bfloat16, float16, "
+                f"float64); got dtype {x.dtype}"
+            )
+        if x.ndim != 4:
+            raise ValueError(
+                f"{caller}: `{name}` must have rank 4 [batch, seq, heads, head_dim]; got shape "
+                f"{tuple(x.shape)} (rank {x.ndim})"
+            )
+        if 0 in x.shape:
+            raise ValueError(f"{caller}: `{name}` must have no empty axis; got shape {x.shape}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"{caller}: `q`, `k` and `v` must have the same dtype; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype} (cast them first, e.g. `k.astype(q.dtype)`)"
+        )
+    (b, _, n, h), (bk, tk, kh, hk), (bv, tv, vh, _) = q.shape, k.shape, v.shape
+    if not b == bk == bv:
+        raise ValueError(
+            f"{caller}: batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}; axis 0 of "
+            "q, k and v must be equal"
+        )
+    if tk != tv:
+        raise ValueError(
+            f"{caller}: `k` and `v` must have the same sequence length (axis 1); got k "
+            f"{k.shape} and v {v.shape}"
+        )
+    if kh != vh:
+        raise ValueError(
+            f"{caller}: `k` and `v` must have the same number of heads (axis 2); got k "
+            f"{k.shape} and v {v.shape}"
+        )
+    if hk != h:
+        raise ValueError(
+            f"{caller}: `q` and `k` must have the same head_dim (axis 3); got q {q.shape} and "
+            f"k {k.shape} (only v's head_dim may differ)"
+        )
+    if n % kh:
+        raise ValueError(
+            f"{caller}: the number of key/value heads ({kh}, axis 2 of k) must divide the number "
+            f"of query heads ({n}, axis 2 of q) for grouped-query attention; got q {q.shape}, "
+            f"k {k.shape}"
+        )
+    return q, k, v
+
+
+def check_int(value: Any, name: str, caller: str, *, low: int = 1, high: int | None = None) -> int:
+    """``value`` as a python int in ``[low, high]`` (``high`` None: unbounded; bools refused)."""
+    allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{caller}: `{name}` must be {allowed}; got {type(value).__name__} {value!r}"
+        )
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
+    return int(value)
+
+
+def check_bool(value: Any, name: str, caller: str) -> bool:
+    """``value`` as a python bool (numpy bools accepted, ints refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{caller}: `{name}` must be a bool; got {value!r}")
+    return bool(value)
+
+
+def check_block_size(block_size: Any, caller: str, *, multiple_of: int = 1) -> tuple[int, int]:
+    """A pair ``(block_q, block_kv)`` of positive ints, each a multiple of ``multiple_of``."""
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise TypeError(
+            f"{caller}: `block_size` must be a pair of ints (block_q, block_kv); got {block_size!r}"
+        )
+    sizes = tuple(check_int(size, f"block_size[{i}]", caller) for i, size in enumerate(block_size))
+    if any(size % multiple_of for size in sizes):
+        raise ValueError(
+            f"{caller}: `block_size` must be a pair of positive multiples of {multiple_of} "
+            f"(block_q, block_kv); got {block_size!r}"
+        )
+    return sizes
+
+
+def check_scale(scale: Any, head_dim: int, caller: str) -> Any:
+    """``scale`` of the scores: None -> ``head_dim ** -0.5``, a finite real, or a float scalar."""
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{caller}: `scale` must be None or a real number; got {scale!r}")
+    if isinstance(scale, numbers.Real):
+        if not math.isfinite(scale):
+            raise ValueError(f"{caller}: `scale` must be finite; got {scale!r}")
+        return float(scale)
+    if isinstance(scale, (jax.Array, np.ndarray)) and scale.ndim == 0:
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"{caller}: an array `scale` must be a float scalar; got {scale.dtype}")
+        return jnp.asarray(scale)
+    raise TypeError(
+        f"{caller}: `scale` must be None (head_dim ** -0.5), a real number or a scalar float "
+        f"array; got {type(scale).__name__} {getattr(scale, 'shape', '')}"
+    )
+
+
+def as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], caller: str) -> jax.Array:
+    """``x`` left-padded to rank 4; checks that it broadcasts to ``target`` [B, N, Tq, Tk]."""
+    shape = tuple(x.shape)
+    ok = len(shape) <= 4
+    if ok:
+        try:
+            ok = tuple(np.broadcast_shapes(shape, target)) == target
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{caller}: `{name}` with shape {shape} does not broadcast to [batch, heads, q_len, "
+            f"kv_len] = {list(target)}"
+        )
+    return jnp.reshape(jnp.asarray(x), (1,) * (4 - len(shape)) + shape)
+
+
+def check_bias(bias: Any, target: tuple[int, int, int, int], caller: str) -> Any:
+    """None, or a float array broadcastable to ``target``, returned with rank 4."""
+    if bias is None:
+        return None
+    if not isinstance(bias, (jax.Array, np.ndarray)):
+        raise TypeError(
+            f"{caller}: `bias` must be None or a float array broadcastable to [batch, heads, "
+            f"q_len, kv_len] = {list(target)}; got {type(bias).__name__}"
+        )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"{caller}: `bias` must have a floating dtype; got dtype {bias.dtype}")
+    return as_4d_broadcastable(bias, "bias", target, caller)
+
+
+def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
+    """A name of NORMALIZERS, a python float α > 1, or a float array α of shape [] or [N]."""
+    allowed = (
+        f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
+        f"[heads] = [{num_heads}] (one α per query head)"
+    )
+    if isinstance(normalizer, str):
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"{caller}: unknown `normalizer`={normalizer!r}; allowed: {allowed}")
+        return normalizer
+    if isinstance(normalizer, (bool, np.bool_)):
+        raise TypeError(f"{caller}: `normalizer` must be {allowed}; got {normalizer!r}")
+    if isinstance(normalizer, numbers.Real):
+        alpha = float(normalizer)
+        if not alpha > 1.0:
+            raise ValueError(
+                f"{caller}: `normalizer` α must be > 1 (α -> 1 is softmax: pass "
+                f'normalizer="softmax"); got {alpha}'
+            )
+        return alpha
+    if isinstance(normalizer, (jax.Array, np.ndarray)):
+        if not jnp.issubdtype(normalizer.dtype, jnp.floating):
+            raise TypeError(
+                f"{caller}: an array `normalizer` (α) must have a floating dtype; got dtype "
+                f"{normalizer.dtype}"
+            )
+        shape = tuple(normalizer.shape)
+        if shape not in ((), (1,), (num_heads,)):
+            raise ValueError(
+                f"{caller}: an array `normalizer` (α) must have shape [], [1] or [heads] = "
+                f"[{num_heads}] (one α per query head); got shape {list(shape)}"
+            )
+        if not isinstance(normalizer, jax.core.Tracer):
+            values = np.asarray(normalizer)
+            if not (values > 1.0).all():
+                raise ValueError(
+                    f"{caller}: every α of `normalizer` must be > 1; got {values.tolist()!r:.200} "
+                    "(parametrise a learned α as 1 + softplus(θ))"
+                )
+        return jnp.asarray(normalizer)
+    raise TypeError(f"{caller}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
