@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 __all__ = [
     "DIRECTIONS",
@@ -216,6 +217,9 @@ def distillation_loss(
 def cross_entropy_loss(logits, targets, *, mask=None):
     """Mean next-token negative log-likelihood (nats/token) of integer ``targets``.
 
+    Per token it is ``optax.losses.softmax_cross_entropy_with_integer_labels``; this function
+    adds the argument checks, the token mask and the mean over kept tokens.
+
     Args:
       logits: float ``[B, T, V]`` (any leading axes).
       targets: int ``[B, T]``, each in ``[0, V)`` where ``mask`` is True. Targets at masked
@@ -247,13 +251,16 @@ def cross_entropy_loss(logits, targets, *, mask=None):
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise TypeError(f"{caller}: `targets` must be integer token ids; got dtype {targets.dtype}")
     mask = _token_mask(mask, targets.shape, caller)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    # Negative ids would wrap around in the gather: send them out of range (-> NaN) instead.
-    index = jnp.where(targets < 0, logp.shape[-1], targets)
-    index = index if mask is None else jnp.where(mask, index, 0)
-    picked = jnp.take_along_axis(logp, index[..., None], axis=-1, mode="fill", fill_value=jnp.nan)
-    nll, tokens = _masked_mean(-picked[..., 0], mask)
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(logp.dtype)
+    vocab = logits.shape[-1]
+    # Masked positions may hold any id (padding): gather a valid one there, never used.
+    index = targets if mask is None else jnp.where(mask, targets, 0)
+    per_token = optax.losses.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.clip(index, 0, vocab - 1)
+    )
+    # An id outside [0, V) at a kept position is loud (NaN), never clipped or wrapped around.
+    per_token = jnp.where((index >= 0) & (index < vocab), per_token, jnp.nan)
+    nll, tokens = _masked_mean(per_token, mask)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(logits.dtype)
     accuracy, _ = _masked_mean(correct, mask)
     return nll, {"nll": nll, "accuracy": accuracy, "tokens": tokens}
 
