@@ -520,32 +520,38 @@ def attention(
         return_weights,
         _NAME,
     )
-    choice = _resolve_impl(args)
-    if choice.impl == "splash":
-        return splash_attention(
-            args.q,
-            args.k,
-            args.v,
-            mask=args.mask_obj,
-            scale=args.scale,
-            block_size=args.block_size,
-        )
-    if choice.impl == "cudnn":
-        return cudnn_attention(args.q, args.k, args.v, mask=args.mask_obj, scale=args.scale)
-    if choice.impl == "blocksparse":
-        return blocksparse_attention(
-            args.q,
-            args.k,
-            args.v,
-            _layout(args),
-            mask=args.mask_obj,
-            normalizer=args.normalizer,
-            scale=args.scale,
-            bias=args.bias,
-            return_weights=bool(return_weights),
-            precision=precision,
-        )
-    return _xla_attention(args, return_weights=bool(return_weights), precision=precision)
+    return _run(args, _resolve_impl(args), precision)
+
+
+def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
+    """Runs the chosen engine under the name scope ``sparse_jax/<engine>`` (visible in the
+    jaxpr and HLO, so tests and profiles can tell which engine ran)."""
+    with jax.named_scope(f"sparse_jax/{choice.impl}"):
+        if choice.impl == "splash":
+            return splash_attention(
+                args.q,
+                args.k,
+                args.v,
+                mask=args.mask_obj,
+                scale=args.scale,
+                block_size=args.block_size,
+            )
+        if choice.impl == "cudnn":
+            return cudnn_attention(args.q, args.k, args.v, mask=args.mask_obj, scale=args.scale)
+        if choice.impl == "blocksparse":
+            return blocksparse_attention(
+                args.q,
+                args.k,
+                args.v,
+                _layout(args),
+                mask=args.mask_obj,
+                normalizer=args.normalizer,
+                scale=args.scale,
+                bias=args.bias,
+                return_weights=args.return_weights,
+                precision=precision,
+            )
+        return _xla_attention(args, return_weights=args.return_weights, precision=precision)
 
 
 def attention_fn(
@@ -662,29 +668,35 @@ def attention_fn(
         m = static_mask
         if is_causal:
             m = masks_lib.causal() if m is None else m & masks_lib.causal()
+        if impl == "blocksparse" and m is None:
+            m = masks_lib.full()  # the kernel needs a Mask for its block layout
         mask_arr = to_4d_bcast(mask)
-        if mask_arr is not None:
-            mask_arr = mask_arr.astype(bool)
+        bias4 = to_4d_bcast(bias)
+        if mask_arr is not None and m is not None:
+            # attention() takes one mask; the Mask keeps the block structure the engines skip
+            # by, and flax's per-call bool mask rides along as a -inf bias (the same weights:
+            # every normalizer gives -inf scores probability 0).
+            mask_bias = jnp.where(mask_arr.astype(bool), 0.0, -jnp.inf).astype(jnp.float32)
+            bias4 = mask_bias if bias4 is None else bias4 + mask_bias
+        elif mask_arr is not None:
+            m = mask_arr.astype(bool)
         q4, k4, v4 = to_4d(query), to_4d(key), to_4d(value)
+        sow = module is not None
         args = _check_all(
             q4,
             k4,
             v4,
             m,
-            to_4d_bcast(bias),
+            bias4,
             normalizer,
             scale,
             impl,
             block_size,
             query_chunk,
-            False,
+            sow,
             caller,
         )
-        if mask_arr is not None:
-            target = (q4.shape[0], q4.shape[2], q4.shape[1], k4.shape[1])
-            args = args._replace(mask_arr=_check_mask(mask_arr, target, caller))
-        sow = module is not None
-        result = _xla_attention(args, return_weights=sow, precision=precision)
+        result = _run(args, _resolve_impl(args), precision)
         if sow:
             from flax import nnx  # only to sow the weights, as flax's own function does
 

@@ -77,9 +77,7 @@ def check_int(value: Any, name: str, caller: str, *, low: int = 1, high: int | N
     """``value`` as a python int in ``[low, high]`` (``high`` None: unbounded; bools refused)."""
     allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{caller}: `{name}` must be {allowed}; got {type(value).__name__} {value!r}"
-        )
+        raise TypeError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
     if value < low or (high is not None and value > high):
         raise ValueError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
     return int(value)

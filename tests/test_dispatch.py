@@ -15,6 +15,7 @@ import pytest
 import sparse_jax as sj
 from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.masks import causal, from_array, local, padding, per_head, sink, strided
+from tests.engines import assert_engine
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
 
@@ -345,6 +346,49 @@ def test_attention_impl_reports_choice():
     abstract = jax.ShapeDtypeStruct(q.shape, q.dtype)
     assert attention_impl(abstract, abstract, abstract).impl == "xla"
     _close(attention(q, k, v, impl="xla"), attention(q, k, v, impl="auto"))
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15", 1.25])
+@pytest.mark.parametrize("impl", ["xla", "blocksparse", "auto"])
+def test_attention_fn_runs_the_engine_it_is_asked_for(normalizer, impl):
+    # The adapter is compared with attention() under a window|sink mask whose effect is visible
+    # (a third of the causal entries are cut), with flax's own per-call mask cutting one more
+    # key per batch row, and the engine in the traced program must be the one asked for.
+    q, k, v, _, _ = _inputs((2, 32, 32, 2, 2, 4, 4))
+    pattern = causal() & (local(5, 0) | sink(2))
+    flax_mask = jnp.ones((2, 1, 32, 32), bool).at[0, :, :, 3].set(False).at[1, :, :, 7].set(False)
+    fn = attention_fn(normalizer, mask=pattern, impl=impl, block_size=(8, 8))
+    want = attention(q, k, v, mask=pattern, normalizer=normalizer, impl="xla")
+    cut = attention(
+        q, k, v, mask=pattern, bias=jnp.where(flax_mask, 0.0, -jnp.inf), normalizer=normalizer
+    )
+    dense = attention(q, k, v, mask=causal(), normalizer=normalizer, impl="xla")
+    assert float(jnp.abs(want - dense).max()) > 1e-2  # the window matters
+    assert float(jnp.abs(want - cut).max()) > 1e-2  # and so does flax's mask
+    _close(fn(q, k, v), want)
+    _close(fn(q, k, v, mask=flax_mask), cut)
+    engine = "blocksparse" if impl == "auto" else impl  # 28% of the blocks of 8: block-sparse
+    assert_engine(engine, fn, q, k, v)
+    assert_engine(engine, fn, q, k, v, mask=flax_mask)
+    grad = jax.grad(lambda q: jnp.sum(fn(q, k, v, mask=flax_mask) ** 2))
+    assert_engine(engine, grad, q)
+
+
+def test_attention_fn_splash_engine():
+    q, k, v, _, _ = _inputs((1, 128, 128, 2, 2, 8, 8))
+    fn = attention_fn("softmax", mask=causal() & local(31, 0), impl="splash")
+    _close(fn(q, k, v), attention(q, k, v, mask=causal() & local(31, 0), impl="xla"))
+    assert_engine("splash", fn, q, k, v)
+    with pytest.raises(ValueError, match="impl='splash' does not take"):
+        fn(q, k, v, mask=jnp.ones((1, 1, 128, 128), bool))
+
+
+def test_attention_engine_assertions_fail_closed():
+    q, k, v, _, _ = _inputs((1, 32, 32, 2, 2, 4, 4))
+    run_xla = lambda q: attention(q, k, v, mask=causal(), impl="xla")
+    with pytest.raises(AssertionError, match="expected engine 'blocksparse'"):
+        assert_engine("blocksparse", run_xla, q)
+    assert_engine("xla", run_xla, q)
 
 
 def test_flax_multi_head_attention_adapter():
