@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,20 @@ def _lines(n: int, prefix: str = "line") -> str:
     return "".join(
         f"{prefix} {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(n)
     )
+
+
+def test_importing_the_package_does_not_import_tfds():
+    # TFDS (and array_record) are imported by the functions that build and read datasets only.
+    code = (
+        "import sparse_jax, sparse_jax.data.text, sparse_jax.data.tokenizers, "
+        "sparse_jax.training.loop, sparse_jax.training.checkpoint; import sys; "
+        "loaded = [m for m in ('tensorflow_datasets', 'array_record') if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,9 +410,9 @@ def test_errors_name_the_argument(tmp_path, rows):
     short.write_text("hello\nworld\n")
     with pytest.raises(ValueError, match=r"seq_len 100 is too long.*has 7 tokens"):
         prepare(short, "byte", 100, data_dir=tmp_path / "cache")
-    with pytest.raises(ValueError, match="seq_len must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="prepare: `seq_len` must be an int >= 1; got 0"):
         prepare("default", "byte", 0, data_dir=tmp_path / "cache")
-    with pytest.raises(TypeError, match="seq_len must be an int"):
+    with pytest.raises(TypeError, match="prepare: `seq_len` must be an int"):
         prepare("default", "byte", 8.0, data_dir=tmp_path / "cache")
     with pytest.raises(ValueError, match="eval_fraction must lie"):
         resolve_source("default", eval_fraction=1.0)

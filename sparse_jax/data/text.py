@@ -43,7 +43,9 @@ Example (the embedded corpus, byte tokenizer, windows of 257 tokens):
 
 >>> import tempfile
 >>> tmp = tempfile.TemporaryDirectory()
->>> data = prepare("default", "byte", seq_len=256, data_dir=tmp.name)
+>>> data = prepare("default", "byte", seq_len=256, data_dir=tmp.name)  # TFDS prints 2 lines
+Downloading and preparing dataset ...
+Dataset sparse_jax_text downloaded and prepared to ... Subsequent calls will reuse this data.
 >>> data.train[0].shape, data.train[0].dtype, data.built
 ((257,), dtype('int32'), True)
 >>> data.stats["train"]["tokens"] > 300_000  # about 430,000 bytes of text on CPython 3.11
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -70,7 +73,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
 from sparse_jax.data.tokenizers import Tokenizer, get_tokenizer
@@ -81,8 +83,8 @@ __all__ = [
     "BatchIterator",
     "PreparedData",
     "RandomAccess",
-    "SparseJaxText",
-    "SparseJaxTextConfig",
+    "SparseJaxText",  # noqa: F822 (defined on first use by __getattr__)
+    "SparseJaxTextConfig",  # noqa: F822
     "TextSource",
     "WindowSource",
     "default_data_dir",
@@ -95,6 +97,7 @@ __all__ = [
 # Bumped when the layout of the prepared datasets changes (it is part of every dataset's hash).
 _FORMAT = 1
 BUILDER_NAME = "sparse_jax_text"
+_BUILDER_VERSION = "1.0.0"  # SparseJaxText.VERSION
 DEFAULT_EVAL_FRACTION = 0.1
 _KINDS = ("default", "file", "folder", "wikitext2", "tfds")
 # WikiText-2 file names: (train, eval, unused official train split), this release's then the
@@ -178,6 +181,8 @@ def _find_wikitext(folder: Path) -> tuple[str, str, str] | None:
 
 def _open_tfds(name: str, data_dir: str | None) -> Any:
     """A read-only TFDS builder of the prepared dataset ``name``, or a clear error."""
+    import tensorflow_datasets as tfds
+
     where = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
     how = (
         "sparse_jax reads TFDS datasets with tfds.data_source and never downloads them: on a "
@@ -269,6 +274,8 @@ class TextSource:
         return [_read_text(root / f) for f in files]
 
     def _tfds_documents(self, split: str | None) -> Iterator[str]:
+        import tensorflow_datasets as tfds
+
         source = tfds.data_source(
             self.location, split=split, data_dir=self.data_dir, download=False
         )
@@ -450,6 +457,8 @@ or 'tfds:<name>[:<feature>]', got 'wikipedia': no such file or folder (looked fo
 
 
 def _resolve_tfds(spec: str, fraction: float, data_dir: str | os.PathLike | None) -> TextSource:
+    import tensorflow_datasets as tfds
+
     rest = spec[len("tfds:") :]
     name, feature = rest, None
     if ":" in rest:
@@ -511,14 +520,6 @@ def _resolve_tfds(spec: str, fraction: float, data_dir: str | os.PathLike | None
 # Token streams and windows.
 
 
-def _check_seq_len(seq_len: object) -> int:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
-        raise TypeError(f"seq_len must be an int >= 1, got {type(seq_len).__name__}: {seq_len!r}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    return int(seq_len)
-
-
 def token_stream(documents: Iterable[str], tokenizer: Tokenizer, *, chunk: int = 256) -> np.ndarray:
     """Every document's tokens followed by ``tokenizer.eos_id``, concatenated (int32, 1-D).
 
@@ -555,7 +556,7 @@ def make_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     >>> make_windows(np.arange(10), 3).tolist()
     [[0, 1, 2, 3], [3, 4, 5, 6], [6, 7, 8, 9]]
     """
-    seq_len = _check_seq_len(seq_len)
+    seq_len = check_int(seq_len, "seq_len", "make_windows")
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
@@ -569,65 +570,78 @@ def make_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------
 # The TFDS builder.
+#
+# Defined on first use, so that importing this module does not import tensorflow_datasets (a
+# heavy import that only preparing and reading datasets needs); `text.SparseJaxText` and
+# `text.SparseJaxTextConfig` still name the classes (the module's __getattr__ builds them).
 
 
-@dataclasses.dataclass(eq=False)
-class SparseJaxTextConfig(tfds.core.BuilderConfig):
-    """A prepared corpus: its name is ``<kind>_<tokenizer>_s<seq_len>_<hash>``."""
+@functools.cache
+def _builder_classes() -> tuple[type, type]:
+    """``(SparseJaxText, SparseJaxTextConfig)``, defined once (TFDS registers builders by name)."""
+    import tensorflow_datasets as tfds
 
-    # Tokens per example (seq_len + 1).
-    window: int = 0
-    # JSON with the source description, tokenizer, token counts (stored as dataset metadata).
-    details: str = "{}"
+    @dataclasses.dataclass(eq=False)
+    class SparseJaxTextConfig(tfds.core.BuilderConfig):
+        """A prepared corpus: its name is ``<kind>_<tokenizer>_s<seq_len>_<hash>``."""
+
+        # Tokens per example (seq_len + 1).
+        window: int = 0
+        # JSON with the source description, tokenizer, token counts (stored as dataset metadata).
+        details: str = "{}"
+
+    class SparseJaxText(tfds.core.GeneratorBasedBuilder):
+        """Windows of a tokenized corpus: ``{"tokens": int32[seq_len + 1]}``, splits train/eval.
+
+        Written in ``array_record`` format by :func:`prepare` (which passes the windows to the
+        constructor); read back with ``tfds.data_source("sparse_jax_text/<config>", data_dir=...)``.
+        """
+
+        VERSION = tfds.core.Version(_BUILDER_VERSION)
+        RELEASE_NOTES = {"1.0.0": "Windows of seq_len + 1 tokens with stride seq_len."}  # noqa: RUF012
+
+        def __init__(self, *, windows: Mapping[str, np.ndarray] | None = None, **kwargs: Any):
+            self._windows = windows
+            super().__init__(**kwargs)
+
+        def _info(self) -> tfds.core.DatasetInfo:
+            config = self.builder_config
+            return self.dataset_info_from_configs(
+                description="Token windows for next-token prediction, prepared by sparse_jax.",
+                features=tfds.features.FeaturesDict(
+                    {
+                        "tokens": tfds.features.Tensor(
+                            shape=(config.window,),
+                            dtype=np.int32,
+                            encoding=tfds.features.Encoding.BYTES,
+                        )
+                    }
+                ),
+                metadata=tfds.core.MetadataDict(json.loads(config.details)),
+                # Example i is window i: keep generation order (TFDS shuffles by default).
+                disable_shuffling=True,
+            )
+
+        def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
+            if self._windows is None:
+                raise RuntimeError("SparseJaxText is written by sparse_jax.data.text.prepare()")
+            return {split: self._generate_examples(split) for split in self._windows}
+
+        def _generate_examples(self, split: str) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+            for i, window in enumerate(self._windows[split]):
+                yield i, {"tokens": np.ascontiguousarray(window)}
+
+    for cls in (SparseJaxText, SparseJaxTextConfig):
+        cls.__qualname__ = cls.__name__
+    return SparseJaxText, SparseJaxTextConfig
 
 
-class SparseJaxText(tfds.core.GeneratorBasedBuilder):
-    """Windows of a tokenized corpus: ``{"tokens": int32[seq_len + 1]}``, splits train/eval.
-
-    Written in ``array_record`` format by :func:`prepare` (which passes the windows to the
-    constructor); read back with ``tfds.data_source("sparse_jax_text/<config>", data_dir=...)``.
-    """
-
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Windows of seq_len + 1 tokens with stride seq_len."}  # noqa: RUF012
-
-    def __init__(self, *, windows: Mapping[str, np.ndarray] | None = None, **kwargs: Any):
-        self._windows = windows
-        super().__init__(**kwargs)
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        config = self.builder_config
-        return self.dataset_info_from_configs(
-            description="Token windows for next-token prediction, prepared by sparse_jax.",
-            features=tfds.features.FeaturesDict(
-                {
-                    "tokens": tfds.features.Tensor(
-                        shape=(config.window,),
-                        dtype=np.int32,
-                        encoding=tfds.features.Encoding.BYTES,
-                    )
-                }
-            ),
-            metadata=tfds.core.MetadataDict(json.loads(config.details)),
-            # Example i is window i: keep generation order (TFDS shuffles by default).
-            disable_shuffling=True,
-        )
-
-    # TFDS prints these to stdout; log them instead.
-    def _log_download_bytes(self) -> None:
-        absl_logging.info("Preparing %s in %s", self.name, self.data_dir)
-
-    def _log_download_done(self) -> None:
-        absl_logging.info("Prepared %s in %s", self.name, self.data_dir)
-
-    def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
-        if self._windows is None:
-            raise RuntimeError("SparseJaxText is written by sparse_jax.data.text.prepare()")
-        return {split: self._generate_examples(split) for split in self._windows}
-
-    def _generate_examples(self, split: str) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        for i, window in enumerate(self._windows[split]):
-            yield i, {"tokens": np.ascontiguousarray(window)}
+def __getattr__(name: str) -> Any:
+    if name == "SparseJaxText":
+        return _builder_classes()[0]
+    if name == "SparseJaxTextConfig":
+        return _builder_classes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -725,21 +739,26 @@ class PreparedData:
 
 @contextlib.contextmanager
 def _quiet_tfds(verbose: bool) -> Iterator[None]:
-    """Without TFDS's progress bars and its warning about a config it does not list."""
+    """TFDS's progress bars on (``verbose``) or off, and off its log lines below errors (e.g.
+    its warning about a config the builder class does not list) while the block runs.
+
+    Through TFDS's public switch, which has no getter: the bars stay as set after the block
+    (``tfds.enable_progress_bar()`` turns them on again). The two lines TFDS prints on stdout
+    when it writes a dataset (preparing..., prepared...) are printed in either case.
+    """
+    import tensorflow_datasets as tfds
+
     if verbose:
+        tfds.enable_progress_bar()
         yield
         return
-    from tensorflow_datasets.core.utils import tqdm_utils
-
-    bars = getattr(tqdm_utils, "_active", True)
+    tfds.disable_progress_bar()
     level = absl_logging.get_verbosity()
-    tfds.display_progress_bar(False)
     absl_logging.set_verbosity(absl_logging.ERROR)
     try:
         yield
     finally:
         absl_logging.set_verbosity(level)
-        tfds.display_progress_bar(bars)
 
 
 def _tokenizer_fingerprint(tok: Tokenizer) -> str:
@@ -783,7 +802,8 @@ def prepare(
       seq_len: tokens a model sees per example; windows hold ``seq_len + 1`` (inputs and
         shifted targets).
       data_dir: the TFDS cache (default: :func:`default_data_dir`).
-      verbose: show TFDS's progress bars and log lines while writing.
+      verbose: show TFDS's progress bars and log lines while writing (False turns TFDS's
+        progress bars off for the rest of the process: TFDS's switch has no getter to restore).
 
     Returns:
       :class:`PreparedData`, whose ``train`` / ``eval`` read the windows back through
@@ -793,7 +813,9 @@ def prepare(
     Raises ``ValueError`` for ``seq_len < 1``, an empty split, or a split shorter than one
     window (the message gives its number of tokens).
     """
-    seq_len = _check_seq_len(seq_len)
+    import tensorflow_datasets as tfds
+
+    seq_len = check_int(seq_len, "seq_len", "prepare")
     src = resolve_source(source)
     tok = _as_tokenizer(tokenizer)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
@@ -804,7 +826,8 @@ def prepare(
         json.dumps([_FORMAT, src.fingerprint(), _tokenizer_fingerprint(tok), seq_len]).encode()
     ).hexdigest()
     config_name = f"{src.kind}_{_slug(tok.name)}_s{seq_len}_{key[:16]}"
-    version = str(SparseJaxText.VERSION)
+    version = _BUILDER_VERSION
+    SparseJaxText, SparseJaxTextConfig = _builder_classes()
     name = f"{BUILDER_NAME}/{config_name}:{version}"
 
     with _quiet_tfds(verbose):
