@@ -209,9 +209,9 @@ def test_density_penalty_prices_candidates_by_their_causal_share():
     cands = (sink(1) & causal(), causal() & local(3, 0), causal())
     core = CandidateMaskAttention(2, cands, granularity="head")
     # 16 queries: sink 16 entries, window 4 wide 58, causal 136
-    np.testing.assert_allclose(core.candidate_shares(16, 16), [16 / 136, 58 / 136, 1.0])
+    np.testing.assert_allclose(core.causal_shares(16, 16), [16 / 136, 58 / 136, 1.0])
     # decoding 2 queries against 10 keys: causal has 9 + 10 entries
-    np.testing.assert_allclose(core.candidate_shares(2, 10), [2 / 19, 8 / 19, 1.0])
+    np.testing.assert_allclose(core.causal_shares(2, 10), [2 / 19, 8 / 19, 1.0])
     core.logits[...] = jnp.asarray([[30.0, -30.0, -30.0], [-30.0, -30.0, 30.0]])
     q = jnp.zeros((1, 16, 2, 4))
     _, aux = core(q, q, q)

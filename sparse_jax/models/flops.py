@@ -1,5 +1,14 @@
 """Analytic FLOPs and attention density of GPT-2 models (dense, soft students, hardened).
 
+**Density** (one definition for the whole of :mod:`sparse_jax.models`): the fraction of the
+whole ``T x T`` score matrix of causal self-attention that a mask allows, upper triangle
+included, averaged over heads (:func:`mask_density`). Full causal attention has density
+``(T + 1) / (2 T)``, about 1/2; a causal window of ``w`` keys about ``w / T``. A fraction of
+the *causal* entries is a different quantity and is always called a *causal share*
+(:meth:`~sparse_jax.models.layers.CandidateMaskAttention.causal_shares`, which the candidate
+penalties price). :func:`~sparse_jax.models.harden`'s ``budget``, ``attention_density``
+below and ``GPT2.attention_density`` are densities.
+
 Counts are multiply-adds x 2 of the matrix products, forward pass, for ``batch`` sequences of
 ``seq_len`` tokens; elementwise work (normalizers, LayerNorm, activations) is left out, as is
 usual. Attention counts the score entries the implementation *forms*, which is what costs time:
@@ -9,8 +18,10 @@ usual. Attention counts the score entries the implementation *forms*, which is w
 * a soft candidate mixture (``soft_union``/``soft_mask``): dense with a bias; ``mixture``: the
   sum over its candidates.
 
-``attention_density`` is the fraction of the ``T x S`` score matrix the layer's mask allows
-(the union of the candidates for a soft student), averaged over its heads.
+``LayerFlops.attention_density`` is the density of the mask the layer may attend to
+(``allowed_mask()``: for a soft student the union of all its candidates, whatever their weights);
+the layers answer both questions themselves (``allowed_mask``, ``scores_formed``), and
+:meth:`~sparse_jax.models.gpt2.GPT2.flops` calls :func:`model_flops`.
 
 Example:
   >>> from flax import nnx
@@ -31,8 +42,24 @@ import jax.numpy as jnp
 from sparse_jax import masks as masks_lib
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention_impl
+from sparse_jax.validation import check_int
 
-__all__ = ["LayerFlops", "ModelFlops", "attention_scores", "model_flops"]
+__all__ = ["LayerFlops", "ModelFlops", "attention_scores", "mask_density", "model_flops"]
+
+
+def mask_density(mask: masks_lib.Mask, seq_len: int) -> float:
+    """The density of a static ``mask`` at ``seq_len``: its allowed fraction of the whole
+    ``seq_len x seq_len`` score matrix (mean over heads for a per-head mask), exact (a count of
+    entries divided by their number).
+
+    Example:
+      >>> from sparse_jax.masks import causal, local
+      >>> mask_density(causal(), 4), mask_density(causal() & local(0, 0), 4)  # 10/16, 4/16
+      (0.625, 0.25)
+    """
+    seq_len = check_int(seq_len, "seq_len", "mask_density")
+    block = min(seq_len, 128)
+    return float(mask.blocks(seq_len, seq_len, block, block).density)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +69,7 @@ class LayerFlops:
     layer: int  # block index
     heads: int  # attention heads
     ffn_units: int  # FFN width
-    attention_density: float  # allowed fraction of the score matrix (mean over heads)
+    attention_density: float  # density of the allowed mask (mean over heads)
     computed_fraction: float  # fraction of the T x S scores the implementation forms
     projections: int  # q, k, v and output projections
     attention: int  # q k^T and p v over the formed score entries
@@ -77,7 +104,7 @@ class ModelFlops:
 
     @property
     def attention_density(self) -> float:
-        """Mean allowed fraction of the score matrix over the heads of all layers."""
+        """Mean density of the allowed masks over the heads of all layers."""
         heads = sum(layer.heads for layer in self.layers)
         if not heads:
             return 0.0
@@ -96,7 +123,7 @@ def attention_scores(
     normalizer: Any = "softmax",
 ) -> tuple[int, float, str]:
     """Score entries formed by ``sparse_jax.attention`` for a causal self-attention call, the
-    mask's density, and the implementation that ``impl`` resolves to.
+    mask's density (:func:`mask_density`), and the implementation that ``impl`` resolves to.
 
     Example:
       >>> from sparse_jax.masks import causal, local
@@ -130,43 +157,19 @@ def model_flops(model: Any, seq_len: int, *, batch: int = 1) -> ModelFlops:
     Returns:
       A :class:`ModelFlops`.
     """
-    from sparse_jax.models.layers import SELF, CandidateMaskAttention
-
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"model_flops: `seq_len` must be an int >= 1; got {seq_len!r}")
+    caller = "model_flops"
+    seq_len = check_int(seq_len, "seq_len", caller)
+    batch = check_int(batch, "batch", caller)
     config = model.config
     d, h, t = config.n_embd, config.head_dim, seq_len
     layers = []
     for i, block in enumerate(model.h):
         n, u = block.attn.num_heads, block.mlp.units
         formed, density = 0, 0.0
-        if n:
+        if n:  # the layer describes itself: what it may attend to, what a call forms
             core = block.attn.core
-            if isinstance(core, CandidateMaskAttention):
-                union = core.candidates[0]
-                for c in core.candidates[1:]:
-                    union = union | c
-                if core.anchor_self:
-                    union = union | SELF
-                density = float(union.blocks(t, t, min(t, 128), min(t, 128)).density)
-                if core.combine == "mixture":
-                    formed = sum(
-                        attention_scores(c, t, batch=batch, num_heads=n, head_dim=h)[0]
-                        for c in core.candidates
-                    )
-                else:
-                    formed = batch * n * t * t
-            else:
-                spec = model.specs[i]
-                formed, density, _ = attention_scores(
-                    core.mask,
-                    t,
-                    batch=batch,
-                    num_heads=n,
-                    head_dim=h,
-                    impl=spec.impl,
-                    block_size=spec.block_size,
-                )
+            density = mask_density(core.allowed_mask(), t)
+            formed = core.scores_formed(t, batch=batch, head_dim=h)
         layers.append(
             LayerFlops(
                 layer=i,

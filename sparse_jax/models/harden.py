@@ -6,7 +6,9 @@ model that does less work:
 * candidate-mask attention becomes a fixed per-head :class:`~sparse_jax.masks.Mask`: for each
   head, the union of the candidates it keeps (weight ``sigmoid(logit) >= threshold``, or the
   lowest threshold that meets a density ``budget``; a head always keeps at least its strongest
-  candidate), run by ``sparse_jax.attention`` (block-sparse when the union leaves enough out);
+  candidate), run by ``sparse_jax.attention`` (block-sparse when the union leaves enough out).
+  The layer answers what it keeps (``kept_candidates``, ``head_masks``,
+  ``candidate_densities``); densities are those of :mod:`sparse_jax.models.flops`;
 * heads whose gate is closed are removed from ``c_attn`` and ``c_proj`` (smaller matrices, not
   zeros), FFN units likewise from ``c_fc`` and ``c_proj``; the gate values of the units that
   stay are folded into ``c_proj``, and a ``score_scaling`` head gate (a temperature) is folded
@@ -38,8 +40,9 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import masks as masks_lib
+from sparse_jax.models.flops import mask_density
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
-from sparse_jax.models.layers import SELF, CandidateMaskAttention, Gate
+from sparse_jax.models.layers import CandidateMaskAttention, Gate
 
 __all__ = ["HardenReport", "harden", "harden_plan"]
 
@@ -53,7 +56,7 @@ class HardenReport:
     head_masks: tuple[tuple[masks_lib.Mask, ...] | None, ...]  # per block: kept heads' masks
     kept_candidates: tuple[np.ndarray | None, ...]  # per block: bool [N, C] kept candidates
     threshold: float | None  # the candidate threshold used
-    density: float  # mean attention density of the kept heads at the reference length
+    density: float  # mean density of the kept heads' masks at the reference length
 
 
 def _gate_values(gate: Gate | None, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,20 +66,6 @@ def _gate_values(gate: Gate | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     hard = np.asarray(gate.hard_values()) > 0
     value = np.asarray(gate.values(), np.float32)
     return hard, np.where(hard, value, 0.0)
-
-
-def _union(core: CandidateMaskAttention, kept_row: np.ndarray) -> masks_lib.Mask:
-    """The union of the kept candidates (and the diagonal, for an anchored layer)."""
-    chosen = [c for c, k in zip(core.candidates, kept_row, strict=True) if k]
-    chosen += [SELF] if core.anchor_self else []
-    out = chosen[0]
-    for m in chosen[1:]:
-        out = out | m
-    return out
-
-
-def _density(mask: masks_lib.Mask, n: int) -> float:
-    return float(mask.blocks(n, n, min(n, 128), min(n, 128)).density)
 
 
 def _kept_per_block(blocks, weights_of, choose):
@@ -89,7 +78,7 @@ def _cheapest(blocks, weights_of, n_ref):
     """Kept matrices with every head on its least dense candidate."""
 
     def choose(w, block):
-        dens = np.array([_density(c, n_ref) for c in block.attn.core.candidates])
+        dens = block.attn.core.candidate_densities(n_ref)
         kept = np.zeros(w.shape, bool)
         kept[:, dens.argmin()] = True
         return kept
@@ -103,10 +92,7 @@ def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref):
     mean density fits (None if it never does)."""
     kept_by_block = [None if k is None else k.copy() for k in kept_by_block]
     cand_density = [
-        None
-        if weights_of(b) is None
-        else np.array([_density(c, n_ref) for c in b.attn.core.candidates])
-        for b in blocks
+        None if weights_of(b) is None else b.attn.core.candidate_densities(n_ref) for b in blocks
     ]
     while True:
         plan = assemble(kept_by_block)
@@ -150,7 +136,7 @@ def harden_plan(
     def weights_of(block) -> np.ndarray | None:
         core = block.attn.core if block.attn.num_heads else None
         if isinstance(core, CandidateMaskAttention):
-            return np.asarray(core._per_head_weights())  # [N, C]
+            return np.asarray(core.candidate_weights(per_head=True))  # [N, C]
         return None
 
     def assemble(kept_by_block):
@@ -167,23 +153,15 @@ def harden_plan(
             if not n:
                 head_masks.append(None)
                 continue
-            if kept is not None:
-                masks = tuple(_union(attn.core, kept[h]) for h in range(n))
-            else:
-                mask = attn.core.mask
-                masks = tuple(
-                    mask.for_head(h) if mask.num_heads is not None else mask for h in range(n)
-                )
+            masks = attn.core.head_masks() if kept is None else attn.core.head_masks(kept)
             head_masks.append(tuple(masks[h] for h in heads[-1]))
-            densities += [_density(masks[h], n_ref) for h in heads[-1]]
+            densities += [mask_density(masks[h], n_ref) for h in heads[-1]]
         density = float(np.mean(densities)) if densities else 0.0
         return heads, units, head_masks, list(kept_by_block), density
 
     def kept_at(t: float):
-        def choose(w, block):
-            kept = w >= t
-            kept[np.arange(w.shape[0]), w.argmax(axis=1)] = True  # never an empty head
-            return kept
+        def choose(w, block):  # weight >= t, and each head's strongest (never an empty head)
+            return np.array(block.attn.core.kept_candidates(t))
 
         return _kept_per_block(blocks, weights_of, choose)
 

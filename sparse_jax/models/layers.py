@@ -28,22 +28,28 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   ``A = 1`` whatever the weights: under softmax, ``log A`` of small weights is ≈ ``log Σ w·M``,
   which scaling every weight by one factor only shifts by a constant, so without an anchor a
   penalty can shrink all weights together at no cost in KL; against the fixed diagonal the
-  weights' absolute size matters. Hardening then adds the diagonal to each head's union.
-  (In the distillation runs of docs/results.md this alone did not keep the weights apart;
-  the evidence there points at Adam's step size setting how far every logit fell.)
+  weights' absolute size matters. Hardening then adds the diagonal to each head's union
+  (measured: docs/results.md, section "Why the candidate weights collapse").
 
   The penalties are ``aux["l1"] = Σ w``, ``aux["density"]`` and the scale-free
-  ``aux["expected_density"]`` (see ``__call__``). The
-  default combine is decided by measurement (``python -m experiments.distill --combine ...``,
-  docs/results.md): on the embedded default, ``soft_union`` ended with KL 0.023 nats/token
-  after hardening against 0.032 (``soft_mask``) and 0.030 (``mixture``, whose run also took
-  1.35x longer), at ~25-30% attention density, and it is the one whose hardening is exact.
+  ``aux["expected_density"]`` (see ``__call__``; both are priced in causal shares). The
+  default combine, ``soft_union``, is the one whose hardening is exact and was chosen by
+  measurement (measured: docs/results.md, section "Which way to combine the candidates").
 * :class:`Gate`: one learnable gate per head or per FFN unit (``"sigmoid_ste"``,
   ``"sigmoid"``, ``"hard_concrete"``), multiplying head *outputs* or FFN activations, so that
   a closed gate removes the unit's whole contribution (what :func:`~sparse_jax.models.harden`
   deletes). ``"score_scaling"`` reproduces the CANDS code's variant, which multiplies the
   attention *scores* by ``sigmoid(z)``: that only changes each head's softmax temperature and
   prunes nothing; it is here to show the difference, never the default.
+
+The attention layers describe themselves: :meth:`~FixedAttention.allowed_mask` (every pair the
+layer may attend to), :meth:`~FixedAttention.head_masks` (each head's kept mask: for a learned
+layer, the union of the candidates it keeps, see :meth:`CandidateMaskAttention.kept_candidates`),
+:meth:`~FixedAttention.head_densities` / :meth:`~FixedAttention.attention_density` and
+:meth:`~FixedAttention.scores_formed` (the score entries a call forms, for FLOPs). *Density* is
+the fraction of the whole ``T x T`` score matrix a mask allows (full causal attention: about
+1/2), as defined once in :mod:`sparse_jax.models.flops`; a fraction of the *causal* entries is
+called a *causal share* (:meth:`CandidateMaskAttention.causal_shares`).
 
 Example:
   >>> from flax import nnx
@@ -59,6 +65,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -70,6 +77,8 @@ from flax import nnx
 from sparse_jax import gates as gates_lib
 from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
+from sparse_jax.models.flops import attention_scores, mask_density
+from sparse_jax.validation import check_bool, check_int
 
 __all__ = [
     "COMBINES",
@@ -125,10 +134,13 @@ def mask_at(
     return mask.predicate(q_pos[:, None], kv_pos[None, :]) & written
 
 
-def _check_heads(num_heads: Any, caller: str) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"{caller}: `num_heads` must be an int >= 1; got {num_heads!r}")
-    return num_heads
+def _check_threshold(threshold: Any, caller: str) -> float:
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, numbers.Real):
+        raise TypeError(
+            f"{caller}: `threshold` must be a real number (a candidate weight; inf keeps only "
+            f"each head's strongest); got {threshold!r}"
+        )
+    return float(threshold)
 
 
 def _check_choice(value: Any, name: str, allowed: Sequence[str], caller: str) -> str:
@@ -163,7 +175,7 @@ class FixedAttention(nnx.Module):
         block_size: tuple[int, int] = (128, 128),
     ):
         caller = "FixedAttention"
-        self.num_heads = _check_heads(num_heads, caller)
+        self.num_heads = check_int(num_heads, "num_heads", caller)
         mask = masks_lib.causal() if mask is None else mask
         if not isinstance(mask, masks_lib.Mask) or mask.is_dynamic:
             raise TypeError(
@@ -192,6 +204,69 @@ class FixedAttention(nnx.Module):
         if self.alpha_logit is None:
             return None
         return 1.0 + jax.nn.softplus(self.alpha_logit[...])
+
+    def allowed_mask(self) -> masks_lib.Mask:
+        """The static mask of every pair this layer may attend to (its ``mask``).
+
+        Example:
+          >>> FixedAttention(2).allowed_mask() == masks_lib.causal()
+          True
+        """
+        return self.mask
+
+    def head_masks(self) -> tuple[masks_lib.Mask, ...]:
+        """The ``N`` heads' masks (one entry per head; a per-head mask split up).
+
+        Example:
+          >>> two = [masks_lib.causal(), masks_lib.sink(1)]
+          >>> FixedAttention(2, mask=masks_lib.per_head(two)).head_masks() == tuple(two)
+          True
+        """
+        m = self.mask
+        return tuple(m.for_head(h) if m.num_heads is not None else m for h in range(self.num_heads))
+
+    def head_densities(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+        """float32 ``[N]``: each head's density at ``seq_len`` (:mod:`~sparse_jax.models.flops`).
+
+        ``threshold`` is accepted for the common interface of the attention layers and unused:
+        a fixed layer keeps its whole mask.
+
+        Example:
+          >>> FixedAttention(2).head_densities(4).tolist()  # causal: 10 of 16 entries
+          [0.625, 0.625]
+        """
+        caller = "FixedAttention.head_densities"
+        seq_len = check_int(seq_len, "seq_len", caller)
+        _check_threshold(threshold, caller)
+        if self.mask.num_heads is None:
+            d = np.full(self.num_heads, mask_density(self.mask, seq_len))
+        else:
+            d = np.array([mask_density(m, seq_len) for m in self.head_masks()])
+        return jnp.asarray(d, jnp.float32)
+
+    def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+        """float32 scalar: the mean of :meth:`head_densities` over the heads."""
+        return jnp.mean(self.head_densities(seq_len, threshold=threshold))
+
+    def scores_formed(self, seq_len: int, *, batch: int = 1, head_dim: int) -> int:
+        """Score entries one causal self-attention call on ``[batch, seq_len]`` forms, all heads
+        together: the kept blocks when ``impl`` resolves to the block-sparse kernel, else all
+        ``batch * N * seq_len**2`` (see :func:`~sparse_jax.models.flops.attention_scores`).
+
+        Example:
+          >>> FixedAttention(2, impl="xla").scores_formed(8, head_dim=4)
+          128
+        """
+        formed, _, _ = attention_scores(
+            self.mask,
+            seq_len,
+            batch=batch,
+            num_heads=self.num_heads,
+            head_dim=head_dim,
+            impl=self.impl,
+            block_size=self.block_size,
+        )
+        return formed
 
     def __call__(self, q, k, v, *, q_offset: Any = None, rngs: nnx.Rngs | None = None):
         """``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``; see
@@ -235,15 +310,14 @@ class CandidateMaskAttention(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         caller = "CandidateMaskAttention"
-        if not isinstance(anchor_self, bool):
-            raise TypeError(f"{caller}: `anchor_self` must be a bool; got {anchor_self!r}")
+        anchor_self = check_bool(anchor_self, "anchor_self", caller)
         if anchor_self and combine == "mixture":
             raise ValueError(
                 f"{caller}: `anchor_self` applies to the log-bias combines ('soft_union', "
                 "'soft_mask'); `combine`='mixture' has no bias to anchor"
             )
         self.anchor_self = anchor_self
-        self.num_heads = _check_heads(num_heads, caller)
+        self.num_heads = check_int(num_heads, "num_heads", caller)
         candidates = tuple(default_candidates() if candidates is None else candidates)
         if not candidates:
             raise ValueError(f"{caller}: `candidates` must name at least one mask")
@@ -260,18 +334,160 @@ class CandidateMaskAttention(nnx.Module):
         self.logits = nnx.Param(jnp.full(shape, float(init_logit), jnp.float32))
 
     def weights(self) -> jax.Array:
-        """``sigmoid(logits)``: ``[C]`` or ``[N, C]``."""
+        """``sigmoid(logits)`` in the parameters' shape: ``[C]`` or ``[N, C]``."""
         return jax.nn.sigmoid(self.logits[...])
 
-    def candidate_shares(self, tq: int, tk: int) -> np.ndarray:
-        """``[C]``: the fraction of the causal ``tq x tk`` entries each candidate allows."""
+    def candidate_weights(self, *, per_head: bool = False) -> jax.Array:
+        """The candidates' weights ``sigmoid(logits)`` as rows: ``[1, C]`` (granularity
+        ``"layer"``) or ``[N, C]`` (``"head"``); ``per_head=True``: always ``[N, C]`` (a layer's
+        row repeated for every head). Differentiable.
+
+        Example:
+          >>> layer = CandidateMaskAttention(3, [masks_lib.causal()] * 2, init_logit=0.0)
+          >>> layer.candidate_weights().tolist(), layer.candidate_weights(per_head=True).shape
+          ([[0.5, 0.5]], (3, 2))
+        """
+        per_head = check_bool(per_head, "per_head", "CandidateMaskAttention.candidate_weights")
+        w = self.weights()
+        if per_head:
+            return jnp.broadcast_to(w, (self.num_heads, w.shape[-1]))
+        return jnp.atleast_2d(w)
+
+    def causal_shares(self, tq: int, tk: int) -> np.ndarray:
+        """float64 ``[C]``: each candidate's *causal share*, the fraction of the causal
+        ``tq x tk`` entries it allows (queries are the last ``tq`` positions); what the
+        ``density`` and ``expected_density`` penalties price.
+
+        Example:
+          >>> layer = CandidateMaskAttention(1, [masks_lib.sink(1) & masks_lib.causal()])
+          >>> layer.causal_shares(4, 4).tolist()  # 4 of the 10 causal entries
+          [0.4]
+        """
         n_causal = max(int(np.sum(mask_at(masks_lib.causal(), tq, tk))), 1)
         return np.array([np.sum(mask_at(c, tq, tk)) / n_causal for c in self.candidates])
 
+    def candidate_densities(self, seq_len: int) -> np.ndarray:
+        """float64 ``[C]``: each candidate's density at ``seq_len`` (its fraction of the whole
+        ``seq_len x seq_len`` score matrix; see :mod:`~sparse_jax.models.flops`).
+
+        Example:
+          >>> layer = CandidateMaskAttention(1, [masks_lib.sink(1) & masks_lib.causal()])
+          >>> layer.candidate_densities(4).tolist()  # 4 of the 16 entries
+          [0.25]
+        """
+        seq_len = check_int(seq_len, "seq_len", "CandidateMaskAttention.candidate_densities")
+        return np.array([mask_density(c, seq_len) for c in self.candidates])
+
+    def kept_candidates(self, threshold: float = 0.5) -> jax.Array:
+        """bool ``[N, C]``: the candidates each head keeps when its weights are made hard: those
+        with weight ``>= threshold``, and always the head's strongest (the first on ties), so no
+        head is empty (``threshold=inf``: the strongest alone). Traceable.
+
+        Example:
+          >>> layer = CandidateMaskAttention(1, [masks_lib.causal()] * 3)
+          >>> layer.logits[...] = jnp.array([-1.0, -2.0, 1.0])
+          >>> layer.kept_candidates().tolist(), layer.kept_candidates(0.9).tolist()
+          ([[False, False, True]], [[False, False, True]])
+          >>> layer.kept_candidates(0.2).astype(int).tolist()  # weights 0.27, 0.12, 0.73
+          [[1, 0, 1]]
+        """
+        threshold = _check_threshold(threshold, "CandidateMaskAttention.kept_candidates")
+        w = self.candidate_weights(per_head=True)  # [N, C]
+        strongest = jnp.arange(w.shape[1]) == jnp.argmax(w, axis=1)[:, None]
+        return (w >= threshold) | strongest
+
+    def _union(self, kept_row) -> masks_lib.Mask:
+        """The union of the candidates a head keeps (and the diagonal, when anchored)."""
+        chosen = [c for c, k in zip(self.candidates, kept_row, strict=True) if k]
+        chosen += [SELF] if self.anchor_self else []
+        out = chosen[0]
+        for m in chosen[1:]:
+            out = out | m
+        return out
+
+    def allowed_mask(self) -> masks_lib.Mask:
+        """The static mask of every pair this layer may attend to: the union of all candidates
+        (and the diagonal, when anchored), whatever their weights.
+
+        Example:
+          >>> a, b = masks_lib.sink(1), masks_lib.causal() & masks_lib.local(2, 0)
+          >>> CandidateMaskAttention(1, [a, b]).allowed_mask() == a | b
+          True
+        """
+        return self._union([True] * len(self.candidates))
+
+    def head_masks(self, kept: Any = None) -> tuple[masks_lib.Mask, ...]:
+        """The ``N`` heads' hard masks: each the union of the candidates it keeps (and the
+        diagonal, when anchored), what :func:`~sparse_jax.models.harden` runs.
+
+        Args:
+          kept: bool ``[N, C]``, at least one candidate per head (default
+            :meth:`kept_candidates` at 0.5).
+
+        Example:
+          >>> a, b = masks_lib.sink(1), masks_lib.causal() & masks_lib.local(2, 0)
+          >>> layer = CandidateMaskAttention(2, [a, b])
+          >>> layer.head_masks([[True, False], [True, True]]) == (a, a | b)
+          True
+        """
+        caller = "CandidateMaskAttention.head_masks"
+        kept = np.asarray(self.kept_candidates() if kept is None else kept)
+        shape = (self.num_heads, len(self.candidates))
+        if kept.shape != shape or kept.dtype != bool or not kept.any(axis=1).all():
+            raise ValueError(
+                f"{caller}: `kept` must be a bool array of shape {shape} (heads, candidates) "
+                f"with at least one True per head; got {kept.dtype} {kept.shape}: "
+                f"{kept.tolist()!r:.200}"
+            )
+        return tuple(self._union(row) for row in kept)
+
+    def head_densities(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+        """float32 ``[N]``: each head's density at ``seq_len`` with its weights made hard, i.e.
+        of its :meth:`head_masks` at ``threshold`` (see :meth:`kept_candidates`). Traceable (a
+        training step can log it); not differentiable (it counts entries).
+
+        Example:
+          >>> a, b = masks_lib.sink(1) & masks_lib.causal(), masks_lib.causal()
+          >>> layer = CandidateMaskAttention(2, [a, b], granularity="head")
+          >>> layer.logits[...] = jnp.array([[3.0, -3.0], [-3.0, 3.0]])
+          >>> layer.head_densities(4).tolist()  # sink: 4, causal: 10 of 16 entries
+          [0.25, 0.625]
+        """
+        caller = "CandidateMaskAttention.head_densities"
+        seq_len = check_int(seq_len, "seq_len", caller)
+        dense = np.stack([mask_at(c, seq_len, seq_len) for c in self.candidates])  # [C, T, T]
+        kept = self.kept_candidates(threshold)  # [N, C]
+        union = jnp.einsum("nc,cts->nts", kept.astype(jnp.float32), jnp.asarray(dense, jnp.float32))
+        if self.anchor_self:
+            union = union + jnp.asarray(mask_at(SELF, seq_len, seq_len), jnp.float32)
+        return jnp.mean(union > 0, axis=(1, 2))
+
+    def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+        """float32 scalar: the mean of :meth:`head_densities` over the heads."""
+        return jnp.mean(self.head_densities(seq_len, threshold=threshold))
+
+    def scores_formed(self, seq_len: int, *, batch: int = 1, head_dim: int) -> int:
+        """Score entries one causal self-attention call on ``[batch, seq_len]`` forms, all heads
+        together: ``batch * N * seq_len**2`` for the log-bias combines (dense scores with a
+        bias), the sum over candidates of each one's attention for ``"mixture"``.
+
+        Example:
+          >>> CandidateMaskAttention(2, [masks_lib.causal()] * 3).scores_formed(8, head_dim=4)
+          128
+        """
+        if self.combine == "mixture":
+            return sum(
+                attention_scores(
+                    c, seq_len, batch=batch, num_heads=self.num_heads, head_dim=head_dim
+                )[0]
+                for c in self.candidates
+            )
+        return batch * self.num_heads * seq_len * seq_len
+
     def _penalties(self, tq: int, tk: int) -> dict[str, jax.Array]:
         """The three penalties of ``__call__``'s ``aux`` (the shares computed once)."""
-        shares = jnp.asarray(self.candidate_shares(tq, tk), jnp.float32)  # [C]
-        w = self._per_head_weights()  # [N, C]
+        shares = jnp.asarray(self.causal_shares(tq, tk), jnp.float32)  # [C]
+        w = self.candidate_weights(per_head=True)  # [N, C]
         pi = w / jnp.sum(w, axis=-1, keepdims=True)
         return {
             "l1": jnp.sum(self.weights()),
@@ -279,31 +495,28 @@ class CandidateMaskAttention(nnx.Module):
             "expected_density": jnp.mean(pi @ shares),
         }
 
-    def _per_head_weights(self) -> jax.Array:
-        w = self.weights()
-        return jnp.broadcast_to(w, (self.num_heads, w.shape[-1]))
-
     def __call__(self, q, k, v, *, q_offset: Any = None, rngs: nnx.Rngs | None = None):
         """``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], aux)``; see
         :func:`mask_at` for ``q_offset``.
 
         ``aux`` holds three penalties on the weights (a model sums them over blocks as
         ``mask_l1``, ``mask_density`` and ``mask_expected_density``): ``"l1"`` = ``Σ w``,
-        ``"density"`` = ``Σ w_c · share_c``, where ``share_c`` is the fraction of the causal
-        score entries candidate ``c`` allows at this length (full causal 1, a 32-token window
-        at T=512 about 0.12), and ``"expected_density"`` = the mean over heads of
-        ``Σ_c π_c · share_c`` with ``π = w / Σ w``: the density a head would have if it picked
-        one candidate with probability ``π``, in ``[0, 1]``.
+        ``"density"`` = ``Σ w_c · share_c``, where ``share_c`` is candidate ``c``'s causal
+        share at this length (:meth:`causal_shares`: full causal 1, a 32-token window at T=512
+        about 0.12), and ``"expected_density"`` = the mean over heads of ``Σ_c π_c · share_c``
+        with ``π = w / Σ w``: the causal share a head would have if it picked one candidate
+        with probability ``π``, in ``[0, 1]``. (The names are the penalties'; the prices are
+        causal shares, not densities.)
 
         Under softmax the log-bias of small weights changes only by a constant when every
         weight is scaled by one factor, so the first two can be lowered by shrinking all
-        weights together at almost no cost in KL (and Adam, whose steps do not depend on the
-        gradient's size, then moves every logit down alike). ``expected_density`` depends only
+        weights together at almost no cost in KL (measured: docs/results.md, section "A
+        penalty that only the weights' ratios can lower"). ``expected_density`` depends only
         on the weights' ratios: it falls only when cheap candidates gain on expensive ones,
         which is what the KL can weigh.
         """
         tq, tk = q.shape[1], k.shape[1]
-        w = self._per_head_weights()  # [N, C]
+        w = self.candidate_weights(per_head=True)  # [N, C]
         aux = self._penalties(tq, tk)
         if self.combine == "mixture":
             outs = []
@@ -351,8 +564,7 @@ class Gate(nnx.Module):
 
     def __init__(self, num_units: int, kind: str = "sigmoid_ste", *, init: float = 3.0):
         caller = "Gate"
-        if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
-            raise ValueError(f"{caller}: `num_units` must be an int >= 1; got {num_units!r}")
+        check_int(num_units, "num_units", caller)
         self.kind = _check_choice(kind, "kind", GATE_KINDS, caller)
         self.logits = nnx.Param(jnp.full((num_units,), float(init), jnp.float32))
 
