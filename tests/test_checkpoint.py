@@ -411,6 +411,23 @@ def test_nan_guard_names_the_step_and_the_last_good_checkpoint(tmp_path):
     with Checkpointer(tmp_path / "new", save_every=2) as ckpt:
         with pytest.raises(NonFiniteLossError, match="no checkpoint has been saved yet"):
             check_finite(-jnp.inf, 1, ckpt)
+        with pytest.raises(NonFiniteLossError) as info:
+            check_finite(jnp.nan, 3, ckpt, checked=(2, 5))
+        assert info.value.checked == (2, 5)
+        assert "at step 3 (the first non-finite loss of steps 2-5, checked together)" in str(
+            info.value
+        )
+
+
+def test_due_tells_whether_save_would_write(tmp_path):
+    with Checkpointer(tmp_path, save_every=3) as ckpt:
+        assert [s for s in range(1, 8) if ckpt.due(s)] == [3, 6]
+        assert ckpt.due(4, force=True)
+        assert ckpt.save(3, _state(), data_state={}, rng=None, force=True)
+        assert not ckpt.due(3, force=True)  # exists: save would skip it
+        assert ckpt.due(2)  # older: save raises
+        with pytest.raises(ValueError, match="older than the latest checkpoint"):
+            ckpt.save(2, _state(), data_state={}, rng=None, force=True)
 
 
 def test_bad_arguments_are_rejected(tmp_path):

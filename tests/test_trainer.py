@@ -69,6 +69,51 @@ def test_nan_loss_stops_with_the_step_and_last_checkpoint(tmp_path):
     assert ckpt.all_steps() == [2]
 
 
+def test_nan_between_logging_steps_is_found_before_the_next_save(tmp_path):
+    # Metrics are fetched at logging steps only; a save is one, so the NaN of step 6 is found
+    # (with the steps checked together) before step 8's checkpoint could hold it.
+    model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch, rng):
+        loss, metrics = lm_loss(model, batch, rng)
+        return jnp.where(batch[0, 0] == 7, jnp.nan, loss), metrics
+
+    data = batches(8)
+    for i, batch in enumerate(data):
+        batch[0, 0] = 7 if i == 5 else 0
+    ckpt = Checkpointer(tmp_path, save_every=4)
+    trainer = Trainer(model, loss_fn, TrainConfig(steps=8, batch_size=4), checkpointer=ckpt)
+    seen = []
+    with pytest.raises(FloatingPointError) as info:
+        for metrics in trainer.fit(
+            data, data_state=lambda: {}, on_step=lambda s, m: seen.append(s), log_every=10
+        ):
+            assert np.isfinite(metrics["loss"])
+    message = str(info.value)
+    assert "loss is nan at step 6 (the first non-finite loss of steps 5-8" in message
+    assert f"last good checkpoint: step 4 in {tmp_path}" in message
+    assert info.value.step == 6 and info.value.checked == (5, 8)
+    assert ckpt.all_steps() == [4] and seen == [1, 2, 3, 4]
+
+
+def test_metrics_fetched_together_are_those_of_every_step():
+    config = TrainConfig(steps=5, batch_size=4, warmup_steps=1)
+    runs = {}
+    for log_every in (1, 3):
+        model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+        steps = []
+        records = list(
+            Trainer(model, lm_loss, config).fit(
+                batches(5), on_step=lambda s, m, steps=steps: steps.append(s), log_every=log_every
+            )
+        )
+        assert steps == [1, 2, 3, 4, 5]
+        runs[log_every] = [(r["loss"], r["grad_norm"]) for r in records]
+    assert runs[1] == runs[3]
+    with pytest.raises(ValueError, match=r"Trainer\.fit: `log_every` must be an int >= 1; got 0"):
+        next(Trainer(model, lm_loss, config).fit(batches(5), log_every=0))
+
+
 def test_resumed_training_ends_with_the_same_parameters(tmp_path):
     data = batches(6)
     config = TrainConfig(steps=6, batch_size=4, warmup_steps=2)

@@ -68,6 +68,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
+from sparse_jax.validation import check_bool, check_int
+
 __all__ = [
     "CheckpointError",
     "Checkpointer",
@@ -97,34 +99,55 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; the run stops and keeps its last good checkpoint.
 
     Attributes:
-      step: the step whose loss was not finite.
+      step: the (first) step whose loss was not finite.
       loss: the loss value (``nan``, ``inf`` or ``-inf``).
       last_good_step: the latest complete checkpoint's step, or ``None`` if there is none.
       directory: the checkpoint directory, or ``None`` without a checkpointer.
+      checked: ``(first, last)``: the steps whose losses were fetched and checked together
+        (the trainer checks at logging steps and before every save), or ``None``.
     """
 
-    def __init__(self, step: int, loss: float, last_good_step: int | None, directory: str | None):
+    def __init__(
+        self,
+        step: int,
+        loss: float,
+        last_good_step: int | None,
+        directory: str | None,
+        checked: tuple[int, int] | None = None,
+    ):
         self.step = step
         self.loss = loss
         self.last_good_step = last_good_step
         self.directory = directory
+        self.checked = checked
         if last_good_step is not None:
-            where = (
+            kept = (
                 f"last good checkpoint: step {last_good_step} in {directory} "
                 "(resume from it with --resume)"
             )
         elif directory is not None:
-            where = f"no checkpoint has been saved yet in {directory}"
+            kept = f"no checkpoint has been saved yet in {directory}"
         else:
-            where = "no checkpointer was given"
-        super().__init__(f"loss is {loss} at step {step}; training stopped; {where}")
+            kept = "no checkpointer was given"
+        found = f"loss is {loss} at step {step}"
+        if checked is not None and checked[0] != checked[1]:
+            first, last = checked
+            found += f" (the first non-finite loss of steps {first}-{last}, checked together)"
+        super().__init__(f"{found}; training stopped; {kept}")
 
 
-def check_finite(loss: Any, step: int, checkpointer: Checkpointer | None = None) -> float:
+def check_finite(
+    loss: Any,
+    step: int,
+    checkpointer: Checkpointer | None = None,
+    *,
+    checked: tuple[int, int] | None = None,
+) -> float:
     """Returns ``loss`` as a Python float; raises :class:`NonFiniteLossError` if it is NaN/inf.
 
     Pulls the value to the host (a device sync). Before raising, waits for any asynchronous save
-    to finish so that the checkpoint named in the message is complete.
+    to finish so that the checkpoint named in the message is complete. ``checked`` is the range
+    of steps whose losses were checked together (named in the message).
 
     >>> check_finite(0.5, 3)
     0.5
@@ -143,7 +166,7 @@ no checkpointer was given
         checkpointer.wait()
         last_good = checkpointer.latest_step()
         directory = str(checkpointer.directory)
-    raise NonFiniteLossError(int(step), value, last_good, directory)
+    raise NonFiniteLossError(int(step), value, last_good, directory, checked)
 
 
 def abstract_like(tree: Any) -> Any:
@@ -241,9 +264,10 @@ class Checkpointer:
         best_mode: str = "min",
         async_save: bool = False,
     ):
-        for name, value in (("save_every", save_every), ("keep_last", keep_last)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+        save_every = check_int(save_every, "save_every", "Checkpointer")
+        keep_last = check_int(keep_last, "keep_last", "Checkpointer")
+        keep_best = check_bool(keep_best, "keep_best", "Checkpointer")
+        async_save = check_bool(async_save, "async_save", "Checkpointer")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max'; got {best_mode!r}")
         if not isinstance(best_metric, str) or not best_metric:
@@ -368,9 +392,7 @@ class Checkpointer:
           TypeError: ``data_state``, ``rng`` or ``metrics`` cannot be stored.
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be an int >= 0; got {step!r}")
-        step = int(step)
+        step = check_int(step, "step", "Checkpointer.save", low=0)
         latest = self.latest_step()
         if latest is not None and step < latest:
             raise ValueError(
@@ -410,6 +432,21 @@ class Checkpointer:
         if saved:
             logger.info("saved checkpoint %s", self.step_path(step))
         return bool(saved)
+
+    def due(self, step: int, *, force: bool = False) -> bool:
+        """Whether :meth:`save` for ``step`` would write a checkpoint now.
+
+        Asks Orbax's save policy (every ``save_every`` steps, or a preemption notice) once: after
+        a True answer, call ``save(step, ..., force=True)``, which does not ask again. This lets
+        a caller prepare what it saves (fetch and check its metrics) only when a save is due. An
+        existing ``step`` is not due; an older one is (:meth:`save` then raises).
+        """
+        self._check_open()
+        step = check_int(step, "step", "Checkpointer.due", low=0)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            return step < latest
+        return bool(force or self._manager.should_save(step))
 
     def wait(self) -> None:
         """Blocks until an asynchronous save (and the deletions it triggers) has finished."""

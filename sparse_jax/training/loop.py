@@ -11,7 +11,10 @@ to the step as arguments, never baked into the program as constants.
 Checkpoints (:mod:`sparse_jax.training.checkpoint`) hold the model state, the optimizer state,
 the data position and the RNG, so ``resume=True`` continues exactly where the last complete
 checkpoint left off; the per-step RNG is ``fold_in(key, step)``, independent of resumption.
-A NaN or inf loss stops the run with the step number and the last good checkpoint kept.
+Metrics stay on the device between logging steps (every ``log_every`` updates, evaluations,
+saves and the last update), where they are fetched together and the losses checked: a NaN or
+inf loss stops the run with its step number, before anything is saved, and the last good
+checkpoint is kept.
 
 Example:
   >>> from flax import nnx
@@ -23,7 +26,7 @@ Example:
   >>> trainer = Trainer(model, loss_fn, TrainConfig(steps=2, batch_size=2, warmup_steps=1))
   >>> batches = iter([np.zeros((2, 9), np.int32)] * 2)
   >>> [round(float(m["loss"]), 2) for m in trainer.fit(batches)][:1]
-  [4.62]
+  [3.91]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from flax import nnx
 
 from sparse_jax.training import checkpoint as ckpt_lib
 from sparse_jax.training import sharding as sharding_lib
+from sparse_jax.validation import check_int
 
 __all__ = ["TrainConfig", "Trainer", "append_jsonl", "trainable_filter"]
 
@@ -64,9 +68,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainConfig: `{name}` must be an int >= 1; got {value!r}")
+            check_int(getattr(self, name), name, "TrainConfig")
         if not self.warmup_steps >= 0:
             raise ValueError(f"TrainConfig: `warmup_steps` must be >= 0; got {self.warmup_steps}")
         if not self.learning_rate > 0:
@@ -277,21 +279,37 @@ class Trainer:
         on_step: Callable[[int, dict[str, float]], None] | None = None,
         evaluate: Callable[[nnx.Module], Mapping[str, float]] | None = None,
         eval_every: int = 0,
+        log_every: int = 10,
     ) -> Iterator[dict[str, float]]:
         """Runs updates ``self.step + 1 ... config.steps``; yields each step's metrics.
+
+        The metrics stay on the device until a *logging step*: every ``log_every`` updates, an
+        evaluation, a checkpoint save and the last update. There they are fetched together (one
+        device sync, not one per update), their losses are checked (a NaN/inf stops the run
+        before anything is evaluated or saved, so no checkpoint ever holds one), and each
+        step's metrics are given to ``on_step`` and yielded, in order. So the metrics of every
+        step still arrive, up to ``log_every - 1`` updates late; ``tokens_per_s`` is the rate
+        over the updates fetched together.
 
         Args:
           batches: an iterable of ``[batch_size, ...]`` int arrays (one per update).
           data_state: returns the data pipeline's position, saved with checkpoints.
-          on_step: called with ``(step, metrics)`` after every update.
+          on_step: called with ``(step, metrics)`` for every update, at the next logging step.
           evaluate: ``evaluate(model) -> metrics``, run every ``eval_every`` updates and at the
             end; its metrics are yielded (prefixed ``eval_``) and rank checkpoints.
           eval_every: 0 = only at the end.
+          log_every: fetch metrics (and check the loss) every this many updates at least;
+            1 = after every update (a device sync per step).
 
         Raises:
-          NonFiniteLossError: on a NaN/inf loss, naming the step and the last good checkpoint.
+          NonFiniteLossError: on a NaN/inf loss, naming its step, the steps checked together
+            and the last good checkpoint.
         """
+        eval_every = check_int(eval_every, "eval_every", "Trainer.fit", low=0)
+        log_every = check_int(log_every, "log_every", "Trainer.fit")
         iterator = iter(batches)
+        pending: list[tuple[int, Any]] = []  # (step, metrics on the device) not yet fetched
+        tokens = 0
         start = time.perf_counter()
         while self.step < self.config.steps:
             batch = self._put_batch(next(iterator))
@@ -300,26 +318,48 @@ class Trainer:
                 self.params, self.rest, self.opt_state, self.frozen_states, batch, key
             )
             self.step += 1
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            ckpt_lib.check_finite(metrics["loss"], self.step, self.checkpointer)
-            metrics["tokens_per_s"] = batch.size / max(time.perf_counter() - start, 1e-9)
-            start = time.perf_counter()
+            pending.append((self.step, metrics))
+            tokens += batch.size
             last = self.step == self.config.steps
+            do_eval = evaluate is not None and (
+                last or bool(eval_every and self.step % eval_every == 0)
+            )
+            do_save = self.checkpointer is not None and self.checkpointer.due(self.step, force=last)
+            if not (last or do_eval or do_save or self.step % log_every == 0):
+                continue
+            records = self._fetch_metrics(pending)  # raises on a NaN/inf loss
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            for _, record in records:
+                record["tokens_per_s"] = rate
+            pending, tokens, start = [], 0, time.perf_counter()
             eval_metrics = None
-            if evaluate is not None and (last or (eval_every and self.step % eval_every == 0)):
+            if do_eval:
                 eval_metrics = {
                     f"eval_{k}": float(v) for k, v in evaluate(self.sync_model()).items()
                 }
-                metrics.update(eval_metrics)
-            if self.checkpointer is not None:
+                records[-1][1].update(eval_metrics)
+            if do_save:
                 position = dict(data_state()) if data_state is not None else {}
-                self.save(position, eval_metrics, force=last)
-            if on_step is not None:
-                on_step(self.step, metrics)
-            yield metrics
+                self.save(position, eval_metrics, force=True)
+            for step, record in records:
+                if on_step is not None:
+                    on_step(step, record)
+                yield record
         if self.checkpointer is not None:
             self.checkpointer.wait()
         self.sync_model()
+
+    def _fetch_metrics(self, pending: list[tuple[int, Any]]) -> list[tuple[int, dict[str, float]]]:
+        """The metrics of ``pending`` steps as floats (one transfer); raises on a NaN/inf loss."""
+        fetched = jax.device_get([metrics for _, metrics in pending])
+        records = [
+            (step, {k: float(v) for k, v in metrics.items()})
+            for (step, _), metrics in zip(pending, fetched, strict=True)
+        ]
+        checked = (records[0][0], records[-1][0])
+        for step, record in records:
+            ckpt_lib.check_finite(record["loss"], step, self.checkpointer, checked=checked)
+        return records
 
 
 def append_jsonl(path, record: Mapping[str, Any]) -> None:
