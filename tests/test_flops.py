@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from sparse_jax.masks import causal, local, sink
+from sparse_jax.masks import causal, local, per_head, sink
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
-from sparse_jax.models.flops import attention_scores, model_flops
+from sparse_jax.models.flops import attention_scores, mask_density, model_flops
 
 
 def test_dense_two_layer_model_by_hand():
@@ -53,6 +53,38 @@ def test_soft_students_count_dense_or_summed_work():
         layer = model_flops(GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0)), 16).layers[0]
         assert layer.attention_density == pytest.approx(union)
         assert layer.computed_fraction == pytest.approx(fraction)  # mixture: two dense passes
+
+
+def test_layers_describe_their_work_and_gpt2_flops_is_model_flops():
+    cands = (sink(2) & causal(), causal() & local(3, 0))
+    for combine in ("soft_union", "mixture"):
+        spec = AttentionSpec(
+            kind="candidates", candidates=cands, combine=combine, anchor_self=False
+        )
+        model = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+        core = model.h[0].attn.core
+        assert core.allowed_mask() == cands[0] | cands[1]
+        # 3 heads, T = 16, batch 2: dense with a bias, or one (dense, T < 128) pass per candidate
+        per_pass = 2 * 3 * 16 * 16
+        want = per_pass if combine == "soft_union" else 2 * per_pass
+        assert core.scores_formed(16, batch=2, head_dim=16) == want
+        assert model.flops(16, batch=2) == model_flops(model, 16, batch=2)
+    fixed = GPT2(
+        GPT2Config.preset("tiny"),
+        AttentionSpec(mask=causal() & local(7, 0), impl="blocksparse", block_size=(8, 8)),
+        rngs=nnx.Rngs(0),
+    )
+    assert fixed.h[0].attn.core.scores_formed(32, head_dim=16) == 3 * 7 * 8 * 8
+
+
+def test_density_is_the_fraction_of_the_whole_square():
+    # causal at T = 4: 10 of 16 entries (not 10 of the 10 causal ones); a per-head mask: the
+    # mean over heads.
+    assert mask_density(causal(), 4) == 10 / 16
+    assert mask_density(sink(1) & causal(), 4) == 4 / 16
+    assert mask_density(per_head([causal(), sink(1) & causal()]), 4) == 14 / 32
+    with pytest.raises(TypeError, match="`seq_len` must be an int >= 1"):
+        mask_density(causal(), 4.0)
 
 
 def test_attention_scores_reports_the_implementation():

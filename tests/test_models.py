@@ -22,7 +22,13 @@ from sparse_jax.models import (
     harden,
     student_from_teacher,
 )
-from sparse_jax.models.layers import CandidateMaskAttention, default_candidates, mask_at
+from sparse_jax.models.layers import (
+    SELF,
+    CandidateMaskAttention,
+    FixedAttention,
+    default_candidates,
+    mask_at,
+)
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 
@@ -264,6 +270,202 @@ def test_first_token_weight_falls_below_full_attention_weight():
     for block in student.h:
         first, full = np.asarray(block.attn.core.weights())
         assert first < 0.5 * full, (first, full)
+
+
+# ----------------------------------------------------------------------------------------------
+# Models describe themselves: kept masks, densities, candidate weights.
+#
+# The three functions below are experiments/distill.py's as of commit 2228944, frozen here as
+# the reference the model methods must reproduce.
+
+
+def _distill_attention_density(model, seq_len):
+    values = []
+    for block in model.h:
+        attn = block.attn
+        if not attn.num_heads:
+            continue
+        core = attn.core
+        if isinstance(core, CandidateMaskAttention):
+            dense = np.stack([mask_at(c, seq_len, seq_len) for c in core.candidates])
+            w = core.candidate_weights(per_head=True)
+            kept = (w >= 0.5) | (w >= jnp.max(w, axis=1, keepdims=True))
+            union = jnp.einsum(
+                "nc,cts->nts", kept.astype(jnp.float32), jnp.asarray(dense, jnp.float32)
+            )
+            if core.anchor_self:
+                union = union + jnp.asarray(mask_at(SELF, seq_len, seq_len), jnp.float32)
+            values.append(jnp.mean(union > 0, axis=(1, 2)))
+        else:
+            d = float(np.mean(mask_at(core.mask, seq_len, seq_len)))
+            open_ = attn.head_gate.hard_values() if attn.head_gate is not None else None
+            if open_ is None or attn.head_gate.kind == "score_scaling":
+                values.append(jnp.full((attn.num_heads,), d))
+            else:
+                values.append(d * open_)
+    return jnp.mean(jnp.concatenate(values)) if values else jnp.float32(0.0)
+
+
+def _distill_weight_metrics(model):
+    out = {}
+    for i, block in enumerate(model.h):
+        core = getattr(block.attn, "core", None)
+        if isinstance(core, CandidateMaskAttention):
+            w = core.weights()
+            w = w.mean(axis=0) if w.ndim == 2 else w
+            out |= {f"w/block{i}/c{j}": w[j] for j in range(w.shape[0])}
+    return out
+
+
+def _distill_candidate_weights(model):
+    out = {}
+    for i, block in enumerate(model.h):
+        core = getattr(block.attn, "core", None)
+        if isinstance(core, CandidateMaskAttention):
+            out[f"block{i}"] = np.atleast_2d(np.asarray(core.weights())).round(4).tolist()
+    return out
+
+
+_CANDS = (sink(1) & causal(), causal() & local(2, 0), causal())
+# Entries of each candidate at T = 8 (of 64): the first token 8, a 3-key window 21, causal 36.
+_COUNTS = np.array([8, 21, 36])
+
+
+def _random_logits(model, seed=0):
+    for i, block in enumerate(model.h):
+        core = block.attn.core
+        _set_logits(core, 2.0 * jax.random.normal(jax.random.key(seed + i), core.logits.shape))
+    return model
+
+
+@pytest.mark.parametrize(
+    "spec, overrides",
+    [
+        (AttentionSpec(kind="candidates", candidates=_CANDS, granularity="head"), {}),
+        (AttentionSpec(kind="candidates", candidates=_CANDS), {}),
+        (AttentionSpec(kind="candidates", candidates=_CANDS, anchor_self=True), {}),
+        (AttentionSpec(kind="candidates", candidates=_CANDS, combine="mixture"), {}),
+        (AttentionSpec(head_gate="sigmoid_ste", mask=_CANDS[1]), {}),
+        (AttentionSpec(head_gate="score_scaling"), {}),
+        (AttentionSpec(mask=_CANDS[0] | _CANDS[1]), {"heads_per_layer": (3, 0)}),
+    ],
+    ids=["head", "layer", "anchored", "mixture", "gated", "score-scaling", "pruned"],
+)
+def test_model_methods_reproduce_distills_metrics_exactly(spec, overrides):
+    model = _tiny(spec, **overrides)
+    if spec.kind == "candidates":
+        _random_logits(model)
+    if spec.head_gate is not None:
+        _set_logits(model.h[0].attn.head_gate, [1.0, -1.0, 2.0])
+    for seq_len in (8, 37):
+        np.testing.assert_array_equal(
+            model.attention_density(seq_len), _distill_attention_density(model, seq_len)
+        )
+    weights = model.candidate_weights()
+    metrics = {
+        f"w/block{i}/c{j}": w.mean(axis=0)[j]
+        for i, w in enumerate(weights)
+        if w is not None
+        for j in range(w.shape[1])
+    }
+    reference = _distill_weight_metrics(model)
+    assert sorted(metrics) == sorted(reference)
+    for key, value in reference.items():
+        np.testing.assert_array_equal(metrics[key], value, err_msg=key)
+    table = {
+        f"block{i}": np.asarray(w).round(4).tolist() for i, w in enumerate(weights) if w is not None
+    }
+    assert table == _distill_candidate_weights(model)
+
+
+def test_hardened_per_head_model_density_matches_distill_to_rounding():
+    spec = AttentionSpec(kind="candidates", candidates=_CANDS, granularity="head")
+    student = _tiny(spec)
+    for block in student.h:
+        _set_logits(block.attn.core, [[3, -3, -3], [-3, 3, -3], [-3, -3, 3]])
+    hard = harden(student)
+    assert hard.h[0].attn.core.mask.num_heads == 3  # per-head masks: heads differ
+    got = hard.attention_density(8)
+    # By hand: each head's density, averaged (distill averaged the per-head mask first).
+    np.testing.assert_allclose(got, np.mean(_COUNTS / 64), rtol=1e-6)
+    np.testing.assert_allclose(got, _distill_attention_density(hard, 8), rtol=1e-6)
+    np.testing.assert_allclose(got, student.attention_density(8), rtol=1e-6)
+
+
+def test_head_densities_and_kept_masks_by_hand():
+    spec = AttentionSpec(kind="candidates", candidates=_CANDS, granularity="head")
+    model = _tiny(spec)
+    core = model.h[0].attn.core
+    # weights 0.95/0.05: head 0 keeps sink + window, head 1 only causal, head 2 has every weight
+    # below 0.5 and keeps its strongest (the window; the first of two equal weights).
+    _set_logits(core, [[3, 3, -3], [-3, -3, 3], [-3, -1, -1]])
+    np.testing.assert_array_equal(
+        core.kept_candidates(), [[True, True, False], [False, False, True], [False, True, False]]
+    )
+    np.testing.assert_array_equal(core.kept_candidates(float("inf")).sum(axis=1), [1, 1, 1])
+    assert core.head_masks() == (_CANDS[0] | _CANDS[1], _CANDS[2], _CANDS[1])
+    assert core.allowed_mask() == _CANDS[0] | _CANDS[1] | _CANDS[2]
+    # sink | window at T = 8: the window's 21 entries and the first column's 5 outside it
+    np.testing.assert_allclose(core.head_densities(8), np.array([26, 36, 21]) / 64, rtol=1e-7)
+    np.testing.assert_allclose(core.candidate_densities(8), _COUNTS / 64)
+    np.testing.assert_allclose(core.causal_shares(8, 8), _COUNTS / 36)
+    np.testing.assert_allclose(core.attention_density(8), (26 + 36 + 21) / (3 * 64), rtol=1e-6)
+    # Head 0 keeps everything at threshold 0.01; an anchored layer adds the diagonal.
+    assert bool(core.kept_candidates(0.01)[0].all())
+    anchored = CandidateMaskAttention(1, _CANDS[:1], anchor_self=True)
+    assert anchored.head_masks() == (_CANDS[0] | SELF,)
+    np.testing.assert_allclose(anchored.head_densities(8), [(8 + 7) / 64])
+    # Gates: a closed head counts 0 in the model's density; fixed layers keep their mask.
+    gated = _tiny(AttentionSpec(mask=_CANDS[1], head_gate="sigmoid_ste"))
+    _set_logits(gated.h[0].attn.head_gate, [1.0, -1.0, 1.0])
+    np.testing.assert_allclose(gated.h[0].attn.head_densities(8), [21 / 64, 0.0, 21 / 64])
+    np.testing.assert_allclose(gated.attention_density(8), 5 * 21 / (6 * 64), rtol=1e-6)
+    fixed = FixedAttention(2, mask=per_head([_CANDS[0], _CANDS[2]]))
+    np.testing.assert_allclose(fixed.head_densities(8), _COUNTS[[0, 2]] / 64)
+    assert fixed.head_masks() == (_CANDS[0], _CANDS[2]) and fixed.allowed_mask() == fixed.mask
+    assert model.allowed_masks() == (core.allowed_mask(),) * 2
+    assert _tiny(heads_per_layer=(0, 3)).allowed_masks() == (None, causal())
+
+
+def test_self_description_is_traceable_and_checks_its_arguments():
+    spec = AttentionSpec(kind="candidates", candidates=_CANDS, granularity="head")
+    model = _random_logits(_tiny(spec))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def density(state):
+        return nnx.merge(graphdef, state).attention_density(8)
+
+    np.testing.assert_array_equal(density(state), model.attention_density(8))
+    core = model.h[0].attn.core
+    with pytest.raises(ValueError, match=r"`kept` must be a bool array of shape \(3, 3\)"):
+        core.head_masks(np.zeros((3, 3), bool))  # a head keeping nothing
+    with pytest.raises(TypeError, match="`threshold` must be a real number"):
+        core.kept_candidates("0.5")
+    with pytest.raises(ValueError, match="`seq_len` must be an int >= 1; got 0"):
+        model.attention_density(0)
+    with pytest.raises(TypeError, match="`per_head` must be a bool"):
+        core.candidate_weights(per_head=1)
+
+
+def test_harden_keeps_what_the_layer_says_it_keeps():
+    spec = AttentionSpec(kind="candidates", candidates=_CANDS, granularity="head")
+    student = _random_logits(_tiny(spec), seed=5)
+    from sparse_jax.models import harden_plan
+
+    for threshold in (0.3, 0.5, 0.7):
+        plan = harden_plan(student, threshold=threshold, length=8)
+        for i, block in enumerate(student.h):
+            kept = plan.kept_candidates[i]
+            np.testing.assert_array_equal(kept, block.attn.core.kept_candidates(threshold))
+            assert plan.head_masks[i] == block.attn.core.head_masks(kept)
+        hard = harden(student, threshold=threshold, length=8)
+        np.testing.assert_allclose(hard.attention_density(8), plan.density, rtol=1e-6)
+        np.testing.assert_allclose(
+            hard.attention_density(37),
+            student.attention_density(37, threshold=threshold),
+            rtol=1e-6,
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ concatenated on the output axis, ``mlp.c_fc``, ...; kernels ``[in, out]`` like H
 so weights load by name (:mod:`sparse_jax.models.hf`) and a student is made from a teacher by
 copying its parameters (:func:`student_from_teacher`).
 
+A model describes itself: :meth:`GPT2.attention_density` (what its heads keep, with learned
+choices made hard), :meth:`GPT2.candidate_weights`, :meth:`GPT2.allowed_masks` and
+:meth:`GPT2.flops`; densities are defined in :mod:`sparse_jax.models.flops`.
+
 Shapes: ``B`` batch, ``T`` tokens, ``D`` width (``n_embd``), ``N`` heads of a block, ``H`` head
 dim (``n_embd // n_head``, also after heads are pruned), ``U`` FFN units, ``V`` vocabulary.
 
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparse_jax import masks as masks_lib
+from sparse_jax.models import flops as flops_lib
 from sparse_jax.models.layers import (
     COMBINES,
     GATE_KINDS,
@@ -39,6 +44,7 @@ from sparse_jax.models.layers import (
     FixedAttention,
     Gate,
 )
+from sparse_jax.validation import check_int
 
 __all__ = [
     "GPT2",
@@ -242,6 +248,19 @@ class SelfAttention(nnx.Module):
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
         )
 
+    def head_densities(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+        """float32 ``[N]``: each head's density at ``seq_len`` with its learned choices made hard:
+        the core's :meth:`~sparse_jax.models.layers.FixedAttention.head_densities` (candidate
+        weights kept at ``threshold``), 0 for a head whose gate is closed (a
+        ``"score_scaling"`` gate closes nothing). Empty ``[0]`` when every head is pruned."""
+        if not self.num_heads:
+            return jnp.zeros((0,), jnp.float32)
+        d = self.core.head_densities(seq_len, threshold=threshold)
+        gate = self.head_gate
+        if gate is None or gate.kind == "score_scaling":
+            return d
+        return d * gate.hard_values()
+
     def __call__(self, x, *, cache=None, rngs=None):
         b, t, _ = x.shape
         if not self.num_heads:
@@ -419,6 +438,59 @@ class GPT2(nnx.Module):
         from sparse_jax.models.hf import save_pretrained
 
         return save_pretrained(self, folder)
+
+    def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+        """float32 scalar: the mean density at ``seq_len`` over every head of the model, with its
+        learned choices made hard (:meth:`SelfAttention.head_densities`: candidate weights kept
+        at ``threshold`` as :func:`~sparse_jax.models.harden` keeps them, a closed head gate
+        counts 0). Traceable, so a training step can log it; 0.0 when no head is left.
+
+        Example:
+          >>> from flax import nnx
+          >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+          >>> float(model.attention_density(4))  # causal: 10 of 16 entries
+          0.625
+        """
+        seq_len = check_int(seq_len, "seq_len", "GPT2.attention_density")
+        values = [
+            b.attn.head_densities(seq_len, threshold=threshold) for b in self.h if b.attn.num_heads
+        ]
+        return jnp.mean(jnp.concatenate(values)) if values else jnp.float32(0.0)
+
+    def candidate_weights(self) -> tuple[jax.Array | None, ...]:
+        """Per block, the candidate weights ``[1 or N, C]`` of a learned-mask block
+        (:meth:`~sparse_jax.models.layers.CandidateMaskAttention.candidate_weights`), None for
+        other blocks. Differentiable.
+
+        Example:
+          >>> from flax import nnx
+          >>> spec = AttentionSpec(kind="candidates", candidates=(masks_lib.causal(),))
+          >>> [w.shape for w in GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+          ...  .candidate_weights()]
+          [(1, 1), (1, 1)]
+        """
+        return tuple(
+            b.attn.core.candidate_weights()
+            if b.attn.num_heads and isinstance(b.attn.core, CandidateMaskAttention)
+            else None
+            for b in self.h
+        )
+
+    def allowed_masks(self) -> tuple[masks_lib.Mask | None, ...]:
+        """Per block, the static mask of every pair its heads may attend to (a learned-mask
+        block: the union of its candidates), None for a block whose heads were all pruned."""
+        return tuple(b.attn.core.allowed_mask() if b.attn.num_heads else None for b in self.h)
+
+    def flops(self, seq_len: int, *, batch: int = 1) -> flops_lib.ModelFlops:
+        """Analytic forward FLOPs on ``batch`` sequences of ``seq_len`` tokens, layer by layer
+        (:func:`sparse_jax.models.flops.model_flops`).
+
+        Example:
+          >>> from flax import nnx
+          >>> GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0)).flops(8).lm_head == 2 * 8 * 48 * 101
+          True
+        """
+        return flops_lib.model_flops(self, seq_len, batch=batch)
 
     def decode(self, ids, caches):
         """Runs ``ids [B, T]`` at the caches' current position; returns ``(logits, caches)``."""
