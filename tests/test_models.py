@@ -18,8 +18,10 @@ from sparse_jax.models import (
     GPT2,
     AttentionSpec,
     GPT2Config,
+    from_pretrained,
     generate,
     harden,
+    save_pretrained,
     student_from_teacher,
 )
 from sparse_jax.models.layers import (
@@ -58,7 +60,7 @@ def _perturb(model, seed=1, scale=0.1):
 
 def test_logits_equal_hugging_face_pytorch():
     expected = np.load(FIXTURE / "expected.npz")
-    model = GPT2.from_pretrained(FIXTURE)
+    model = from_pretrained(FIXTURE)
     assert model.config == GPT2Config.preset("tiny")
     logits = model(jnp.asarray(expected["input_ids"]))
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4, rtol=0)
@@ -68,8 +70,8 @@ def test_logits_equal_hugging_face_pytorch():
 
 def test_save_load_round_trip_is_exact(tmp_path):
     model = _perturb(_tiny())
-    model.save_pretrained(tmp_path / "copy")
-    again = GPT2.from_pretrained(tmp_path / "copy")
+    save_pretrained(model, tmp_path / "copy")
+    again = from_pretrained(tmp_path / "copy")
     for (path, a), (_, b) in zip(
         nnx.to_flat_state(nnx.state(model, nnx.Param)),
         nnx.to_flat_state(nnx.state(again, nnx.Param)),
@@ -85,26 +87,41 @@ def test_pickled_checkpoints_are_refused_without_being_opened(tmp_path):
     # Not even a valid pickle: the loader must refuse before reading it.
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not a pickle")
     with pytest.raises(ValueError, match=r"pickled checkpoints can run arbitrary code.*Convert"):
-        GPT2.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
 
 
 def test_missing_files_and_folders_are_named(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"lacks \['config.json', 'model.safetensors'\]"):
-        GPT2.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        GPT2.from_pretrained(tmp_path / "nope")
+        from_pretrained(tmp_path / "nope")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match=r"not a local folder.*offline mode"):
-        GPT2.from_pretrained("gpt2")
+        from_pretrained("gpt2")
 
 
 def test_models_the_layout_cannot_hold_are_not_saved(tmp_path):
     gated = _tiny(AttentionSpec(head_gate="sigmoid_ste"))
     with pytest.raises(ValueError, match="beyond GPT-2's"):
-        gated.save_pretrained(tmp_path)
+        save_pretrained(gated, tmp_path)
     pruned = _tiny(heads_per_layer=(3, 2))
     with pytest.raises(ValueError, match="pruned heads"):
-        pruned.save_pretrained(tmp_path)
+        save_pretrained(pruned, tmp_path)
+
+
+def test_gpt2_does_not_import_hf():
+    """Loading and saving live in hf.py, which imports gpt2.py: never the other way round."""
+    import ast
+
+    source = pathlib.Path(importlib.import_module("sparse_jax.models.gpt2").__file__).read_text()
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            names |= {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    assert not [n for n in names if n.endswith(".hf") or ".hf." in n], names
+    assert not hasattr(GPT2, "from_pretrained") and not hasattr(GPT2, "save_pretrained")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from sparse_jax.models.gpt2 import (
     student_from_teacher,
 )
 from sparse_jax.models.harden import HardenReport, harden, harden_plan
+from sparse_jax.models.hf import from_pretrained, save_pretrained
 from sparse_jax.models.layers import CandidateMaskAttention, FixedAttention, Gate
 
 __all__ = [
@@ -18,8 +19,10 @@ __all__ = [
     "GPT2Config",
     "Gate",
     "HardenReport",
+    "from_pretrained",
     "generate",
     "harden",
     "harden_plan",
+    "save_pretrained",
     "student_from_teacher",
 ]

@@ -6,8 +6,9 @@ swaps in a fixed sparse :class:`~sparse_jax.masks.Mask` with any normalizer, a l
 combination of candidate masks, and/or gates on heads and FFN units. Parameter names follow
 Hugging Face's ``GPT2LMHeadModel`` (``wte``, ``wpe``, ``h[i].attn.c_attn`` with q, k, v
 concatenated on the output axis, ``mlp.c_fc``, ...; kernels ``[in, out]`` like HF's ``Conv1D``),
-so weights load by name (:mod:`sparse_jax.models.hf`) and a student is made from a teacher by
-copying its parameters (:func:`student_from_teacher`).
+so weights load by name (:func:`sparse_jax.models.hf.from_pretrained`, which builds a GPT2; this
+module does not import it) and a student is made from a teacher by copying its parameters
+(:func:`student_from_teacher`).
 
 A model describes itself: :meth:`GPT2.attention_density` (what its heads keep, with learned
 choices made hard), :meth:`GPT2.candidate_weights`, :meth:`GPT2.allowed_masks` and
@@ -424,20 +425,6 @@ class GPT2(nnx.Module):
                 {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.int32(0)}
             )
         return caches
-
-    @classmethod
-    def from_pretrained(cls, source, attention=None, *, rngs: nnx.Rngs | None = None) -> GPT2:
-        """Loads a Hugging Face GPT-2 (a folder with ``config.json`` + ``model.safetensors``, or
-        a hub name when a network is available); see :mod:`sparse_jax.models.hf`."""
-        from sparse_jax.models.hf import load_pretrained
-
-        return load_pretrained(source, attention, rngs=rngs)
-
-    def save_pretrained(self, folder):
-        """Writes the Hugging Face layout (``config.json`` + ``model.safetensors``)."""
-        from sparse_jax.models.hf import save_pretrained
-
-        return save_pretrained(self, folder)
 
     def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
         """float32 scalar: the mean density at ``seq_len`` over every head of the model, with its

@@ -7,10 +7,16 @@ prefix is optional, the LM head is tied to ``wte`` and not stored, ``attn.bias``
 older checkpoints are ignored). HF's ``Conv1D`` stores ``[in, out]`` matrices, the layout of
 ``nnx.Linear`` kernels, so weights are copied without transposition.
 
-Example (a round trip through a folder)::
+Loading and saving live here only (:mod:`sparse_jax.models.gpt2` does not import this module).
 
-    model.save_pretrained("/tmp/gpt2-copy")
-    again = GPT2.from_pretrained("/tmp/gpt2-copy")
+Example (a round trip through a folder):
+  >>> import tempfile
+  >>> from flax import nnx
+  >>> from sparse_jax.models.gpt2 import GPT2, GPT2Config
+  >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+  >>> folder = save_pretrained(model, tempfile.mkdtemp() + "/gpt2-copy")
+  >>> from_pretrained(folder).config == model.config
+  True
 """
 
 from __future__ import annotations
@@ -22,17 +28,18 @@ import re
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
-__all__ = ["config_from_hf", "load_pretrained", "save_pretrained"]
+from sparse_jax.models.gpt2 import GPT2, AttentionSpec, GPT2Config
+
+__all__ = ["config_from_hf", "from_pretrained", "save_pretrained"]
 
 _PICKLES = ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
 _LN = {"weight": "scale", "bias": "bias"}
 
 
-def config_from_hf(hf: dict[str, Any], **overrides: Any):
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPT2Config:
     """A :class:`~sparse_jax.models.gpt2.GPT2Config` from a Hugging Face ``config.json`` dict."""
-    from sparse_jax.models.gpt2 import GPT2Config
-
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"config.json: model_type {hf.get('model_type')!r} is not 'gpt2'")
     unsupported = [
@@ -65,7 +72,9 @@ def _resolve(source: str | os.PathLike) -> pathlib.Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise ValueError(f"from_pretrained: `source`={str(source)!r} is a file; pass its folder")
+        raise ValueError(
+            f"from_pretrained: `path_or_name`={str(source)!r} is a file; pass its folder"
+        )
     if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", str(source)) or str(source).startswith("."):
         raise FileNotFoundError(f"from_pretrained: folder {str(source)!r} does not exist")
     offline = any(os.environ.get(v) == "1" for v in ("HF_HUB_OFFLINE", "SPARSE_JAX_OFFLINE"))
@@ -87,12 +96,17 @@ def _resolve(source: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(folder)
 
 
-def load_pretrained(source: str | os.PathLike, attention: Any = None, *, rngs: Any = None):
+def from_pretrained(
+    path_or_name: str | os.PathLike,
+    attention: AttentionSpec | Any = None,
+    *,
+    rngs: nnx.Rngs | None = None,
+) -> GPT2:
     """Builds a :class:`~sparse_jax.models.gpt2.GPT2` with the weights of a Hugging Face GPT-2.
 
     Args:
-      source: a folder with ``config.json`` and ``model.safetensors``, or a hub repository
-        name (fetched with ``huggingface_hub`` when a network is available).
+      path_or_name: a folder with ``config.json`` and ``model.safetensors``, or a hub
+        repository name (fetched with ``huggingface_hub`` when a network is available).
       attention: :class:`~sparse_jax.models.gpt2.AttentionSpec`(s) (default: causal softmax,
         the teacher).
       rngs: for parameters the checkpoint does not hold (gates, candidate weights).
@@ -101,12 +115,9 @@ def load_pretrained(source: str | os.PathLike, attention: Any = None, *, rngs: A
       FileNotFoundError: missing folder or files (the message lists them).
       ValueError: a pickled checkpoint only (refused), or tensors that do not fit the config.
     """
-    from flax import nnx
     from safetensors.numpy import load_file
 
-    from sparse_jax.models.gpt2 import GPT2, AttentionSpec
-
-    folder = _resolve(source)
+    folder = _resolve(path_or_name)
     weights_file, config_file = folder / "model.safetensors", folder / "config.json"
     if not weights_file.exists():
         pickles = [p for p in _PICKLES if (folder / p).exists()]
@@ -190,17 +201,21 @@ def _assign(model, tensors: dict[str, np.ndarray], folder) -> None:
         _variable(model, name)[...] = np.asarray(value, np.float32)
 
 
-def save_pretrained(model, folder: str | os.PathLike) -> pathlib.Path:
-    """Writes ``model`` as a Hugging Face GPT-2 folder (``config.json``, ``model.safetensors``).
+def save_pretrained(model: GPT2, path: str | os.PathLike) -> pathlib.Path:
+    """Writes ``model`` as a Hugging Face GPT-2 folder ``path`` (``config.json``,
+    ``model.safetensors``); returns the folder.
 
     Only the dense architecture is expressible there: models with pruned heads or FFN units, or
     with parameters beyond GPT-2's (gates, candidate weights, learned α), are refused (save
     them with the training checkpoints instead). The attention spec is not stored: loading gives
     the dense causal softmax model unless another spec is passed.
     """
-    from flax import nnx
     from safetensors.numpy import save_file
 
+    if not isinstance(model, GPT2):
+        raise TypeError(
+            f"save_pretrained: `model` must be a sparse_jax GPT2; got {type(model).__name__}"
+        )
     config = model.config
     if config.heads_per_layer is not None or config.inner_per_layer is not None:
         raise ValueError(
@@ -214,7 +229,7 @@ def save_pretrained(model, folder: str | os.PathLike) -> pathlib.Path:
             f"save_pretrained: the model has {n_params - len(expected)} parameters beyond GPT-2's "
             "(gates, candidate weights or α): the Hugging Face layout cannot hold them"
         )
-    folder = pathlib.Path(folder)
+    folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {
         "transformer." + name: np.ascontiguousarray(

@@ -294,7 +294,8 @@ class Trainer:
         Args:
           batches: an iterable of ``[batch_size, ...]`` int arrays (one per update).
           data_state: returns the data pipeline's position, saved with checkpoints.
-          on_step: called with ``(step, metrics)`` for every update, at the next logging step.
+          on_step: called with ``(step, metrics)`` for every update, at the next logging step
+            (before that step's checkpoint is saved; the metrics are yielded after it).
           evaluate: ``evaluate(model) -> metrics``, run every ``eval_every`` updates and at the
             end; its metrics are yielded (prefixed ``eval_``) and rank checkpoints.
           eval_every: 0 = only at the end.
@@ -338,13 +339,13 @@ class Trainer:
                     f"eval_{k}": float(v) for k, v in evaluate(self.sync_model()).items()
                 }
                 records[-1][1].update(eval_metrics)
+            if on_step is not None:  # before the save: a log never lacks a saved step's lines
+                for step, record in records:
+                    on_step(step, record)
             if do_save:
                 position = dict(data_state()) if data_state is not None else {}
                 self.save(position, eval_metrics, force=True)
-            for step, record in records:
-                if on_step is not None:
-                    on_step(step, record)
-                yield record
+            yield from (record for _, record in records)
         if self.checkpointer is not None:
             self.checkpointer.wait()
         self.sync_model()
