@@ -123,7 +123,7 @@ def test_make_mesh_errors():
         make_mesh(model=n + 1)
     with pytest.raises(ValueError, match="`model`"):
         make_mesh(model=0)
-    with pytest.raises(ValueError, match="`data`"):
+    with pytest.raises(TypeError, match=r"make_mesh: `data` must be an int >= 1; got .*1\.5"):
         make_mesh(data=1.5)
 
 

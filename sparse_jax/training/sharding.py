@@ -50,6 +50,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from sparse_jax.validation import check_int
+
 __all__ = [
     "AXES",
     "DEFAULT_RULES",
@@ -104,7 +106,8 @@ def make_mesh(data: int | None = None, model: int = 1, *, devices: Sequence[Any]
 
     Raises:
       ValueError: ``data * model`` differs from the number of devices (the message says how
-        many there are and how to force 8 CPU devices), or a size is not an int >= 1.
+        many there are and how to force 8 CPU devices), or a size is < 1.
+      TypeError: a size is not an int.
 
     Example:
       >>> mesh = make_mesh(model=1)
@@ -116,11 +119,8 @@ def make_mesh(data: int | None = None, model: int = 1, *, devices: Sequence[Any]
     n = len(devices)
     if n == 0:
         raise ValueError(f"{caller}: `devices` is empty")
-    for name, value in (("model", model), ("data", data)):
-        if value is None and name == "data":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{caller}: `{name}` must be an int >= 1; got {value!r}")
+    model = check_int(model, "model", caller)
+    data = None if data is None else check_int(data, "data", caller)
     if data is None:
         if n % model:
             raise ValueError(
