@@ -36,10 +36,8 @@ Long sequences: the query blocks are processed ``query_blocks_per_step`` at a ti
 ``jax.lax.map`` over a ``jax.checkpoint``-ed step, so the peak memory of the forward *and* the
 backward pass is that of one step (the backward recomputes a step's scores instead of storing
 them). By default a step holds at most ``STEP_SCORES[backend]`` score entries; small problems
-run as one step (no loop, no recomputation). On CPU small steps are also *faster*: at n = 4096,
-4 heads, a 256-key causal window and blocks of 128, forward+backward took about 80 ms in steps of
-1-4 query blocks (scores of one step within the cache) against 150-190 ms in one step, and
-about 3 s for dense masked softmax attention (2-core CPU, jax 0.10).
+run as one step (no loop, no recomputation). On CPU small, cache-sized steps are also faster
+(measured: docs/benchmarks.md, "Design measurements").
 
 Rows of different widths: a query block computes ``K`` key blocks, its own kept ones padded
 with sentinel slots (computed, then masked) up to the width of its *row group*. The query blocks

@@ -170,10 +170,8 @@ def topk_mask(scores: jax.Array, k: int, *, where: jax.Array | None = None) -> j
     equals ``0.0``. Jittable and vmappable; the result is bool, so nothing is differentiated.
 
     Found by a threshold, not a sort (see the module docstring): 16 passes over the row,
-    whatever ``k``. Measured on [8, 2048, 2048] float32 (2-core CPU shared with other jobs,
-    jax 0.10.2, median of 3, jitted): 0.18-0.36 s for ``k`` = 16 ... 1024 (also with many
-    ties), against 0.11 / 0.30 / 0.83 / 2.06 s for ``jax.lax.top_k`` plus a scatter into a
-    mask with ``k`` = 16 / 64 / 256 / 1024: ``top_k`` wins only for small ``k``.
+    whatever ``k``; ``jax.lax.top_k`` plus a scatter is faster only for small ``k`` (measured:
+    docs/benchmarks.md, "Design measurements").
 
     Args:
       scores: float array ``[..., q_len, kv_len]`` (any rank >= 1; the last axis is the row),

@@ -470,9 +470,8 @@ class Mask:
         which blocks are empty or full without looking at them); only undecided blocks are
         evaluated, a chunk of a few million bools at a time, and for masks that depend on
         ``i - j`` only (causal, local, dilated, strided and their combinations) just one block
-        per block diagonal. With ``q_len = kv_len = 16384`` and blocks of 128 this takes
-        0.01 s for causal/local/strided, about 0.4 s for ``fixed`` and about 2 s for a
-        ``from_array`` mask, the worst case (every block evaluated). Apart from the result
+        per block diagonal (times: docs/benchmarks.md, "Design measurements"); a ``from_array``
+        mask is the worst case (every block evaluated). Apart from the result
         (whose ``partial_masks`` can be O(q_len * kv_len) for irregular masks) it uses a few
         tens of MB. Results are cached for static masks. Lengths need not be multiples of the
         block sizes.

@@ -58,6 +58,13 @@ def engines_used(fn: Callable, *args, **kwargs) -> set[str]:
     return {m for stack, _ in engine_trace(fn, *args, **kwargs) for m in _SCOPE.findall(stack)}
 
 
+def assert_lowered_contains(fn: Callable, *args, needle: str) -> None:
+    """Fails unless the lowered (StableHLO) text of ``fn(*args)`` contains ``needle``, e.g. the
+    ``__cudnn$fmha`` custom call of cuDNN's fused attention (as jax's own nn tests check)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    assert needle in text, f"{needle!r} is not in the lowered program"
+
+
 def assert_engine(engine: str, fn: Callable, *args, **kwargs) -> None:
     """Fails unless ``fn(*args, **kwargs)`` runs ``engine`` and no other attention engine, and
     the engine's own signature primitive appears inside its scope."""

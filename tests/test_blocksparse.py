@@ -12,16 +12,14 @@ compilation, which keeps the 72-case grid fast.
 
 from __future__ import annotations
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax import blocksparse as blocksparse_module
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
 from sparse_jax.masks import causal, full, local, padding, per_head, sink, strided
+from tests.conftest import FAST_COMPILE
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -147,12 +145,6 @@ def reduce_to(x, shape):
 # Helpers for the kernel.
 
 
-# XLA options for the value-and-gradient checks: about half the compile time, which dominates
-# these tiny problems (the 72-case grid); the computation is the same, only less optimised. The
-# other tests (memory, jit, doctests) compile with the default options.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def value_and_grads(fn, cot, *args):
     """(out, grads of ``<out, cot>`` w.r.t. every argument), in one jitted function."""
 
@@ -160,7 +152,7 @@ def value_and_grads(fn, cot, *args):
         out, vjp = jax.vjp(fn, *args)
         return out, vjp(cot)
 
-    return jax.jit(run).lower(*args).compile(FAST_COMPILE)(*args)
+    return jax.jit(run).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
 
 
 def assert_close(actual, expected, **tol):
@@ -481,8 +473,3 @@ def test_bad_arguments_raise_before_tracing():
         blocksparse_attention(q, k3, v3, layout)
     with pytest.raises(TypeError, match="same dtype"):
         blocksparse_attention(q, k.astype(jnp.bfloat16), v, layout)
-
-
-def test_module_doctests():
-    result = doctest.testmod(blocksparse_module, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0

@@ -4,9 +4,6 @@ the flax adapter, argument errors and the memory bound of the chunking."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +12,7 @@ import pytest
 import sparse_jax as sj
 from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.masks import causal, from_array, local, padding, per_head, sink, strided
+from tests.conftest import jit_fast
 from tests.engines import assert_engine
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
@@ -98,16 +96,6 @@ def _value_and_grads(fn, q, k, v, alpha, ct):
     return out, vjp(ct)
 
 
-# These tests are bound by XLA compile time (a chunked scan and the normalizers' while loops per
-# case, on a 2-core CPU), so every test compiles one program, with LLVM's cheap settings.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _run(fn, *args):
-    """``jax.jit(fn)(*args)``, compiled once with cheap optimisation."""
-    return jax.jit(fn).lower(*args).compile(compiler_options=_FAST_COMPILE)(*args)
-
-
 # ----------------------------------------------------------------------------------------------
 # Values and gradients against the reference.
 
@@ -158,7 +146,7 @@ def test_matches_naive_reference_values_and_gradients(config_index):
         return results
 
     for (normalizer, kind), ((out, grads), (ref_out, ref_grads)) in zip(
-        cases, _run(all_cases, q, k, v, alpha), strict=True
+        cases, jit_fast(all_cases, q, k, v, alpha), strict=True
     ):
         where = f"normalizer={normalizer}, mask={kind}"
         assert out.shape == (b, tq, n, v.shape[3]) and out.dtype == q.dtype, where
@@ -213,7 +201,7 @@ def test_bias_weights_and_chunk_sizes(normalizer):
 
         return outs, ref, jax.grad(ours_loss)(bias), jax.grad(ref_loss)(bias)
 
-    outs, (ref_out, ref_p), grad, ref_grad = _run(run, q, k, v, alpha, bias)
+    outs, (ref_out, ref_p), grad, ref_grad = jit_fast(run, q, k, v, alpha, bias)
     for out, p in outs:
         assert p.shape == (b, n, tq, tk)
         _close(out, ref_out)
@@ -238,7 +226,7 @@ def test_per_head_mask_decoding_offset_and_from_array():
             naive_attention(q, k, v, jnp.asarray(arr[:tq, :tk]), "softmax")[0],
         )
 
-    per_head_out, per_head_ref, step, full_out, arr_out, arr_ref = _run(run, q, k, v)
+    per_head_out, per_head_ref, step, full_out, arr_out, arr_ref = jit_fast(run, q, k, v)
     _close(per_head_out, per_head_ref)
     _close(step, full_out[:, t : t + 1])
     _close(arr_out, arr_ref)
@@ -260,7 +248,7 @@ def test_under_jit_with_traced_padding_lengths_and_learned_alpha():
         return grad(loss, argnums=(0, 1))(q, alpha), grad(ref, argnums=(0, 1))(q, alpha)
 
     dense = jnp.asarray((causal() & padding(np.array([5, 9]))).dense(tq, tk))
-    (value, grads), (ref_value, ref_grads) = _run(run, q, alpha, jnp.array([5, 9]), dense)
+    (value, grads), (ref_value, ref_grads) = jit_fast(run, q, alpha, jnp.array([5, 9]), dense)
     _close(value, ref_value)
     for g, rg in zip(grads, ref_grads, strict=True):
         _close(g, rg)
@@ -298,7 +286,7 @@ def test_fully_masked_rows_give_zero_output_and_zero_finite_gradients(normalizer
         padded = attention(q, k, v, mask=padding(np.array([0, tk])), normalizer=norm)
         return out, vjp(ct), weights, padded
 
-    out, grads, w, padded = _run(run, q, k, v, alpha, jnp.asarray(bias))
+    out, grads, w, padded = jit_fast(run, q, k, v, alpha, jnp.asarray(bias))
     assert (np.moveaxis(np.asarray(out), 2, 1)[empty] == 0).all()
     for g in (out, *grads, w, padded):
         assert np.isfinite(np.asarray(g)).all()
@@ -327,7 +315,7 @@ def test_low_precision_round_trip(dtype, normalizer):
         loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32))
         return f(q, k, v), f(*lo), weights, jax.grad(loss, argnums=(0, 1, 2))(*lo)
 
-    ref, out, w, grads = _run(run, q, k, v, alpha)
+    ref, out, w, grads = jit_fast(run, q, k, v, alpha)
     assert out.dtype == dtype and w.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=0.1, rtol=0.05)
     assert all(g.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
@@ -346,6 +334,7 @@ def test_attention_impl_reports_choice():
     abstract = jax.ShapeDtypeStruct(q.shape, q.dtype)
     assert attention_impl(abstract, abstract, abstract).impl == "xla"
     _close(attention(q, k, v, impl="xla"), attention(q, k, v, impl="auto"))
+    assert_engine("xla", lambda q: attention(q, k, v, impl="auto"), q)
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "sparsemax", "entmax15", 1.25])
@@ -435,19 +424,12 @@ def test_flax_multi_head_attention_adapter():
             fn(q, k, v, dropout_rate=0.1, deterministic=True),
         )
 
-    flat, two_axes, no_axis, deterministic = _run(run, q, k, v)
+    flat, two_axes, no_axis, deterministic = jit_fast(run, q, k, v)
     _close(two_axes.reshape(flat.shape), flat)
     _close(no_axis, flat[0])
     _close(deterministic, flat)
     with pytest.raises(ValueError, match="dropout is not supported"):
         fn(q, k, v, dropout_rate=0.1, deterministic=False)
-
-
-def test_module_doctests():
-    # The module shares its name with the function `sparse_jax.attention`, hence importlib.
-    attention_module = importlib.import_module("sparse_jax.dispatch")
-    failures, _ = doctest.testmod(attention_module, optionflags=doctest.ELLIPSIS)
-    assert failures == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,6 +555,14 @@ def test_auto_dispatch_follows_the_mask_density():
     assert attention_impl(long, long, long, mask=causal() | sink(4)).impl == "blocksparse"
     assert attention_impl(long, long, long, mask=local(2048, 2048)).impl == "xla"  # 83% formed
     assert attention_impl(long, long, long).impl == "xla"
+    # and the program "auto" traces runs the engine it reports
+    q = jnp.ones((1, 64, 2, 8))
+    windowed = lambda q: attention(q, q, q, mask=causal() & local(7, 0), block_size=(8, 8))
+    assert attention_impl(q, q, q, mask=causal() & local(7, 0), block_size=(8, 8)).impl == (
+        "blocksparse"
+    )
+    assert_engine("blocksparse", windowed, q)
+    assert_engine("xla", lambda q: attention(q, q, q, mask=local(40, 40), block_size=(8, 8)), q)
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15", "alpha_per_head"])
@@ -587,6 +577,8 @@ def test_blocksparse_impl_equals_xla_values_and_gradients(normalizer):
             out = attention(q, k, v, mask=mask, normalizer=n, impl=impl, block_size=(8, 8))
             return jnp.sum(out * ct)
 
-        return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(q, k, v, alpha)
+        grad = jax.value_and_grad(f, argnums=(0, 1, 2, 3))
+        assert_engine(impl, grad, q, k, v, alpha)  # not xla compared with xla
+        return grad(q, k, v, alpha)
 
     jax.tree.map(_close, loss("blocksparse"), loss("xla"))

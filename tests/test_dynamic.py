@@ -9,14 +9,11 @@ rows; argument errors.
 
 from __future__ import annotations
 
-import doctest
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_jax import dynamic as dynamic_module
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import SENTINEL, topk_block_attention, topk_mask
 from sparse_jax.masks import causal
@@ -409,8 +406,3 @@ def test_bad_shapes_raise():
         topk_block_attention(q, q.astype(jnp.bfloat16), q, keep_blocks=1)
     with pytest.raises(TypeError, match="keep_blocks"):
         topk_block_attention(q, q, q)  # keep_blocks is required
-
-
-def test_doctests():
-    failures, _ = doctest.testmod(dynamic_module, extraglobs={"jax": jax, "jnp": jnp})
-    assert failures == 0

@@ -3,8 +3,7 @@ checked through XLA; the cuDNN run itself only on a GPU)."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import pytest
 from sparse_jax.dispatch import attention, attention_impl
 from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
 from sparse_jax.masks import causal, chunked, full, local, per_head, sink, strided
+from tests.engines import assert_engine, assert_lowered_contains
 
 
 def _qkv(b, tq, tk, n, kh, d, dtype=jnp.float32, seed=0):
@@ -49,6 +49,8 @@ def test_splash_matches_xla_values_and_gradients(name):
         attention(q, k, v, mask=mask, impl="xla"),
         atol=1e-5,
     )
+    assert_engine("splash", jax.grad(loss("splash"), argnums=(0, 1, 2)), q, k, v)
+    assert_engine("xla", jax.grad(loss("xla"), argnums=(0, 1, 2)), q, k, v)
     got = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want, strict=True):
@@ -147,8 +149,12 @@ def test_cudnn_on_gpu_matches_xla():
     for mask in (causal(), causal() & local(64, 0)):
         got = attention(q, k, v, mask=mask, impl="cudnn")
         want = attention(q, k, v, mask=mask, impl="xla")
+        fused = functools.partial(attention, k=k, v=v, mask=mask, impl="cudnn")
+        assert_engine("cudnn", fused, q)
+        assert_lowered_contains(fused, q, needle="__cudnn$fmha")
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-2)
     assert attention_impl(q, k, v, mask=causal()).impl == "cudnn"
+    assert_engine("cudnn", lambda q: attention(q, k, v, mask=causal()), q)
 
 
 def test_auto_never_picks_a_fused_kernel_off_its_backend():
@@ -163,8 +169,3 @@ def test_auto_never_picks_a_fused_kernel_off_its_backend():
         "xla",
         "blocksparse",
     )
-
-
-def test_module_doctests():
-    module = importlib.import_module("sparse_jax.fused")
-    assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0

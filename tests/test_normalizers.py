@@ -7,9 +7,7 @@ properties (non-negativity, sums, masking, shift invariance) with hypothesis; de
 
 from __future__ import annotations
 
-import doctest
 import functools
-import importlib
 
 import chex
 import hypothesis
@@ -379,10 +377,3 @@ def test_losses_with_labels_closed_over_under_jit():
 def test_bad_input_raises_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call()
-
-
-def test_docstring_examples():
-    # The module shares its name with the function `sparse_jax.sparsemax`, hence importlib.
-    module = importlib.import_module("sparse_jax.normalizers")
-    failures, tried = doctest.testmod(module, extraglobs={"jnp": jnp, "np": np})
-    assert tried >= 6 and failures == 0

@@ -1,0 +1,25 @@
+"""What the tests share: cheap XLA compilation for tiny problems, and the `slow` marker.
+
+`pytest` runs everything (CI included); `pytest -m "not slow"` skips the end-to-end runs (the
+distillation job, several processes, SIGKILL and resume) for a fast inner loop. Doctests of
+``sparse_jax/`` are collected by pytest itself (``--doctest-modules`` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import jax
+
+# XLA options for tests bound by compile time (tiny problems, a scan or the normalizers' while
+# loops per case, on a 2-core CPU): about half the compile time, the same computation, only less
+# optimised. Tests of memory or speed compile with the default options.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def jit_fast(fn, *args):
+    """``jax.jit(fn)(*args)``, compiled once with :data:`FAST_COMPILE`."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+# Scripts that made the golden values and fixtures once (they import torch/transformers, which
+# are never dependencies): not test modules, and not imported by --doctest-modules.
+collect_ignore_glob = ["golden/make_*.py", "fixtures/make_*.py"]
