@@ -424,9 +424,9 @@ def test_errors_name_the_argument(tmp_path, rows):
         BatchIterator(rows, 4, process_count=3)
     with pytest.raises(ValueError, match=r"process_index must lie in \[0, process_count = 2\)"):
         BatchIterator(rows, 4, process_index=2, process_count=2)
-    with pytest.raises(TypeError, match="seed must be an int"):
+    with pytest.raises(TypeError, match="`seed` must be an int"):
         BatchIterator(rows, 4, seed=1.5)
-    with pytest.raises(TypeError, match="shuffle must be a bool"):
+    with pytest.raises(TypeError, match="`shuffle` must be a bool"):
         BatchIterator(rows, 4, shuffle="yes")
     with pytest.raises(TypeError, match="tokenizer must be a Tokenizer"):
         prepare("default", 3, 8, data_dir=tmp_path / "cache")
