@@ -1,0 +1,434 @@
+"""The configuration of ``python -m experiments.distill``: frozen dataclasses, one per concern.
+
+Each group is a flag prefix on the command line (``--data.seq-len 512``, ``--train.steps 500``);
+``--config <name>`` starts from a named study config in ``experiments/configs/`` instead of the
+defaults below. Every field is checked when the config is built, so that a bad flag fails with a
+message naming it, its value and what is allowed, before anything is compiled or trained.
+
+Example::
+
+    from experiments import distill_config
+
+    config = distill_config.parse(["--config", "wikitext2_study", "--train.steps", "10"])
+    config.flags()["train.steps"]  # 10
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import pathlib
+import sys
+from typing import Any, ClassVar, Literal
+
+import tyro
+
+from experiments import configs
+from sparse_jax.models.gpt2 import PRESETS, GPT2Config
+
+__all__ = [
+    "OLD_FLAGS",
+    "DataConfig",
+    "DistillConfig",
+    "HardenConfig",
+    "LossConfig",
+    "MeasureConfig",
+    "RunConfig",
+    "StudentConfig",
+    "TeacherConfig",
+    "TrainConfig",
+    "named",
+    "parse",
+]
+
+# The presets of sparse_jax.models.gpt2 (GPT2Config.preset(name)), as command-line choices.
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+# The study configs in experiments/configs/ (one module each).
+ConfigName = Literal[configs.NAMES]  # type: ignore[valid-type]
+
+
+class _Group:
+    """Checks shared by the groups; ``group`` is the field (and flag prefix) holding it."""
+
+    group: ClassVar[str]
+
+    def flag(self, name: str) -> str:
+        return f"--{self.group}.{name.replace('_', '-')}"
+
+    def int_at_least(self, name: str, low: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{self.flag(name)} must be an int >= {low}; got {value!r}")
+
+    def number(self, name: str, *, positive: bool) -> None:
+        value = getattr(self, name)
+        ok = value > 0 if positive else value >= 0
+        if isinstance(value, bool) or not (ok and math.isfinite(value)):
+            bound = "> 0" if positive else ">= 0"
+            raise ValueError(f"{self.flag(name)} must be a number {bound}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(_Group):
+    """The corpus, its tokens and the batches of windows."""
+
+    group: ClassVar[str] = "data"
+
+    source: str = "default"
+    """'default' (CPython's bundled pydoc topics: no network, no files), a .txt file or folder,
+    a WikiText-2 folder (trains on valid.txt, evaluates on test.txt) or 'tfds:<name>'."""
+    tokenizer: str = "byte"
+    """'byte' (257 ids, needs nothing), 'gpt2' (tiktoken files) or a folder of vocabulary files."""
+    seq_len: int = 128
+    """Tokens per training sequence (<= the teacher's positions; speed is also measured at 4x)."""
+    batch_size: int = 8
+    """Global batch (sequences per update, every phase); must divide over the mesh's data axis."""
+
+    def __post_init__(self):
+        self.int_at_least("seq_len", 1)
+        self.int_at_least("batch_size", 1)
+        if self.source != "default" and not self.source.startswith("tfds:"):
+            if not pathlib.Path(self.source).exists():
+                raise ValueError(f"{self.flag('source')} path {self.source!r} does not exist")
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig(_Group):
+    """The dense teacher: trained here (and cached) or loaded."""
+
+    group: ClassVar[str] = "teacher"
+
+    source: str = "train"
+    """'train': a GPT-2 of --teacher.size trained here (cached in --run.cache-dir); a folder
+    holding a Hugging Face GPT-2 (config.json + model.safetensors); or a hub name such as
+    'gpt2' (network)."""
+    size: PresetName = "cpu-small"
+    """Size of the trained teacher: a GPT2Config.preset name (vocabulary from the tokenizer)."""
+    steps: int = 800
+    """Updates of the trained teacher."""
+    lr: float = 3e-3
+    """Peak learning rate of the trained teacher."""
+
+    def __post_init__(self):
+        self.int_at_least("steps", 1)
+        self.number("lr", positive=True)
+        if self.size not in PRESETS:
+            raise ValueError(
+                f"{self.flag('size')} {self.size!r} is not a preset; allowed: {list(PRESETS)}"
+            )
+        if self.source != "train" and not pathlib.Path(self.source).is_dir():
+            if "/" in self.source or self.source.startswith("."):
+                raise ValueError(f"{self.flag('source')} folder {self.source!r} does not exist")
+
+    def positions(self) -> int | None:
+        """The teacher's n_positions, known before anything is built (None for a hub name)."""
+        if self.source == "train":
+            return GPT2Config.preset(self.size).n_positions
+        hf_config = pathlib.Path(self.source) / "config.json"
+        if hf_config.exists():
+            return int(json.loads(hf_config.read_text())["n_positions"])
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig(_Group):
+    """The sparse student built from the teacher's weights."""
+
+    group: ClassVar[str] = "student"
+
+    kind: Literal["candidates", "gated", "fixed"] = "candidates"
+    """Learned candidate masks per head, gated heads/FFN units, or a fixed sparse mask."""
+    normalizer: str = "softmax"
+    """Attention normalizer: softmax, sparsemax, entmax15 or a float alpha > 1."""
+    combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"
+    """How candidate masks combine (see sparse_jax.models.layers)."""
+    anchor_self: bool = False
+    """Candidates: keep each query's own position at weight 1, so that the penalty cannot
+    shrink all candidate weights together at no cost (see CandidateMaskAttention)."""
+    granularity: Literal["layer", "head"] = "head"
+    """Candidate weights per layer or per head."""
+    windows: tuple[int, ...] = (8, 16, 32)
+    """Causal window sizes of the candidate bank (besides sink(4), strided and full causal)."""
+    fixed_window: int = 32
+    """Window of the 'fixed' student (causal window | sink(4))."""
+    block_size: int = 64
+    """Block size of the block-sparse kernel in the students (64 ran fastest on CPU; 128 on TPU)."""
+    gate: Literal["sigmoid_ste", "hard_concrete", "sigmoid"] = "sigmoid_ste"
+    """Gate kind of the 'gated' student."""
+
+    def __post_init__(self):
+        self.int_at_least("block_size", 1)
+        self.int_at_least("fixed_window", 1)
+        if not self.windows or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.windows
+        ):
+            raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {self.windows!r}")
+        if self.anchor_self and self.combine == "mixture":
+            raise ValueError(
+                f"{self.flag('anchor_self')} needs {self.flag('combine')} soft_union or "
+                "soft_mask; got mixture"
+            )
+        if self.normalizer not in ("softmax", "sparsemax", "entmax15"):
+            try:
+                alpha = float(self.normalizer)
+            except ValueError:
+                alpha = 0.0
+            if not alpha > 1:
+                raise ValueError(
+                    f"{self.flag('normalizer')} must be softmax, sparsemax, entmax15 or a float "
+                    f"alpha > 1; got {self.normalizer!r}"
+                )
+
+    def normalizer_value(self) -> str | float:
+        """The normalizer as AttentionSpec takes it (a name or the float alpha)."""
+        if self.normalizer in ("softmax", "sparsemax", "entmax15"):
+            return self.normalizer
+        return float(self.normalizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig(_Group):
+    """The distillation objective: KL to the teacher plus the sparsity penalties."""
+
+    group: ClassVar[str] = "loss"
+
+    temperature: float = 1.0
+    """Distillation temperature T (the loss is scaled by T^2)."""
+    direction: Literal["forward", "reverse", "jsd"] = "forward"
+    """forward = KL(teacher || student), reverse, or Jensen-Shannon."""
+    mask_l1: float = 0.02
+    """Weight of the L1 penalty on candidate weights (sum of sigmoid(logits), per block)."""
+    mask_density: float = 0.0
+    """Weight of the density-weighted penalty on candidate weights (Σ weight x the candidate's
+    share of the causal entries, per block): prices each candidate by what it costs."""
+    mask_expected_density: float = 0.0
+    """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
+    share_c with π = weights / their sum): only the weights' ratios count, as under softmax.
+    It prices score entries, not kernel blocks: see docs/results.md before using it."""
+    gate_l1: float = 0.0005
+    """Weight of the head/FFN gate penalties."""
+
+    def __post_init__(self):
+        self.number("temperature", positive=True)
+        for name in ("mask_l1", "mask_density", "mask_expected_density", "gate_l1"):
+            self.number(name, positive=False)
+
+    def penalty_weights(self) -> dict[str, float]:
+        """The penalty weights by the names of the models' aux outputs."""
+        return {
+            "mask_l1": self.mask_l1,
+            "mask_density": self.mask_density,
+            "mask_expected_density": self.mask_expected_density,
+            "head_gate": self.gate_l1,
+            "ffn_gate": self.gate_l1,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Group):
+    """The student's distillation updates (the hardened fine-tune uses the same rates)."""
+
+    group: ClassVar[str] = "train"
+
+    steps: int = 400
+    """Distillation updates of the student."""
+    lr: float = 3e-3
+    """Peak learning rate of the student (and of the hardened fine-tune)."""
+    trainable: str = ".*"
+    """Regex of the student parameters trained (e.g. 'core/logits': only the mask weights)."""
+    fast_params: str = "core/logits|gate/logits|alpha_logit"
+    """Regex of parameters trained at --train.fast-lr-multiplier x the rate (mask weights,
+    gates)."""
+    fast_lr_multiplier: float = 10.0
+    """Learning-rate multiplier of --train.fast-params."""
+
+    def __post_init__(self):
+        self.int_at_least("steps", 1)
+        self.number("lr", positive=True)
+        self.number("fast_lr_multiplier", positive=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class HardenConfig(_Group):
+    """harden(): the learned weights become fixed masks, then a short fine-tune."""
+
+    group: ClassVar[str] = "harden"
+
+    budget: float | None = 0.3
+    """Mean attention density the hardened model may use (None: keep weights >=
+    --harden.threshold)."""
+    threshold: float = 0.5
+    """Candidate weight kept by hardening when --harden.budget is None."""
+    finetune_steps: int = 200
+    """KL fine-tuning updates of the hardened model (0: none)."""
+
+    def __post_init__(self):
+        if self.budget is not None and not 0 < self.budget <= 1:
+            raise ValueError(f"{self.flag('budget')} must be in (0, 1] or None; got {self.budget}")
+        if not 0 < self.threshold < 1:
+            raise ValueError(f"{self.flag('threshold')} must be in (0, 1); got {self.threshold}")
+        self.int_at_least("finetune_steps", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasureConfig(_Group):
+    """What is measured for the summary and the report."""
+
+    group: ClassVar[str] = "measure"
+
+    eval_batches: int = 8
+    """Evaluation batches (of --data.batch-size windows of the evaluation split)."""
+    report_prompts: int = 3
+    """Evaluation prompts continued by teacher and hardened student for the report."""
+
+    def __post_init__(self):
+        self.int_at_least("eval_batches", 1)
+        self.int_at_least("report_prompts", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(_Group):
+    """Where the run lives, how it is checkpointed, its seed and its device mesh."""
+
+    group: ClassVar[str] = "run"
+
+    dir: pathlib.Path | None = None
+    """Run folder (config.json, metrics.jsonl, checkpoints/, report.md); default a new
+    runs/distill-<date>-<time>, or with --resume the newest runs/distill-* folder."""
+    cache_dir: pathlib.Path = pathlib.Path("~/.cache/sparse_jax")
+    """Where prepared data and trained teachers are cached."""
+    seed: int = 0
+    """Seed of initialisation, data order and sampling."""
+    checkpoint_every: int = 50
+    """Save a checkpoint (and evaluate) every this many updates, and at the end of each phase."""
+    data_axis: int | None = None
+    """Devices on the mesh's data axis (None: all devices / --run.model-axis)."""
+    model_axis: int = 1
+    """Devices on the mesh's model axis (tensor-parallel split of the projections)."""
+
+    def __post_init__(self):
+        self.int_at_least("checkpoint_every", 1)
+        self.int_at_least("model_axis", 1)
+        if self.data_axis is not None:
+            self.int_at_least("data_axis", 1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"{self.flag('seed')} must be an int; got {self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Distil a dense GPT-2 into a sparse student, harden it and report quality, FLOPs, speed."""
+
+    config: ConfigName = "default"
+    """Named study config (experiments/configs/<name>.py) whose values are the defaults of
+    every other flag; each file opens with its command and the result it should reach."""
+    resume: bool = False
+    """Continue the run in --run.dir from its last complete checkpoints (with the run's flags)."""
+    data: DataConfig = DataConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    student: StudentConfig = StudentConfig()
+    loss: LossConfig = LossConfig()
+    train: TrainConfig = TrainConfig()
+    harden: HardenConfig = HardenConfig()
+    measure: MeasureConfig = MeasureConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        if self.config not in configs.NAMES:
+            raise ValueError(f"--config {self.config!r} is unknown; allowed: {configs.NAMES}")
+        positions = self.teacher.positions()
+        if positions is not None and self.data.seq_len > positions:
+            raise ValueError(
+                f"--data.seq-len {self.data.seq_len} is longer than the teacher's {positions} "
+                "positions"
+            )
+
+    def flags(self) -> dict[str, Any]:
+        """Every field by its dotted flag name (``"train.steps"``), as JSON values."""
+        out = {}
+        for key, value in dataclasses.asdict(self).items():
+            if isinstance(value, dict):
+                out |= {f"{key}.{name}": v for name, v in value.items()}
+            else:
+                out[key] = value
+        return json.loads(json.dumps(out, default=str))
+
+
+# The flat flags of distill before its configuration was grouped -> the grouped field, so that
+# --resume still reads a run folder written then (and as a table of old -> new flags).
+OLD_FLAGS = {
+    "teacher": "teacher.source",
+    "teacher_size": "teacher.size",
+    "teacher_steps": "teacher.steps",
+    "teacher_lr": "teacher.lr",
+    "data": "data.source",
+    "tokenizer": "data.tokenizer",
+    "seq_len": "data.seq_len",
+    "batch_size": "data.batch_size",
+    "student": "student.kind",
+    "normalizer": "student.normalizer",
+    "combine": "student.combine",
+    "anchor_self": "student.anchor_self",
+    "granularity": "student.granularity",
+    "windows": "student.windows",
+    "fixed_window": "student.fixed_window",
+    "block_size": "student.block_size",
+    "gate": "student.gate",
+    "temperature": "loss.temperature",
+    "direction": "loss.direction",
+    "mask_l1": "loss.mask_l1",
+    "mask_density": "loss.mask_density",
+    "mask_expected_density": "loss.mask_expected_density",
+    "gate_l1": "loss.gate_l1",
+    "steps": "train.steps",
+    "learning_rate": "train.lr",
+    "trainable": "train.trainable",
+    "fast_params": "train.fast_params",
+    "fast_lr_multiplier": "train.fast_lr_multiplier",
+    "budget": "harden.budget",
+    "threshold": "harden.threshold",
+    "finetune_steps": "harden.finetune_steps",
+    "eval_batches": "measure.eval_batches",
+    "report_prompts": "measure.report_prompts",
+    "run_dir": "run.dir",
+    "cache_dir": "run.cache_dir",
+    "seed": "run.seed",
+    "checkpoint_every": "run.checkpoint_every",
+    "data_axis": "run.data_axis",
+    "model_axis": "run.model_axis",
+    "resume": "resume",
+}
+
+
+def named(name: str) -> DistillConfig:
+    """The study config ``experiments/configs/<name>.py`` (what its ``get_config()`` returns)."""
+    if name not in configs.NAMES:
+        raise ValueError(f"--config {name!r} is unknown; allowed: {configs.NAMES}")
+    config = importlib.import_module(f"{configs.__name__}.{name}").get_config()
+    if not isinstance(config, DistillConfig) or config.config != name:
+        raise TypeError(
+            f"experiments/configs/{name}.py: get_config() must return a DistillConfig with "
+            f"config={name!r}"
+        )
+    return config
+
+
+def _config_name(args: list[str]) -> str | None:
+    """The value of ``--config`` in ``args`` (None when absent)."""
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse(args: list[str] | None = None, description: str | None = None) -> DistillConfig:
+    """The config of a command line: the named study config (``--config``, default 'default')
+    with the other flags applied over it."""
+    args = list(sys.argv[1:] if args is None else args)
+    name = _config_name(args)
+    base = named(name) if name in configs.NAMES else None  # an unknown name: tyro says why
+    return tyro.cli(DistillConfig, args=args, default=base, description=description)
