@@ -3,7 +3,6 @@ corrupt and half-written checkpoints, and the NaN guard (sparse_jax.training.che
 
 from __future__ import annotations
 
-import doctest
 import logging
 import os
 import signal
@@ -306,6 +305,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["during_write", "before_commit"])
 def test_write_killed_midway_resumes_from_the_last_complete_checkpoint(tmp_path, mode, caplog):
     script = tmp_path / "writer.py"
@@ -445,8 +445,3 @@ def test_bad_arguments_are_rejected(tmp_path):
         with pytest.raises(TypeError, match="metrics"):
             ckpt.save(1, _state(), data_state={}, rng=None, metrics={"eval_loss": "low"})
         assert ckpt.all_steps() == []
-
-
-def test_module_doctests():
-    failures, _ = doctest.testmod(checkpoint_module, optionflags=doctest.ELLIPSIS)
-    assert failures == 0

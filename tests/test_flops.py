@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
-
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -96,8 +92,3 @@ def test_attention_scores_reports_the_implementation():
 def test_bad_length():
     with pytest.raises(ValueError, match="seq_len"):
         model_flops(GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0)), 0)
-
-
-def test_module_doctests():
-    module = importlib.import_module("sparse_jax.models.flops")
-    assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0

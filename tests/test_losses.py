@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import math
 
 import jax
@@ -13,7 +12,6 @@ import pytest
 from flax import nnx
 
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
-from sparse_jax.training import losses
 from sparse_jax.training.losses import (
     DIRECTIONS,
     cross_entropy_loss,
@@ -301,8 +299,3 @@ def test_sparsity_penalty_errors():
         sparsity_penalty(aux, {"head_gate": -1.0})
     with pytest.raises(ValueError, match=r"weights\['head_gate'\]"):
         sparsity_penalty(aux, {"head_gate": "0.1"})
-
-
-def test_module_doctests():
-    result = doctest.testmod(losses, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import importlib
 import pathlib
 
@@ -600,9 +599,3 @@ def test_budget_picks_the_lowest_threshold_that_fits():
         harden(student, budget=0.0)
     with pytest.raises(ValueError, match="not both"):
         harden(student, budget=0.5, threshold=0.5)
-
-
-def test_module_doctests():
-    for name in ("gpt2", "layers", "harden"):
-        module = importlib.import_module(f"sparse_jax.models.{name}")
-        assert doctest.testmod(module, extraglobs={"jnp": jnp}).failed == 0, name

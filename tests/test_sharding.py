@@ -6,7 +6,6 @@ The multi-device test runs in a subprocess with 8 forced CPU devices
 
 from __future__ import annotations
 
-import doctest
 import json
 import os
 import subprocess
@@ -22,7 +21,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sparse_jax.models import GPT2, GPT2Config
-from sparse_jax.training import sharding
 from sparse_jax.training.sharding import (
     DEFAULT_RULES,
     batch_sharding,
@@ -170,11 +168,6 @@ def test_maybe_initialize_distributed(monkeypatch):
     assert maybe_initialize_distributed(environ=env) is False and len(calls) == n
 
 
-def test_module_doctests():
-    result = doctest.testmod(sharding, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
-
-
 _MULTI_DEVICE = textwrap.dedent(
     """
     import json
@@ -270,6 +263,7 @@ _MULTI_DEVICE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_eight_device_mesh_matches_one_device(tmp_path):
     script = tmp_path / "multi_device.py"
     script.write_text(_MULTI_DEVICE)

@@ -190,6 +190,7 @@ def _run(data_axis, model_axis, devices):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_eight_devices_follow_the_one_device_loss_curve():
     one = _run(1, 1, 1)
     eight = _run(4, 2, 8)
