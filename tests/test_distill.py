@@ -1,11 +1,14 @@
 """The main job end to end on a tiny configuration: run folder, report, resumption after
-SIGKILL, and configuration errors before anything compiles."""
+SIGKILL, configuration errors before anything compiles, and the named study configs."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -17,31 +20,33 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import distill
+from experiments import configs, distill, distill_config
 from sparse_jax.training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = [
-    "--teacher-size", "tiny", "--teacher-steps", "6", "--seq-len", "16", "--batch-size", "4",
-    "--steps", "8", "--finetune-steps", "3", "--eval-batches", "1", "--checkpoint-every", "2",
-    "--windows", "4", "8", "--report-prompts", "1",
+    "--teacher.size", "tiny", "--teacher.steps", "6", "--data.seq-len", "16",
+    "--data.batch-size", "4", "--train.steps", "8", "--harden.finetune-steps", "3",
+    "--measure.eval-batches", "1", "--run.checkpoint-every", "2", "--student.windows", "4", "8",
+    "--measure.report-prompts", "1",
 ]  # fmt: skip
 
 
 def _args(tmp_path, run="run", *extra):
-    return [*TINY, "--run-dir", str(tmp_path / run), "--cache-dir", str(tmp_path / "cache"), *extra]
+    dirs = ["--run.dir", str(tmp_path / run), "--run.cache-dir", str(tmp_path / "cache")]
+    return [*TINY, *dirs, *extra]
 
 
 # The uninterrupted run: its folder is checked, and the killed-and-resumed runs must end with
 # its parameters (shared, since a run is the slowest thing these tests do).
-WHOLE = ("--steps", "16", "--checkpoint-every", "1")
+WHOLE = ("--train.steps", "16", "--run.checkpoint-every", "1")
 
 
 @pytest.fixture(scope="module")
 def whole_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
-    summary = distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(root, "run", *WHOLE)))
+    summary = distill.run(distill.parse(_args(root, "run", *WHOLE)))
     return root, summary
 
 
@@ -61,10 +66,8 @@ def test_tiny_run_writes_the_run_folder_and_report(whole_run):
     for phase in ("teacher", "student", "hardened"):
         assert Checkpointer(run / "checkpoints" / phase, save_every=2).latest_step() is not None
     # The teacher is cached: a second run reuses it (no teacher phase).
-    again = _args(
-        tmp_path, "again", "--steps", "2", "--finetune-steps", "0", "--report-prompts", "0"
-    )
-    distill.run(distill.tyro.cli(distill.DistillConfig, args=again))
+    again = ["--train.steps", "2", "--harden.finetune-steps", "0", "--measure.report-prompts", "0"]
+    distill.run(distill.parse(_args(tmp_path, "again", *again)))
     lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
     assert "teacher" not in {json.loads(line)["phase"] for line in lines}
 
@@ -112,7 +115,7 @@ def _kill_when(proc, ready, log, timeout=240):
 
 def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identically(whole_run):
     tmp_path, _ = whole_run
-    args = _args(tmp_path, "killed", *WHOLE, "--report-prompts", "0")
+    args = _args(tmp_path, "killed", *WHOLE, "--measure.report-prompts", "0")
     cli = [sys.executable, "-m", "experiments.distill"]
     ckpts = tmp_path / "killed" / "checkpoints" / "student"
 
@@ -152,15 +155,26 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--seq-len", "64"], "longer than the teacher's 37 positions"),
-        (["--batch-size", "0"], "--batch-size must be an int >= 1"),
-        (["--data", "/no/such/folder"], "--data path '/no/such/folder' does not exist"),
-        (["--budget", "1.5"], "--budget must be in"),
-        (["--normalizer", "soft"], "--normalizer must be"),
-        (["--mask-density", "-1"], "--mask-density must be a number >= 0; got -1.0"),
-        (["--report-prompts", "-1"], "--report-prompts must be an int >= 0; got -1"),
-        (["--anchor-self", "--combine", "mixture"], "--anchor-self needs --combine soft_union"),
-        (["--learning-rate", "0"], "--learning-rate must be a number > 0; got 0.0"),
+        (["--data.seq-len", "64"], "--data.seq-len 64 is longer than the teacher's 37 positions"),
+        (["--data.batch-size", "0"], "--data.batch-size must be an int >= 1; got 0"),
+        (["--data.source", "/no/such"], "--data.source path '/no/such' does not exist"),
+        (["--teacher.source", "./no/such"], "--teacher.source folder './no/such' does not exist"),
+        (["--teacher.steps", "0"], "--teacher.steps must be an int >= 1; got 0"),
+        (["--harden.budget", "1.5"], "--harden.budget must be in (0, 1] or None; got 1.5"),
+        (["--harden.threshold", "1"], "--harden.threshold must be in (0, 1); got 1.0"),
+        (["--student.normalizer", "soft"], "--student.normalizer must be softmax, sparsemax"),
+        (["--student.windows", "0"], "--student.windows must be ints >= 1; got (0,)"),
+        (["--loss.mask-density", "-1"], "--loss.mask-density must be a number >= 0; got -1.0"),
+        (["--loss.temperature", "nan"], "--loss.temperature must be a number > 0; got nan"),
+        (["--measure.report-prompts", "-1"], "--measure.report-prompts must be an int >= 0"),
+        (
+            ["--student.anchor-self", "--student.combine", "mixture"],
+            "--student.anchor-self needs --student.combine soft_union or soft_mask; got mixture",
+        ),
+        (["--train.lr", "0"], "--train.lr must be a number > 0; got 0.0"),
+        (["--run.model-axis", "0"], "--run.model-axis must be an int >= 1; got 0"),
+        (["--teacher.size", "huge"], "--teacher.size"),
+        (["--config", "nope"], "--config"),
     ],
 )
 def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys):
@@ -174,42 +188,135 @@ def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys)
 
 def test_unknown_student_kind_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        distill.main(_args(tmp_path, "bad", "--student", "dense"))
-    assert "student" in capsys.readouterr().err
+        distill.main(_args(tmp_path, "bad", "--student.kind", "dense"))
+    assert "student.kind" in capsys.readouterr().err
 
 
 def test_resume_refuses_flags_that_change_the_run(tmp_path):
-    distill.Run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path)))
+    distill.Run(distill.parse(_args(tmp_path)))
     saved = (tmp_path / "run" / "config.json").read_text()
-    changed = _args(tmp_path, "run", "--steps", "9", "--resume")
-    with pytest.raises(ValueError, match=r"--steps \(run: 8, now: 9\)"):
-        distill.Run(distill.tyro.cli(distill.DistillConfig, args=changed))
+    changed = _args(tmp_path, "run", "--train.steps", "9", "--resume")
+    with pytest.raises(ValueError, match=r"--train.steps \(run: 8, now: 9\)"):
+        distill.Run(distill.parse(changed))
     assert (tmp_path / "run" / "config.json").read_text() == saved
-    same = _args(tmp_path, "run", "--report-prompts", "2", "--resume")
-    distill.Run(distill.tyro.cli(distill.DistillConfig, args=same))  # no trained number changes
+    same = _args(tmp_path, "run", "--measure.report-prompts", "2", "--resume")
+    distill.Run(distill.parse(same))  # no trained number changes
     # A run written before a flag existed resumes when that flag is at its default.
     record = json.loads(saved)
-    del record["mask_density"]
+    del record["loss"]["mask_density"]
     (tmp_path / "run" / "config.json").write_text(json.dumps(record))
-    distill.Run(distill.tyro.cli(distill.DistillConfig, args=same))
-    with pytest.raises(ValueError, match=r"--mask-density \(run: 0.0, now: 0.1\)"):
-        changed = [*same, "--mask-density", "0.1"]
-        distill.Run(distill.tyro.cli(distill.DistillConfig, args=changed))
+    distill.Run(distill.parse(same))
+    with pytest.raises(ValueError, match=r"--loss.mask-density \(run: 0.0, now: 0.1\)"):
+        distill.Run(distill.parse([*same, "--loss.mask-density", "0.1"]))
+    # A run written with the flat flags of before the groups is read through OLD_FLAGS.
+    flags = distill_config.DistillConfig().flags() | {
+        key: value for key, value in json.loads(saved).items() if not isinstance(value, dict)
+    }
+    for group, fields in json.loads(saved).items():
+        if isinstance(fields, dict):
+            flags |= {f"{group}.{name}": value for name, value in fields.items()}
+    old = {name: flags[new] for name, new in distill_config.OLD_FLAGS.items()}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(old))
+    distill.Run(distill.parse(same))
+    with pytest.raises(ValueError, match=r"--train.steps \(run: 8, now: 9\)"):
+        distill.Run(distill.parse([*same, "--train.steps", "9"]))
+
+
+def test_old_flags_name_every_field():
+    assert sorted(distill_config.OLD_FLAGS.values()) == sorted(
+        k for k in distill_config.DistillConfig().flags() if k != "config"
+    )
 
 
 def test_existing_run_folder_is_not_overwritten(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match="already holds a run: pass --resume"):
-        distill.run(distill.tyro.cli(distill.DistillConfig, args=_args(tmp_path)))
+        distill.run(distill.parse(_args(tmp_path)))
 
 
 def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         distill.main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--teacher", "--data", "--student", "--resume", "--run-dir", "--budget"):
-        assert flag in text
+    for flag in distill_config.DistillConfig().flags():
+        assert f"--{flag.replace('_', '-')}" in text, flag
+    assert "wikitext2_study" in text  # --config lists the named studies
+
+
+# ----------------------------------------------------------------------------------------------
+# Named study configs (experiments/configs) and the commands the docs quote.
+
+
+def _named_or_skip(name):
+    """The study config, or a skip when the data folder it names is absent."""
+    try:
+        return distill_config.named(name)
+    except ValueError as error:
+        if "--data.source path" in str(error) and "does not exist" in str(error):
+            pytest.skip(f"{name}: {error} (the shared data folder is absent)")
+        raise
+
+
+@pytest.mark.parametrize("name", configs.NAMES)
+def test_named_config_opens_with_its_command_and_parses(name, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the studies name data relative to the checkout
+    module = importlib.import_module(f"experiments.configs.{name}")
+    first = module.__doc__.splitlines()[0]
+    assert first.startswith(f"python -m experiments.distill --config {name}"), first
+    assert "Should reach" in module.__doc__, "the docstring states the result to reach"
+    config = _named_or_skip(name)
+    assert config.config == name
+    command = shlex.split(first)[3:]
+    parsed = distill.parse(command)
+    assert parsed.flags() | {"run.dir": None} == config.flags() | {"run.dir": None}
+    assert distill.parse(["--config", name, "--train.steps", "3"]).train.steps == 3
+
+
+def test_default_config_is_the_flags_defaults():
+    assert distill_config.named("default") == distill_config.DistillConfig()
+    assert distill.parse([]) == distill_config.DistillConfig()
+
+
+def _documented_commands():
+    """Every ``python -m experiments.distill ...`` command of README.md and docs/*.md: the lines
+    of code blocks (backslash continuations joined, comments dropped) and inline code spans
+    (which may wrap), with the docs' shell variables expanded."""
+    out = []
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        text = doc.read_text()
+        variables = dict(re.findall(r'(?:^|`)(\w+)="([^"]*)"', text, flags=re.M))
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+        lines = [
+            line.split("#", 1)[0]
+            for block in blocks
+            for line in block.replace("\\\n", " ").splitlines()
+        ]
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]*)`", prose)]
+        for line in lines:
+            for command in re.findall(r"python -m experiments\.distill\b.*", line):
+                for key, value in variables.items():
+                    command = command.replace(f"${key}", value)
+                out.append((doc.name, command.strip()))
+    return out
+
+
+@pytest.mark.parametrize(("doc", "command"), _documented_commands())
+def test_documented_commands_parse(doc, command, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = shlex.split(command)[3:]
+    if any(a.startswith("<") or a.endswith(">") for a in args) or "..." in args:
+        pytest.skip(f"{doc}: a pattern, not a command: {command}")
+    data = next((a for a in args if "shared/data" in a), None)
+    if data is not None and not (ROOT / data).exists():
+        pytest.skip(f"{doc}: {data} is absent")
+    if "--help" in args:
+        with pytest.raises(SystemExit) as info:
+            distill.parse(args)
+        assert info.value.code == 0
+    else:
+        distill.parse(args)
 
 
 def _free_port() -> int:
@@ -225,8 +332,9 @@ def test_two_processes_follow_the_one_process_run(whole_run):
     the one-device run's losses and write one run folder."""
     tmp_path, summary = whole_run
     run_dir = tmp_path / "two"
-    args = [*TINY, "--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache-two")]
-    args += [*WHOLE[:2], "--checkpoint-every", "4", "--data-axis", "2", "--model-axis", "2"]
+    args = [*TINY, "--run.dir", str(run_dir), "--run.cache-dir", str(tmp_path / "cache-two")]
+    args += [*WHOLE[:2], "--run.checkpoint-every", "4", "--run.data-axis", "2"]
+    args += ["--run.model-axis", "2"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2"}
     env |= {"JAX_PLATFORMS": "cpu"}

@@ -1,0 +1,225 @@
+"""The three phases of the distillation job, each checkpointed and resumable through
+:class:`~experiments.distill_run.Run`:
+
+1. ``teacher``: a Hugging Face GPT-2 loaded from a folder or the hub, or a GPT-2 of a preset
+   size trained here with cross-entropy and cached (Hugging Face layout) under the cache folder;
+2. ``student``: the teacher's weights with learnable sparse attention, trained on
+   KL(teacher || student) plus the sparsity penalties;
+3. ``hardened``: ``harden()`` turns the learned weights into fixed masks and pruned heads/units,
+   then a short fine-tune on the same objective.
+
+Example::
+
+    run = distill_run.Run(config)
+    teacher = distill_phases.teacher(run)
+    student, spec = distill_phases.student(run, teacher)
+    hard = distill_phases.hardened(run, student, teacher)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+
+import jax
+from flax import nnx
+
+from experiments import measure
+from experiments.distill_config import DistillConfig
+from experiments.distill_run import Run, log
+from sparse_jax import masks
+from sparse_jax.models import (
+    GPT2,
+    AttentionSpec,
+    GPT2Config,
+    from_pretrained,
+    harden,
+    save_pretrained,
+    student_from_teacher,
+)
+from sparse_jax.models.layers import default_candidates
+from sparse_jax.training import loop, sharding
+from sparse_jax.training.losses import cross_entropy_loss, distillation_loss, sparsity_penalty
+
+__all__ = ["hardened", "objective", "student", "student_spec", "teacher", "teacher_key"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The teacher.
+
+
+def teacher_key(config: DistillConfig, data) -> str:
+    """The cache key of a trained teacher: what its training depends on."""
+    t = config.teacher
+    parts = [t.size, data.dataset_name, t.steps, t.lr, config.data.batch_size, config.run.seed, 1]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def teacher(run: Run) -> GPT2:
+    """The dense teacher: loaded, cached, or trained here (and cached)."""
+    c = run.config
+    if c.teacher.source != "train":
+        model = from_pretrained(c.teacher.source)
+        if model.config.vocab_size < run.data.vocab_size:
+            raise ValueError(
+                f"--teacher.source has a vocabulary of {model.config.vocab_size} but "
+                f"--data.tokenizer {c.data.tokenizer!r} produces ids up to "
+                f"{run.data.vocab_size - 1}"
+            )
+    else:
+        folder = run.cache / "teachers" / teacher_key(c, run.data)
+        if (folder / "model.safetensors").exists():
+            log(f"teacher: reusing {folder}")
+            model = from_pretrained(folder)
+        else:
+            model = _train_teacher(run)
+            if run.primary:
+                save_pretrained(model, folder)
+            sharding.sync_processes("distill_teacher_cached")
+            log(f"teacher: cached in {folder}")
+    if model.config.n_positions < c.data.seq_len:
+        raise ValueError(
+            f"--data.seq-len {c.data.seq_len} is longer than the teacher's "
+            f"{model.config.n_positions} positions"
+        )
+    return model
+
+
+def _lm_loss(model, batch, rng):
+    return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
+
+
+def _train_teacher(run: Run) -> GPT2:
+    c = run.config
+    config = GPT2Config.preset(c.teacher.size, vocab_size=run.data.vocab_size)
+    model = GPT2(config, rngs=nnx.Rngs(c.run.seed))
+    tc = loop.TrainConfig(
+        steps=c.teacher.steps,
+        batch_size=c.data.batch_size,
+        learning_rate=c.teacher.lr,
+        warmup_steps=min(50, c.teacher.steps // 10),
+        weight_decay=0.01,
+        seed=c.run.seed,
+    )
+
+    def evaluate(model):
+        return {"loss": measure.evaluate_lm(model, run.eval_windows)[0]}
+
+    return run.train_phase("teacher", model, _lm_loss, tc, evaluate=evaluate)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The student.
+
+
+def student_spec(config: DistillConfig) -> AttentionSpec:
+    """The student's AttentionSpec for the configured kind."""
+    s = config.student
+    norm = s.normalizer_value()
+    blocks = (s.block_size, s.block_size)
+    if s.kind == "candidates":
+        bank = default_candidates(4, s.windows)
+        stride = max(2, round(math.sqrt(config.data.seq_len)))
+        bank = (*bank[:-2], masks.strided(stride), bank[-1])
+        return AttentionSpec(
+            kind="candidates",
+            candidates=bank,
+            granularity=s.granularity,
+            combine=s.combine,
+            anchor_self=s.anchor_self,
+            normalizer=norm,
+            block_size=blocks,
+        )
+    if s.kind == "gated":
+        return AttentionSpec(normalizer=norm, head_gate=s.gate, ffn_gate=s.gate, block_size=blocks)
+    window = masks.causal() & masks.local(s.fixed_window - 1, 0)
+    mask = window | (masks.sink(4) & masks.causal())
+    return AttentionSpec(mask=mask, normalizer=norm, block_size=blocks)
+
+
+def objective(config: DistillConfig):
+    """``loss_fn(student, batch, rng, teacher=...)``: KL to the teacher plus the penalties,
+    with the progress metrics (density if hardened now, candidate weights)."""
+    weights = config.loss.penalty_weights()
+    temperature, direction = config.loss.temperature, config.loss.direction
+
+    def loss_fn(model, batch, rng, teacher):
+        ids = batch[:, :-1]
+        teacher_logits = jax.lax.stop_gradient(teacher(ids))
+        logits, aux = model(ids, rngs=nnx.Rngs(gates=rng), return_aux=True)
+        kl_loss, metrics = distillation_loss(
+            logits, teacher_logits, temperature=temperature, direction=direction
+        )
+        present = {k: w for k, w in weights.items() if k in aux}
+        penalty, pen_metrics = sparsity_penalty(aux, present) if present else (0.0, {})
+        metrics = {**metrics, **{f"penalty_{k}": v for k, v in pen_metrics.items()}}
+        metrics["density"] = model.attention_density(ids.shape[1])  # if hardened now
+        metrics.update(measure.weight_metrics(model))
+        return kl_loss + penalty, metrics
+
+    return loss_fn
+
+
+def _train_config(config: DistillConfig) -> loop.TrainConfig:
+    t = config.train
+    return loop.TrainConfig(
+        steps=t.steps,
+        batch_size=config.data.batch_size,
+        learning_rate=t.lr,
+        warmup_steps=min(30, t.steps // 10),
+        trainable=t.trainable,
+        fast_params=t.fast_params,
+        fast_lr_multiplier=t.fast_lr_multiplier,
+        seed=config.run.seed,
+    )
+
+
+def _evaluate_against(run: Run, teacher: GPT2):
+    def evaluate(model):
+        nll, kl = measure.evaluate_lm(model, run.eval_windows, teacher)
+        return {"loss": kl, "nll": nll, "kl": kl}
+
+    return evaluate
+
+
+def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
+    """The distilled student (soft masks or gates) and the spec it was built from."""
+    spec = student_spec(run.config)
+    model = student_from_teacher(teacher, spec)
+    model = run.train_phase(
+        "student",
+        model,
+        objective(run.config),
+        _train_config(run.config),
+        frozen={"teacher": teacher},
+        evaluate=_evaluate_against(run, teacher),
+    )
+    return model, spec
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The hardened student.
+
+
+def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
+    """``harden()`` by the budget (or the threshold), then the fine-tune (if any steps)."""
+    c = run.config
+    if c.harden.budget is not None:
+        hard = harden(student, budget=c.harden.budget, length=c.data.seq_len)
+    else:
+        hard = harden(student, threshold=c.harden.threshold, length=c.data.seq_len)
+    if c.harden.finetune_steps:
+        ft = dataclasses.replace(
+            _train_config(c), steps=c.harden.finetune_steps, warmup_steps=0, trainable=".*"
+        )
+        hard = run.train_phase(
+            "hardened",
+            hard,
+            objective(c),
+            ft,
+            frozen={"teacher": teacher},
+            evaluate=_evaluate_against(run, teacher),
+        )
+    return hard

@@ -1,0 +1,179 @@
+"""What the distillation job measures: quality on the evaluation split, speed, attention time,
+the candidate weights a model keeps (as the log and the summary record them), and greedy
+samples.
+
+Example::
+
+    from experiments import measure
+
+    nll, kl = measure.evaluate_lm(student, windows, teacher)  # windows: [N, T + 1] int32
+    tokens_per_s, ms = measure.speed(student, seq_len=512, vocab=257)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import timing
+from sparse_jax.data.tokenizers import get_tokenizer
+from sparse_jax.models import generate
+from sparse_jax.training.losses import cross_entropy_loss, distillation_loss
+from sparse_jax.training.sharding import local_model
+
+__all__ = [
+    "attention_time",
+    "candidate_weights",
+    "cost",
+    "evaluate_lm",
+    "layer_density",
+    "sample_texts",
+    "speed",
+    "weight_metrics",
+]
+
+# ----------------------------------------------------------------------------------------------
+# Quality.
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def"))
+def _eval_scores(graphdef, state, teacher_def, teacher_state, windows):
+    ids, targets = windows[:, :-1], windows[:, 1:]
+    logits = nnx.merge(graphdef, state)(ids)
+    nll, _ = cross_entropy_loss(logits, targets)
+    if teacher_def is None:
+        return nll, jnp.float32(0.0)
+    teacher_logits = nnx.merge(teacher_def, teacher_state)(ids)
+    return nll, distillation_loss(logits, teacher_logits)[1]["kl"]
+
+
+def evaluate_lm(model, windows: np.ndarray, teacher=None, batch: int = 8):
+    """(mean next-token NLL, mean KL(teacher || model) or None) over ``windows``; each process
+    evaluates all of them on its own device."""
+    graphdef, state = nnx.split(local_model(model))
+    teacher = local_model(teacher) if teacher is not None else None
+    teacher_def, teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
+    nlls, kls = [], []
+    for start in range(0, len(windows), batch):
+        w = jnp.asarray(windows[start : start + batch])
+        nll, kl = _eval_scores(graphdef, state, teacher_def, teacher_state, w)
+        nlls.append(float(nll))
+        kls.append(float(kl))
+    return float(np.mean(nlls)), (float(np.mean(kls)) if teacher is not None else None)
+
+
+def sample_texts(teacher, hard, windows: np.ndarray, tokenizer: str, seq_len: int, prompts: int):
+    """Greedy continuations of the first ``prompts`` evaluation windows by the teacher and the
+    hardened model, decoded: ``[{"prompt", "teacher", "hardened"}]``."""
+    tok = get_tokenizer(tokenizer)
+    prompt_len, new = min(32, seq_len // 2), min(48, seq_len // 2)
+    out = []
+    for i in range(min(prompts, len(windows))):
+        prompt = jnp.asarray(windows[i : i + 1, :prompt_len])
+        t = generate(teacher, prompt, new, temperature=0.0)[0, prompt_len:]
+        h = generate(hard, prompt, new, temperature=0.0)[0, prompt_len:]
+        out.append(
+            {
+                "prompt": tok.decode(np.asarray(prompt[0]).tolist()),
+                "teacher": tok.decode(np.asarray(t).tolist()),
+                "hardened": tok.decode(np.asarray(h).tolist()),
+            }
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed (experiments.timing: compiled ahead, warm-up excluded, median of repeated calls).
+
+
+def speed(model, seq_len: int, vocab: int, repeats: int = 5) -> tuple[float, float]:
+    """(tokens/s, ms) of a jitted forward pass on one sequence of ``seq_len`` tokens."""
+    graphdef, state = nnx.split(model)
+    ids = jax.random.randint(jax.random.key(0), (1, seq_len), 0, vocab, jnp.int32)
+
+    def forward(state, ids):
+        return nnx.merge(graphdef, state)(ids)
+
+    stats = timing.time_fn(forward, state, ids, repeats=repeats, slow_s=10.0, budget_s=10.0)
+    return seq_len / stats.median_s, stats.median_ms
+
+
+def attention_time(model, seq_len: int, repeats: int = 5) -> float:
+    """Milliseconds of the attention cores alone (scores, normalizer, values; no projections),
+    summed over the blocks: each block's jitted core on random ``[1, seq_len, heads, head_dim]``
+    queries, keys and values, median of repeated calls."""
+    total_ms = 0.0
+    head_dim = model.config.head_dim
+    for i, block in enumerate(model.h):
+        heads = block.attn.num_heads
+        if not heads:
+            continue
+        graphdef, state = nnx.split(block.attn.core)
+        keys = jax.random.split(jax.random.key(i), 3)
+        q, k, v = (jax.random.normal(key, (1, seq_len, heads, head_dim)) for key in keys)
+
+        def core(state, q, k, v, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(q, k, v)[0]
+
+        stats = timing.time_fn(core, state, q, k, v, repeats=repeats, slow_s=10.0, budget_s=10.0)
+        total_ms += stats.median_ms
+    return total_ms
+
+
+def cost(teacher, hard, seq_len: int) -> dict[str, float]:
+    """Teacher against hardened student at ``seq_len``: measured attention time and forward
+    speed, analytic FLOPs (GPT2.flops) and attention density."""
+    vocab = teacher.config.vocab_size
+    t_tps, t_ms = speed(teacher, seq_len, vocab)
+    h_tps, h_ms = speed(hard, seq_len, vocab)
+    t_attn_ms = attention_time(teacher, seq_len)
+    h_attn_ms = attention_time(hard, seq_len)
+    f_t, f_h = teacher.flops(seq_len), hard.flops(seq_len)
+    return {
+        "teacher_attention_ms": t_attn_ms,
+        "hardened_attention_ms": h_attn_ms,
+        "teacher_tokens_per_s": t_tps,
+        "hardened_tokens_per_s": h_tps,
+        "teacher_ms": t_ms,
+        "hardened_ms": h_ms,
+        "teacher_flops_per_token": f_t.per_token,
+        "hardened_flops_per_token": f_h.per_token,
+        "teacher_attention_flops": f_t.attention,
+        "hardened_attention_flops": f_h.attention,
+        "hardened_density": f_h.attention_density,
+        "teacher_density": f_t.attention_density,
+    }
+
+
+def layer_density(model, seq_len: int) -> list[float]:
+    """Attention density of each block at ``seq_len`` (as GPT2.flops counts it)."""
+    return [layer.attention_density for layer in model.flops(seq_len).layers]
+
+
+# ----------------------------------------------------------------------------------------------
+# What a model keeps, as the run's log and summary record it (the models answer it themselves:
+# GPT2.attention_density, GPT2.candidate_weights, GPT2.flops).
+
+
+def weight_metrics(model) -> dict[str, jax.Array]:
+    """Scalar metrics ``w/block<i>/c<j>``: candidate ``j``'s weight in block ``i`` (mean over
+    heads), for the report's weight-evolution plot. Traceable."""
+    out = {}
+    for i, w in enumerate(model.candidate_weights()):
+        if w is not None:
+            w = w.mean(axis=0)
+            out |= {f"w/block{i}/c{j}": w[j] for j in range(w.shape[0])}
+    return out
+
+
+def candidate_weights(model) -> dict[str, list[list[float]]]:
+    """Per block with learned masks: the candidate weights ``[heads or 1][C]``, rounded."""
+    return {
+        f"block{i}": np.asarray(w).round(4).tolist()
+        for i, w in enumerate(model.candidate_weights())
+        if w is not None
+    }
