@@ -8,6 +8,8 @@ import json
 import pathlib
 import sys
 
+from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+
 __all__ = ["write_report"]
 
 
@@ -37,12 +39,8 @@ def _read_metrics(run_dir: pathlib.Path) -> dict[str, list[dict]]:
 
 
 def _plot_curves(phases, out: pathlib.Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2)
     drawn = False
     offset = 0
     for phase in ("teacher", "student", "hardened"):
@@ -71,21 +69,16 @@ def _plot_curves(phases, out: pathlib.Path) -> bool:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return drawn
 
 
 def _plot_weights(phases, candidates, out: pathlib.Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in phases.get("student", []) if any(k.startswith("w/") for k in r)]
     if not rows:
         return False
     blocks = sorted({k.split("/")[1] for k in rows[0] if k.startswith("w/")})
-    fig, axes = plt.subplots(1, len(blocks), figsize=(3.2 * len(blocks), 3.2), squeeze=False)
+    fig = Figure(figsize=(3.2 * len(blocks), 3.2))
+    axes = fig.subplots(1, len(blocks), squeeze=False)
     for ax, block in zip(axes[0], blocks, strict=True):
         keys = sorted(
             (k for k in rows[0] if k.startswith(f"w/{block}/")), key=lambda k: int(k[-1:])
@@ -101,21 +94,16 @@ def _plot_weights(phases, candidates, out: pathlib.Path) -> bool:
     axes[0][-1].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return True
 
 
 def _plot_density(summary, out: pathlib.Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     density = summary.get("hardened_layer_density")
     if not density:
         return False
     speed = next(iter(summary["speed"].values()))
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig = Figure(figsize=(5, 3))
+    ax = fig.subplots()
     x = range(len(density))
     ax.bar([i - 0.2 for i in x], [speed["teacher_density"]] * len(density), 0.4, label="teacher")
     ax.bar([i + 0.2 for i in x], density, 0.4, label="hardened student")
@@ -125,7 +113,6 @@ def _plot_density(summary, out: pathlib.Path) -> bool:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return True
 
 
