@@ -57,13 +57,15 @@ def evaluate_lm(model, windows: np.ndarray, teacher=None, batch: int = 8):
     graphdef, state = nnx.split(local_model(model))
     teacher = local_model(teacher) if teacher is not None else None
     teacher_def, teacher_state = nnx.split(teacher) if teacher is not None else (None, None)
-    nlls, kls = [], []
+    nlls, kls, sizes = [], [], []
     for start in range(0, len(windows), batch):
         w = jnp.asarray(windows[start : start + batch])
         nll, kl = _eval_scores(graphdef, state, teacher_def, teacher_state, w)
         nlls.append(float(nll))
         kls.append(float(kl))
-    return float(np.mean(nlls)), (float(np.mean(kls)) if teacher is not None else None)
+        sizes.append(len(w))  # every window has the same length: weight a batch by its windows
+    nll = float(np.average(nlls, weights=sizes))
+    return nll, (float(np.average(kls, weights=sizes)) if teacher is not None else None)
 
 
 def sample_texts(teacher, hard, windows: np.ndarray, tokenizer: str, seq_len: int, prompts: int):
