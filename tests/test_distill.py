@@ -50,6 +50,7 @@ def whole_run(tmp_path_factory):
     return root, summary
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_the_run_folder_and_report(whole_run):
     tmp_path, summary = whole_run
     run = tmp_path / "run"
@@ -113,6 +114,7 @@ def _kill_when(proc, ready, log, timeout=240):
     proc.wait()
 
 
+@pytest.mark.slow
 def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identically(whole_run):
     tmp_path, _ = whole_run
     args = _args(tmp_path, "killed", *WHOLE, "--measure.report-prompts", "0")
@@ -325,6 +327,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_follow_the_one_process_run(whole_run):
     """Multi-host: two processes joined by jax.distributed (JAX_* variables, as a launcher would
     set them), two CPU devices each, on a (data=2, model=2) mesh: each process reads its half
