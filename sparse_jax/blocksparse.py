@@ -52,7 +52,9 @@ dispatcher should compare.
 Numerics follow :func:`sparse_jax.attention`: scores, the normalizer and the accumulation of
 ``p @ v`` are in float32 (float64 stays float64); ``p`` is cast to ``v``'s dtype for the product
 and the output has ``q``'s dtype. A query row with nothing allowed (fully masked, or only
-``-inf`` biases) gives output 0 and zero gradients for every normalizer, softmax included.
+``-inf`` biases) gives output 0 and zero gradients for every normalizer, softmax included;
+non-finite input follows the policy of :func:`sparse_jax.attention` (NaN in, NaN out for the rows
+that see it; masked positions never matter), exactly as the dense engine does.
 Arguments are checked in Python before anything is traced and raise ``ValueError``/``TypeError``
 naming the argument.
 """
@@ -267,6 +269,21 @@ def _layout_arrays(layout: BlockLayout, rows: np.ndarray, width: int, step: int,
     }
 
 
+def nonfinite_values(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``v [B, Tk, K, Dv]`` -> (v with its non-finite value vectors zeroed, ``[B, Tk, K]`` score
+    offsets: NaN at the keys whose value vector held a NaN or ±inf, 0 elsewhere).
+
+    Why: ``p @ v`` computes ``0 * NaN = NaN``, so a non-finite value would reach every query row
+    whose product happens to include its position, masked or not, and which rows those are
+    depends on how an engine blocks the work (the dense engine: all of them). Added to the
+    scores instead, the NaN reaches exactly the rows whose mask allows the key (the normalizers
+    ignore masked scores), in every engine, for the cost of one fused addition.
+    """
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1)
+    clean = jnp.where(bad[..., None], jnp.zeros((), v.dtype), v)
+    return clean, jnp.where(bad, jnp.nan, 0.0)
+
+
 def _gather_bias(bias: jax.Array, rows: jax.Array, idx: jax.Array, plan: _Plan) -> jax.Array:
     """The bias of one step in the scores' layout ``[b', A', G', step, bq', K', bkv']``.
 
@@ -302,8 +319,11 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
     # Keys/values [B, Tk, Kh, D] -> [B, Kh, nk, bkv, D].
     kb = jnp.pad(k, ((0, 0), (0, tk_p - tk), (0, 0), (0, 0)))
     kb = jnp.transpose(kb.reshape(b, p_.nk, p_.bkv, kh, d), (0, 3, 1, 2, 4))
+    v, key_nan = nonfinite_values(v)  # non-finite value vectors -> NaN scores of their keys
     vb = jnp.pad(v, ((0, 0), (0, tk_p - tk), (0, 0), (0, 0)))
     vb = jnp.transpose(vb.reshape(b, p_.nk, p_.bkv, kh, dv), (0, 3, 1, 2, 4))
+    key_nan = jnp.pad(key_nan.astype(compute), ((0, 0), (0, tk_p - tk), (0, 0)))
+    key_nan = jnp.transpose(key_nan.reshape(b, p_.nk, p_.bkv, kh), (0, 3, 1, 2))
 
     partial_masks = layout.partial_masks
     if partial_masks.shape[0] == 0:  # every kept block is full
@@ -333,12 +353,12 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
             sel = (slice(None), head_of[:, None, None], idx)
         else:
             sel = (slice(None), slice(None), idx[0])
-        kg, vg = kb[sel], vb[sel]
+        kg, vg, nan_g = kb[sel], vb[sel], key_nan[sel]
         qg = jnp.moveaxis(qb[rows], 0, 3)  # [B, A, G', step, bq, D]
         s = jnp.einsum(
             "bagcid,backjd->bagcikj", qg, kg, preferred_element_type=compute, precision=precision
         )
-        s = s * jnp.asarray(scale, compute)
+        s = s * jnp.asarray(scale, compute) + nan_g[:, :, None, :, None]
         if bias is not None:
             s = s + _gather_bias(bias, rows, idx, p_)
         # Element mask of the gathered blocks [H, step, K, bq, bkv] -> scores' layout.

@@ -56,6 +56,15 @@ whose biased scores are all ``-inf``) gives output 0 and zero gradients for ever
 before anything is traced: bad input raises ``ValueError``/``TypeError`` naming the argument,
 its value or shape and what is allowed.
 
+Non-finite input, the same in every engine (the policy of :mod:`sparse_jax.normalizers`, applied
+to the biased scores): a NaN score at an allowed position (a NaN in a query row, in an allowed
+key, or in the bias) makes that query row's output NaN; masked positions never matter, NaN
+included; a ``-inf`` bias masks; a ``+inf`` bias puts all of the row's weight, uniformly, on its
+``+inf`` keys. A value vector in ``v`` holding NaN or ±inf makes NaN (with their gradients) the
+rows whose mask allows its key, whatever weight they give it: it enters as a NaN score of that
+key, since ``p @ v`` would otherwise spread ``0 * NaN`` to rows that depend on how an engine
+blocks the work. ``normalizer`` α must be finite and > 1.
+
 :func:`attention_fn` adapts :func:`attention` to the ``attention_fn`` argument of
 ``flax.nnx.MultiHeadAttention``.
 """
@@ -72,7 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost
+from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost, nonfinite_values
 from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
 from sparse_jax.normalizers import NORMALIZERS, normalize
 from sparse_jax.validation import (
@@ -336,6 +345,8 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     mask_obj, normalizer, scale = args.mask_obj, args.normalizer, args.scale
     if not isinstance(normalizer, (str, float)) and normalizer.ndim:
         normalizer = normalizer[:, None]  # one α per query head of the [B, N, C, Tk] scores
+    v, key_nan = nonfinite_values(v)  # non-finite value vectors -> NaN scores of their keys
+    key_nan = jnp.repeat(jnp.moveaxis(key_nan, 2, 1), g, axis=1)[:, :, None, :]  # [B, N, 1, Tk]
 
     def chunk(q_c, start, mask_c, bias_c):
         # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
@@ -347,7 +358,7 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             preferred_element_type=compute,
             precision=precision,
         ).reshape(b, n, c, tk)
-        s = s * jnp.asarray(scale, compute)
+        s = s * jnp.asarray(scale, compute) + key_nan.astype(compute)
         if bias_c is not None:
             s = s + bias_c.astype(compute)
         allowed = mask_c
