@@ -170,9 +170,9 @@ def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
         raise TypeError(f"{caller}: `normalizer` must be {allowed}; got {normalizer!r}")
     if isinstance(normalizer, numbers.Real):
         alpha = float(normalizer)
-        if not alpha > 1.0:
+        if not (alpha > 1.0 and math.isfinite(alpha)):
             raise ValueError(
-                f"{caller}: `normalizer` α must be > 1 (α -> 1 is softmax: pass "
+                f"{caller}: `normalizer` α must be finite and > 1 (α -> 1 is softmax: pass "
                 f'normalizer="softmax"); got {alpha}'
             )
         return alpha
@@ -190,9 +190,10 @@ def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
             )
         if not isinstance(normalizer, jax.core.Tracer):
             values = np.asarray(normalizer)
-            if not (values > 1.0).all():
+            if not ((values > 1.0) & np.isfinite(values)).all():
                 raise ValueError(
-                    f"{caller}: every α of `normalizer` must be > 1; got {values.tolist()!r:.200} "
+                    f"{caller}: every α of `normalizer` must be finite and > 1; got "
+                    f"{values.tolist()!r:.200} "
                     "(parametrise a learned α as 1 + softplus(θ))"
                 )
         return jnp.asarray(normalizer)

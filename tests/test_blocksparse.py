@@ -447,7 +447,7 @@ def test_bad_arguments_raise_before_tracing():
         ({"layout": np.ones((37, 37), bool)}, TypeError, "BlockLayout"),
         ({"layout": per_head([causal()] * 3).blocks(37, 37, 8, 8)}, ValueError, "3 heads"),
         ({"normalizer": "softmin"}, ValueError, "unknown `normalizer`"),
-        ({"normalizer": 1.0}, ValueError, "must be > 1"),
+        ({"normalizer": 1.0}, ValueError, "must be finite and > 1"),
         ({"normalizer": jnp.ones(3) * 1.5}, ValueError, "shape"),
         ({"normalizer": jnp.array([1.5, 0.5])}, ValueError, "> 1"),
         ({"normalizer": True}, TypeError, "normalizer"),
