@@ -175,10 +175,10 @@ class StudentConfig(_Group):
                 alpha = float(self.normalizer)
             except ValueError:
                 alpha = 0.0
-            if not alpha > 1:
+            if not (alpha > 1 and math.isfinite(alpha)):
                 raise ValueError(
-                    f"{self.flag('normalizer')} must be softmax, sparsemax, entmax15 or a float "
-                    f"alpha > 1; got {self.normalizer!r}"
+                    f"{self.flag('normalizer')} must be softmax, sparsemax, entmax15 or a finite "
+                    f"float alpha > 1; got {self.normalizer!r}"
                 )
 
     def normalizer_value(self) -> str | float:
