@@ -165,7 +165,7 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
         (["--harden.budget", "1.5"], "--harden.budget must be in (0, 1] or None; got 1.5"),
         (["--harden.threshold", "1"], "--harden.threshold must be in (0, 1); got 1.0"),
         (["--student.normalizer", "soft"], "--student.normalizer must be softmax, sparsemax"),
-        (["--student.normalizer", "inf"], "--student.normalizer must be .* a finite float alpha"),
+        (["--student.normalizer", "inf"], "entmax15 or a finite float alpha > 1; got 'inf'"),
         (["--student.windows", "0"], "--student.windows must be ints >= 1; got (0,)"),
         (["--loss.mask-density", "-1"], "--loss.mask-density must be a number >= 0; got -1.0"),
         (["--loss.temperature", "nan"], "--loss.temperature must be a number > 0; got nan"),
