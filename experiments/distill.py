@@ -1,6 +1,6 @@
 """The main job: distil a dense GPT-2 teacher into a sparse student, harden it, measure both.
 
-    python -m experiments.distill                       # the embedded default, ~7 min on 2 cores
+    python -m experiments.distill                       # the embedded default, ~8 min on 2 cores
     python -m experiments.distill --config wikitext2_study   # a named study (experiments/configs)
     python -m experiments.distill --data.source ../shared/data/wikitext-2 --data.seq-len 512
     python -m experiments.distill --teacher.source path/to/hf-gpt2 --data.tokenizer path/to/vocab

@@ -11,6 +11,8 @@ windows of test.txt). Teacher: cpu-long (4 blocks, width 256, 2048 positions), 1
 8 x 512 tokens. Student: soft_union of sink(4), windows 16/32/64/128, strided(23) and causal
 per head, 500 updates of KL + 0.02 x the density-weighted penalty (no L1); harden(budget=0.15),
 then 200 updates of fine-tuning.
+These figures were measured before e6ba44a (optax's cross-entropy): a rerun differs by its
+rounding (docs/results.md, "The embedded default").
 """
 
 from experiments.distill_config import (
