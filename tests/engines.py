@@ -69,7 +69,7 @@ def assert_engine(engine: str, fn: Callable, *args, **kwargs) -> None:
     """Fails unless ``fn(*args, **kwargs)`` runs ``engine`` and no other attention engine, and
     the engine's own signature primitive appears inside its scope."""
     trace = engine_trace(fn, *args, **kwargs)
-    used = engines_used(fn, *args, **kwargs)
+    used = {m for stack, _ in trace for m in _SCOPE.findall(stack)}  # traced once, not twice
     assert used == {engine}, f"expected engine {engine!r}, the program ran {sorted(used)}"
     inside = {prim for stack, prim in trace if engine in _SCOPE.findall(stack)}
     signature = _SIGNATURE.get(engine)
