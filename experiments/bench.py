@@ -31,8 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tyro
+from flax import nnx
+from optax.projections import projection_simplex
 
+import sparse_jax
 from experiments import timing
+from sparse_jax import masks
+from sparse_jax.blocksparse import blocksparse_cost
+from sparse_jax.dispatch import attention
+from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
+from sparse_jax.models.flops import model_flops
 
 # name -> (config class, runner(config, command) -> markdown)
 _BENCHMARKS: dict[str, tuple[type, Callable[[Any, str], str]]] = {}
@@ -162,21 +170,13 @@ def _label(name: NormalizerName, config: NormalizersConfig) -> str:
 
 
 def _make_normalizer(name: NormalizerName, config: NormalizersConfig) -> Normalizer:
-    """Resolves a normalizer; sparse_jax and optax are imported only when asked for."""
+    """Resolves a normalizer by its benchmark name."""
     if name == "projection_simplex":
         return _projection_simplex_rows
     if name == "softmax":
         fn: Callable[..., jax.Array] = jax.nn.softmax
     else:
-        try:
-            import sparse_jax  # lazy: the program runs without it
-
-            fn = getattr(sparse_jax, name)
-        except (ImportError, AttributeError) as err:
-            raise RuntimeError(
-                f"normalizer {name!r} needs sparse_jax.{name}, which could not be imported "
-                f"({err}); leave it out with --which"
-            ) from err
+        fn = getattr(sparse_jax, name)
         if name == "entmax":
             alpha = config.entmax_alpha
             fn = lambda x, axis=-1, where=None, _f=fn: _f(x, alpha, axis, where=where)
@@ -195,8 +195,6 @@ def _projection_simplex_rows(x: jax.Array, mask: jax.Array | None) -> jax.Array:
     largest entry alone is at most 1), and every filled value is < min - 1e4 < max - 1. The
     benchmark also checks this on the smallest length (masked mass == 0, rows sum to 1).
     """
-    from optax.projections import projection_simplex
-
     if mask is not None:
         row_min = jnp.min(jnp.where(mask, x, jnp.inf), axis=-1, keepdims=True)
         fill = jax.lax.stop_gradient(row_min - 1e4)
@@ -367,8 +365,6 @@ _ALL_MASKS: tuple[MaskName, ...] = ("causal", "local", "local_sink", "strided")
 
 def _bench_mask(name: MaskName, n: int, window: int):
     """The benchmark's masks (``window`` = the local window's left extent)."""
-    from sparse_jax import masks
-
     if name == "causal":
         return masks.causal(), "causal"
     if name == "local":
@@ -447,8 +443,6 @@ def _naive_dense_mib(q, k, v, go) -> float | None:
 
 def _attention_cells(config, q, k, v, go, mask, normalizer, impl) -> list[timing.TimingStats]:
     """[fwd, fwd+bwd] timings of sparse_jax.attention with this mask/normalizer/impl."""
-    from sparse_jax.dispatch import attention
-
     blocks = (config.block, config.block)
 
     def fwd(q, k, v):
@@ -465,8 +459,6 @@ def _attention_cells(config, q, k, v, go, mask, normalizer, impl) -> list[timing
 @benchmark("attention", AttentionConfig)
 def run_attention(config: AttentionConfig, command: str) -> str:
     """Returns the markdown of the attention benchmark (see AttentionConfig)."""
-    from sparse_jax.blocksparse import blocksparse_cost
-
     b, h, d = config.batch, config.heads, config.head_dim
     start = time.perf_counter()
     header = timing.environment_line(command)
@@ -645,8 +637,6 @@ def _pattern_for_density(n: int, heads: int, density: float):
     """Per-head masks with mean density ~ ``density`` at length ``n``: a quarter of the heads
     keep full causal attention (as a distilled student keeps a few global heads), the rest
     attention sinks plus a causal window sized to meet the target."""
-    from sparse_jax import masks
-
     full = max(1, heads // 4) if density >= 0.125 else 0
     rest = heads - full
     target = (density * heads - 0.5 * full) / max(rest, 1)  # density each windowed head needs
@@ -660,13 +650,6 @@ def _pattern_for_density(n: int, heads: int, density: float):
 @benchmark("hardening", HardeningConfig)
 def run_hardening(config: HardeningConfig, command: str) -> str:
     """Returns the markdown of the hardening benchmark (see HardeningConfig)."""
-    from flax import nnx
-
-    from sparse_jax import masks
-    from sparse_jax.dispatch import attention
-    from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
-    from sparse_jax.models.flops import model_flops
-
     start = time.perf_counter()
     header = timing.environment_line(command)
     _log(header)
