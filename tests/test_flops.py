@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from sparse_jax.blocksparse import blocksparse_cost
+from sparse_jax.dispatch import attention, attention_impl
 from sparse_jax.masks import causal, local, per_head, sink
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
 from sparse_jax.models.flops import attention_scores, mask_density, model_flops
+from tests.engines import assert_engine
 
 
 def test_dense_two_layer_model_by_hand():
@@ -92,3 +99,99 @@ def test_attention_scores_reports_the_implementation():
 def test_bad_length():
     with pytest.raises(ValueError, match="seq_len"):
         model_flops(GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0)), 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Against an independent count: XLA's cost analysis of the compiled program.
+
+
+def _xla_flops(fn, *args) -> float:
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "sparsemax"])
+@pytest.mark.parametrize("impl", ["xla", "blocksparse"])
+def test_attention_matmul_flops_agree_with_xla_cost_analysis(impl, normalizer):
+    # XLA counts every operation; the analytic count is the two matrix products over the score
+    # entries formed. Work on the scores (scaling, the normalizer) does not grow with the head
+    # dim, so the difference of two head dims is the matmul work of the larger minus the smaller
+    # (the few operations that do grow with it, e.g. q * scale, stay within the 3% allowed).
+    # The shapes run in one chunk / one kernel step: no loop whose body XLA would count once.
+    mask, t, b, n = causal() & local(15, 0), 128, 2, 2
+    counted = {}
+    for h in (16, 32):
+        q = jnp.ones((b, t, n, h), jnp.float32)
+        fn = functools.partial(
+            attention, mask=mask, normalizer=normalizer, impl=impl, block_size=(16, 16)
+        )
+        assert_engine(impl, fn, q, q, q)
+        counted[h] = _xla_flops(fn, q, q, q)
+    formed, _, chosen = attention_scores(
+        mask, t, batch=b, num_heads=n, head_dim=16, impl=impl, block_size=(16, 16)
+    )
+    assert chosen == impl
+    if impl == "blocksparse":  # 8 query blocks keep 15 blocks of 16 x 16, widths padded to 2
+        cost = blocksparse_cost(mask.blocks(t, t, 16, 16), batch=b, num_heads=n, head_dim=16)
+        assert formed == cost.computed_scores == b * n * 8 * 2 * 16 * 16
+    matmul = 2 * 2 * formed * 16  # q k^T and p v at head dim 32 minus head dim 16
+    assert matmul <= counted[32] - counted[16] <= 1.03 * matmul
+    # And the whole count: matmuls plus at most ~40 operations per score entry formed.
+    assert 2 * 2 * formed * 16 < counted[16] < 2 * 2 * formed * 16 + 40 * formed
+
+
+@functools.cache
+def _model_counts(impl):
+    """(XLA's count, the analytic ModelFlops) of a width where matrix products dominate (D =
+    128, head dim 64, T = 128, batch 2)."""
+    spec = AttentionSpec(mask=causal() & local(15, 0), impl=impl, block_size=(16, 16))
+    config = GPT2Config.preset("tiny", n_embd=128, n_head=2, n_positions=128)
+    model = GPT2(config, spec, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((2, 128), jnp.int32)
+    forward = lambda state, ids: nnx.merge(graphdef, state)(ids)
+    assert_engine(impl, forward, state, ids)
+    return _xla_flops(forward, state, ids), model_flops(model, 128, batch=2)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blocksparse"])
+def test_model_flops_agree_with_xla_cost_analysis(impl):
+    # XLA's count exceeds the analytic one by the elementwise work (LayerNorm, GELU, the
+    # normalizer, residuals), at most 4% at this width.
+    counted, analytic = _model_counts(impl)
+    assert analytic.total <= counted <= 1.04 * analytic.total
+
+
+def test_model_flops_saved_by_the_block_sparse_engine_agree_with_xla():
+    # What separates the two models is attention alone (2 of 8 key blocks per query block):
+    # the saving XLA counts is the analytic one plus the normalizer's work on the scores not
+    # formed (a few operations per entry, against 4 * 64 for the products).
+    dense_xla, dense = _model_counts("xla")
+    sparse_xla, sparse = _model_counts("blocksparse")
+    assert sparse.attention == dense.attention / 4
+    saved = dense.total - sparse.total
+    assert saved <= dense_xla - sparse_xla <= 1.1 * saved
+
+
+def test_model_flops_resolve_the_engine_with_the_models_own_normalizer(monkeypatch):
+    # Where the engine depends on the normalizer (on a TPU, softmax runs splash and the sparse
+    # normalizers the block-sparse kernel), the count follows the engine that the model's own
+    # calls resolve to: attention_impl given the layer's normalizer.
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    mask, t = causal() & local(15, 0), 128
+    shape = jax.ShapeDtypeStruct((1, t, 3, 16), jnp.float32)
+    for normalizer, learn_alpha in (("softmax", False), ("sparsemax", False), (1.5, True)):
+        spec = AttentionSpec(
+            mask=mask, normalizer=normalizer, learn_alpha=learn_alpha, block_size=(16, 16)
+        )
+        model = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+        layer = model.flops(t).layers[0]
+        run_with = model.h[0].attn.core.alpha() if learn_alpha else normalizer
+        engine = attention_impl(
+            shape, shape, shape, mask=mask, normalizer=run_with, block_size=(16, 16)
+        ).impl
+        assert engine == ("splash" if normalizer == "softmax" else "blocksparse")
+        kept = blocksparse_cost(mask.blocks(t, t, 16, 16), batch=1, num_heads=3, head_dim=16)
+        want = 1.0 if engine == "splash" else kept.computed_scores / kept.dense_scores
+        assert layer.computed_fraction == pytest.approx(want)
+        assert layer.attention == 2 * 2 * 16 * round(want * 3 * t * t)

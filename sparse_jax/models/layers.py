@@ -250,7 +250,8 @@ class FixedAttention(nnx.Module):
 
     def scores_formed(self, seq_len: int, *, batch: int = 1, head_dim: int) -> int:
         """Score entries one causal self-attention call on ``[batch, seq_len]`` forms, all heads
-        together: the kept blocks when ``impl`` resolves to the block-sparse kernel, else all
+        together: the kept blocks when ``impl`` resolves (with this layer's own normalizer, as its
+        calls do) to the block-sparse kernel, else all
         ``batch * N * seq_len**2`` (see :func:`~sparse_jax.models.flops.attention_scores`).
 
         Example:
@@ -265,6 +266,7 @@ class FixedAttention(nnx.Module):
             head_dim=head_dim,
             impl=self.impl,
             block_size=self.block_size,
+            normalizer=self.alpha() if self.alpha_logit is not None else self.normalizer,
         )
         return formed
 
@@ -478,7 +480,12 @@ class CandidateMaskAttention(nnx.Module):
         if self.combine == "mixture":
             return sum(
                 attention_scores(
-                    c, seq_len, batch=batch, num_heads=self.num_heads, head_dim=head_dim
+                    c,
+                    seq_len,
+                    batch=batch,
+                    num_heads=self.num_heads,
+                    head_dim=head_dim,
+                    normalizer=self.normalizer,
                 )[0]
                 for c in self.candidates
             )
