@@ -10,6 +10,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -196,3 +197,129 @@ def test_eight_devices_follow_the_one_device_loss_curve():
     eight = _run(4, 2, 8)
     assert eight["devices"] == 8 and "model" in eight["spec"]
     np.testing.assert_allclose(eight["losses"], one["losses"], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimiser's options, against a hand-written AdamW (numpy, float64).
+
+
+def _adamw_reference(grads, params, lrs, *, weight_decay=0.0, clip=0.0):
+    """Optax's AdamW (b1 0.9, b2 0.999, eps 1e-8, decoupled decay), written out: ``grads`` a
+    list of {name: gradient} per update, ``lrs`` {name: [rate per update]}. Global-norm
+    clipping (over all names) first, when ``clip`` > 0."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(x) for k, x in p.items()}
+    for t, g in enumerate(grads, start=1):
+        g = {k: np.asarray(x, np.float64) for k, x in g.items()}
+        norm = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+        if clip and norm > clip:
+            g = {k: x * clip / norm for k, x in g.items()}
+        for k in p:
+            m[k] = 0.9 * m[k] + 0.1 * g[k]
+            v[k] = 0.999 * v[k] + 0.001 * g[k] ** 2
+            direction = (m[k] / (1 - 0.9**t)) / (np.sqrt(v[k] / (1 - 0.999**t)) + 1e-8)
+            p[k] = p[k] - lrs[k][t - 1] * (direction + weight_decay * p[k])
+    return p
+
+
+def _schedule(step, peak, warmup, total):
+    """Linear warm-up from 0 over ``warmup`` updates, then a cosine from the peak to 10% of it
+    at ``total`` (the rate of the update that follows ``step`` earlier ones)."""
+    if step < warmup:
+        return peak * step / warmup
+    frac = min(step - warmup, total - warmup) / (total - warmup)
+    return 0.1 * peak + 0.9 * peak * 0.5 * (1 + np.cos(np.pi * frac))
+
+
+def _run_tx(config, grads, params):
+    """Runs the Trainer's own optimizer (``Trainer.tx``) over ``grads`` from ``params``."""
+    model = GPT2(GPT2Config.preset("tiny", n_layer=1), rngs=nnx.Rngs(0))
+    tx = Trainer(model, lm_loss, config).tx
+    params = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update({k: jnp.asarray(x) for k, x in g.items()}, state, params)
+        params = optax.apply_updates(params, updates)
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+def test_warmup_cosine_schedule_is_the_formula_at_every_step():
+    # A constant gradient makes Adam's direction exactly 1 (m / sqrt(v) = g / |g|), so each
+    # update moves the parameter by the learning rate of its step.
+    config = TrainConfig(steps=10, batch_size=4, learning_rate=0.3, warmup_steps=3, clip_norm=0)
+    params = {"w": np.zeros(())}
+    steps = 12  # past the end of the schedule: it stays at 10% of the peak
+    moved, previous = [], 0.0
+    for n in range(1, steps + 1):
+        now = float(_run_tx(config, [{"w": np.float32(-1.0)}] * n, params)["w"])
+        moved.append(now - previous)
+        previous = now
+    want = [_schedule(s, 0.3, 3, 10) for s in range(steps)]
+    assert want[0] == 0 and want[3] == pytest.approx(0.3) and want[10] == pytest.approx(0.03)
+    np.testing.assert_allclose(moved, want, rtol=1e-5, atol=1e-7)
+
+
+def test_fast_parameters_weight_decay_and_clipping_follow_adamw():
+    # Three updates of two "parameters" with gradients whose norms differ (so clipping changes
+    # Adam's steps, not only their scale): the fast group at 10x the rate, decoupled decay.
+    grads = [
+        {"core/logits": np.array([3.0, -4.0]), "c_fc/kernel": np.array([1.0, 0.5])},
+        {"core/logits": np.array([0.3, 0.1]), "c_fc/kernel": np.array([-0.2, 0.05])},
+        {"core/logits": np.array([-2.0, 1.0]), "c_fc/kernel": np.array([0.7, 0.7])},
+    ]
+    params = {"core/logits": np.array([0.5, -0.5]), "c_fc/kernel": np.array([1.0, 2.0])}
+    grads = [{k: x.astype(np.float32) for k, x in g.items()} for g in grads]
+    base = {"steps": 3, "batch_size": 4, "learning_rate": 0.01, "warmup_steps": 1}
+    lrs = [_schedule(s, 0.01, 1, 3) for s in range(3)]
+    cases = [
+        ({"clip_norm": 0}, {}, 1),
+        ({"clip_norm": 1.0}, {"clip": 1.0}, 1),
+        ({"clip_norm": 0, "weight_decay": 0.5}, {"weight_decay": 0.5}, 1),
+        ({"clip_norm": 0, "fast_params": "core/logits", "fast_lr_multiplier": 10.0}, {}, 10),
+    ]
+    outcomes = []
+    for options, reference, fast in cases:
+        got = _run_tx(TrainConfig(**base, **options), grads, params)
+        rates = {"core/logits": [fast * r for r in lrs], "c_fc/kernel": lrs}
+        want = _adamw_reference(grads, params, rates, **reference)
+        for key in params:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        outcomes.append(got)
+    for got in outcomes[1:]:  # every option changed the outcome: the comparison can fail
+        assert not np.allclose(got["core/logits"], outcomes[0]["core/logits"], atol=1e-4)
+
+
+def test_fast_parameters_move_at_their_own_rate_in_a_model():
+    # One update without warm-up, decay or clipping: Adam moves each parameter by the rate times
+    # g / (|g| + eps), so the largest move in a group is its rate (to the eps).
+    model = GPT2(GPT2Config.preset("tiny", n_layer=1), rngs=nnx.Rngs(0))
+    before = params_of(model)
+    config = TrainConfig(
+        steps=1, batch_size=4, learning_rate=1e-3, warmup_steps=0, clip_norm=0,
+        fast_params="attn/c_attn", fast_lr_multiplier=10.0,
+    )  # fmt: skip
+    list(Trainer(model, lm_loss, config).fit(batches(1)))
+    after = params_of(model)
+    for key in before:
+        largest = np.abs(after[key] - before[key]).max()
+        rate = 1e-2 if "'c_attn'" in key else 1e-3
+        assert largest == pytest.approx(rate, rel=1e-3), key
+
+
+def test_gradient_accumulation_equals_the_large_batch():
+    data = batches(2)
+    runs = {}
+    for accum in (1, 4):  # 4 micro-batches of one row each
+        model = GPT2(GPT2Config.preset("tiny", n_layer=1), rngs=nnx.Rngs(0))
+        config = TrainConfig(steps=2, batch_size=4, warmup_steps=0, grad_accum=accum)
+        records = list(Trainer(model, lm_loss, config).fit(data))
+        runs[accum] = params_of(model), [(r["loss"], r["grad_norm"]) for r in records]
+    (params, metrics), (accumulated, accumulated_metrics) = runs[1], runs[4]
+    # The gradient (its norm) and loss of each update are the large batch's ...
+    np.testing.assert_allclose(accumulated_metrics, metrics, rtol=2e-5)
+    # ... and so are the parameters, up to Adam's g / (|g| + eps) of near-zero gradients.
+    for key in params:
+        np.testing.assert_allclose(accumulated[key], params[key], atol=3e-5, err_msg=key)
+    with pytest.raises(ValueError, match=r"`grad_accum`=3 must divide `batch_size`=4"):
+        TrainConfig(batch_size=4, grad_accum=3)

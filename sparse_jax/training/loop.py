@@ -2,7 +2,8 @@
 
 :class:`Trainer` trains the parameters of a model that a filter names (all of them, or e.g.
 only the candidate-mask weights) with AdamW under a warm-up + cosine schedule, gradient
-clipping and optional accumulation (``optax.MultiSteps``). The step is one ``jax.jit`` with
+clipping and optional gradient accumulation (each update's batch split into micro-batches
+whose gradients are averaged inside the one jitted step). The step is one ``jax.jit`` with
 ``in_shardings``/``out_shardings`` over a ``("data", "model")`` mesh (what ``pjit`` became):
 batches split on ``data``, parameters and optimizer moments placed by the name rules of
 :mod:`sparse_jax.training.sharding`. Other models the loss needs (a frozen teacher) are passed
@@ -39,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -55,12 +57,12 @@ class TrainConfig:
     """Optimisation settings of one training phase."""
 
     steps: int = 200  # optimizer updates
-    batch_size: int = 8  # global batch (sequences)
+    batch_size: int = 8  # global batch (sequences) of one update
     learning_rate: float = 3e-3  # peak learning rate (after warm-up)
     warmup_steps: int = 20  # linear warm-up from 0, then cosine decay to 10% of the peak
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     clip_norm: float = 1.0  # global gradient-norm clipping (0: off)
-    grad_accum: int = 1  # micro-batches accumulated per update (optax.MultiSteps)
+    grad_accum: int = 1  # micro-batches per update: batch_size / grad_accum rows at a time
     trainable: str = ".*"  # regex on '/'-joined parameter paths that are trained
     fast_params: str = ""  # regex of parameters trained at `fast_lr_multiplier` x the rate
     fast_lr_multiplier: float = 10.0  # e.g. mask weights and gates, which start far from 0
@@ -69,6 +71,11 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum"):
             check_int(getattr(self, name), name, "TrainConfig")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"TrainConfig: `grad_accum`={self.grad_accum} must divide `batch_size`="
+                f"{self.batch_size} (each update's batch is split into that many micro-batches)"
+            )
         if not self.warmup_steps >= 0:
             raise ValueError(f"TrainConfig: `warmup_steps` must be >= 0; got {self.warmup_steps}")
         if not self.learning_rate > 0:
@@ -114,7 +121,7 @@ def _path_string(path) -> str:
 
 def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """Clipping, then AdamW with warm-up + cosine decay (``fast_params`` at a multiple of the
-    rate), optionally accumulated over ``grad_accum`` micro-batches."""
+    rate); gradients are accumulated in the step, not here."""
     total = max(config.steps, config.warmup_steps + 1)
 
     def adamw(peak):
@@ -138,8 +145,7 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
     else:
         update = adamw(config.learning_rate)
     parts = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm > 0 else []
-    tx = optax.chain(*parts, update)
-    return optax.MultiSteps(tx, config.grad_accum) if config.grad_accum > 1 else tx
+    return optax.chain(*parts, update)
 
 
 class Trainer:
@@ -212,13 +218,27 @@ class Trainer:
         graphdefs = {k: g for k, (g, _) in self.frozen_defs.items()}
 
         def step(params, rest, opt_state, frozen, batch, key):
-            def objective(params):
+            def objective(params, rows=batch):
                 model = nnx.merge(self.graphdef, params, rest)
                 others = {k: nnx.merge(graphdefs[k], s) for k, s in frozen.items()}
-                loss, metrics = self.loss_fn(model, batch, key, **others)
+                loss, metrics = self.loss_fn(model, rows, key, **others)
                 return loss, metrics
 
-            (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            grad_fn = jax.value_and_grad(objective, has_aux=True)
+            k = self.config.grad_accum
+            if k == 1:
+                (loss, metrics), grads = grad_fn(params)
+            else:  # the mean over k micro-batches of equal size: the gradient of the batch
+                # Micro-batch i holds rows i, i + k, ...: the rows split on "data" stay there.
+                micro = batch.reshape(batch.shape[0] // k, k, *batch.shape[1:]).swapaxes(0, 1)
+
+                def add(total, rows):
+                    return jax.tree.map(jnp.add, total, grad_fn(params, rows)), None
+
+                shapes = jax.eval_shape(grad_fn, params, micro[0])
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                total, _ = jax.lax.scan(add, zeros, micro)
+                (loss, metrics), grads = jax.tree.map(lambda x: x / k, total)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
