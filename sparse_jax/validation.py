@@ -83,6 +83,27 @@ def check_int(value: Any, name: str, caller: str, *, low: int = 1, high: int | N
     return int(value)
 
 
+def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -> None:
+    """Refuses token ids outside ``[0, vocab_size)`` when ``ids`` is concrete (a numpy or jax
+    array). A tracer (under ``jit``) cannot be checked without a host sync and is passed on:
+    the model then gives NaN logits for such ids (see ``GPT2.__call__``)."""
+    if isinstance(ids, jax.core.Tracer) or not hasattr(ids, "shape") or not np.size(ids):
+        return
+    # On the host with numpy: ids are small, and a concrete array closed over by a traced
+    # function must not become a traced reduction here.
+    values = np.asarray(ids)
+    if values.min() >= 0 and values.max() < vocab_size:
+        return
+    bad = (values < 0) | (values >= vocab_size)
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+        f"{caller}: `{name}` must be token ids in [0, vocab_size) = [0, {vocab_size}); got "
+        f"{values[first]} at index {first} ({int(bad.sum())} of {bad.size} ids out of range; "
+        "a negative id does not wrap around, and the tokenizer must not produce more ids than "
+        "the model's vocabulary)"
+    )
+
+
 def check_bool(value: Any, name: str, caller: str) -> bool:
     """``value`` as a python bool (numpy bools accepted, ints refused)."""
     if not isinstance(value, (bool, np.bool_)):

@@ -29,11 +29,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sparse_jax import masks as masks_lib
@@ -45,7 +47,7 @@ from sparse_jax.models.layers import (
     FixedAttention,
     Gate,
 )
-from sparse_jax.validation import check_int
+from sparse_jax.validation import check_int, check_token_ids
 
 __all__ = [
     "GPT2",
@@ -89,10 +91,23 @@ class GPT2Config:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (parameters stay float32)
 
     def __post_init__(self):
+        # Counts may be numpy integers (sizes read from arrays or files): stored as python ints.
+        caller = "GPT2Config"
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPT2Config: `{name}` must be an int >= 1; got {value!r}")
+            object.__setattr__(self, name, check_int(getattr(self, name), name, caller))
+        if self.n_inner is not None:
+            object.__setattr__(self, "n_inner", check_int(self.n_inner, "n_inner", caller))
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
+            raise TypeError(
+                f"{caller}: `layer_norm_epsilon` must be a finite float > 0; got {eps!r}"
+            )
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(
+                f"{caller}: `layer_norm_epsilon` must be a finite float > 0 (GPT-2 uses 1e-5); "
+                f"got {eps!r}"
+            )
+        object.__setattr__(self, "layer_norm_epsilon", float(eps))
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPT2Config: `n_embd` ({self.n_embd}) must be divisible by `n_head` "
@@ -110,15 +125,21 @@ class GPT2Config:
         for name in ("heads_per_layer", "inner_per_layer"):
             value = getattr(self, name)
             if value is not None:
-                value = tuple(value)
-                object.__setattr__(self, name, value)
-                if len(value) != self.n_layer or any(
-                    not isinstance(x, int) or x < 0 for x in value
-                ):
-                    raise ValueError(
-                        f"GPT2Config: `{name}` must be {self.n_layer} ints >= 0 (one per "
+                if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                    raise TypeError(
+                        f"{caller}: `{name}` must be None or {self.n_layer} ints >= 0 (one per "
                         f"block); got {value!r}"
                     )
+                value = tuple(value)
+                if len(value) != self.n_layer or any(
+                    isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral) or x < 0
+                    for x in value
+                ):
+                    raise ValueError(
+                        f"{caller}: `{name}` must be {self.n_layer} ints >= 0 (one per "
+                        f"block); got {value!r}"
+                    )
+                object.__setattr__(self, name, tuple(int(x) for x in value))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPT2Config:
@@ -379,26 +400,40 @@ class GPT2(nnx.Module):
         self.h = nnx.List([Block(config, i, specs[i], rngs) for i in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(d, epsilon=config.layer_norm_epsilon, rngs=rngs)
 
-    def _check_ids(self, ids, start: int = 0):
+    def _check_ids(self, ids, start: int = 0, caller: str = "GPT2", name: str = "ids"):
         if not hasattr(ids, "shape") or len(ids.shape) != 2:
             raise ValueError(
-                f"GPT2: `ids` must be [batch, seq] token ids; got {getattr(ids, 'shape', ids)!r}"
+                f"{caller}: `{name}` must be [batch, seq] token ids; got "
+                f"{getattr(ids, 'shape', ids)!r}"
             )
         if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"GPT2: `ids` must be integer token ids; got dtype {ids.dtype}")
+            raise TypeError(f"{caller}: `{name}` must be integer token ids; got dtype {ids.dtype}")
         if ids.shape[1] + start > self.config.n_positions:
             raise ValueError(
-                f"GPT2: sequence of {ids.shape[1] + start} tokens is longer than the model's "
+                f"{caller}: sequence of {ids.shape[1] + start} tokens is longer than the model's "
                 f"n_positions={self.config.n_positions}"
             )
+        check_token_ids(ids, self.config.vocab_size, caller, name)
 
     def __call__(self, ids, *, rngs: nnx.Rngs | None = None, return_aux: bool = False):
+        """Logits ``[B, T, vocab_size]`` (float32) of token ids ``[B, T]`` (and the aux losses).
+
+        Ids must lie in ``[0, vocab_size)``. Concrete ids (numpy or jax arrays, outside
+        ``jit``) are checked here: an id out of range raises ``ValueError`` naming it and its
+        place. Under ``jit`` the ids are tracers and cannot be checked without a host sync:
+        there an out-of-range id, negative ones included, embeds as NaN, so its logits and
+        those of every later position that attends to it are NaN (never a silent wrong token).
+        """
         self._check_ids(ids)
         logits, aux, _ = self._forward(ids, jnp.arange(ids.shape[1]), None, rngs)
         return (logits, aux) if return_aux else logits
 
     def _forward(self, ids, positions, caches, rngs):
         dtype = jnp.dtype(self.config.dtype)
+        # Ids outside [0, vocab_size) cannot be refused under jit (they are tracers there): a
+        # negative id is sent past the table too, so that every such id embeds as NaN (never a
+        # silent wrap-around to another token) and its logits, and those after it, are NaN.
+        ids = jnp.where(ids < 0, self.config.vocab_size, ids.astype(jnp.int32))
         x = (self.wte(ids) + self.wpe(positions)[None]).astype(dtype)
         totals: dict[str, jax.Array] = {}
         new_caches = []
@@ -552,28 +587,24 @@ def generate(
     caller = "generate"
     if not isinstance(model, GPT2):
         raise TypeError(f"{caller}: `model` must be a GPT2; got {type(model).__name__}")
-    model._check_ids(prompt_ids)
+    model._check_ids(prompt_ids, caller=caller, name="prompt_ids")  # ids in the vocabulary
     if prompt_ids.shape[1] < 1:
         raise ValueError(f"{caller}: `prompt_ids` must hold at least one token per row")
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"{caller}: `max_new_tokens` must be an int >= 1; got {max_new_tokens!r}")
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens", caller)
     total = prompt_ids.shape[1] + max_new_tokens
     if total > model.config.n_positions:
         raise ValueError(
             f"{caller}: prompt ({prompt_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = "
             f"{total} exceeds n_positions={model.config.n_positions}"
         )
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"{caller}: `temperature` must be a float >= 0; got {temperature!r}")
-    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"{caller}: `temperature` must be a float >= 0; got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(
-            f"{caller}: `top_k` must be None or an int in [1, {model.config.vocab_size}]; got "
-            f"{top_k!r}"
+            f"{caller}: `temperature` must be a finite float >= 0; got {temperature!r}"
         )
+    if top_k is not None:
+        top_k = check_int(top_k, "top_k", caller, high=model.config.vocab_size)
     if temperature > 0 and rng is None:
         raise ValueError(f"{caller}: sampling with temperature={temperature} needs `rng`")
     graphdef, state = nnx.split(model)
