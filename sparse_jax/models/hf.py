@@ -25,6 +25,9 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import socket
+import uuid
 from typing import Any
 
 import numpy as np
@@ -32,14 +35,50 @@ from flax import nnx
 
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec, GPT2Config
 
-__all__ = ["config_from_hf", "from_pretrained", "save_pretrained"]
+__all__ = [
+    "PretrainedFileError",
+    "check_weights_file",
+    "config_from_hf",
+    "from_pretrained",
+    "read_config",
+    "save_pretrained",
+]
 
 _PICKLES = ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
 _LN = {"weight": "scale", "bias": "bias"}
+_REQUIRED = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+# What to do about a damaged file of a folder given by the user (a caller may say better).
+_ADVICE = "Download the folder again (or write it again with save_pretrained), or pass another one."
+
+
+class PretrainedFileError(ValueError):
+    """``config.json`` or ``model.safetensors`` of a folder cannot be used; ``path`` is the file.
+
+    The message names the file, what is wrong and what to do.
+    """
+
+    def __init__(self, path: str | os.PathLike, problem: str, advice: str = _ADVICE):
+        self.path = pathlib.Path(path)
+        self.problem = problem
+        super().__init__(f"from_pretrained: {self.path}: {problem}. {advice}")
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPT2Config:
-    """A :class:`~sparse_jax.models.gpt2.GPT2Config` from a Hugging Face ``config.json`` dict."""
+    """A :class:`~sparse_jax.models.gpt2.GPT2Config` from a Hugging Face ``config.json`` dict.
+
+    Raises ``TypeError`` when ``hf`` is not a dict and ``ValueError`` naming what is wrong: a
+    missing key, another ``model_type``, an unsupported option or a value GPT2Config refuses.
+    """
+    if not isinstance(hf, dict):
+        raise TypeError(
+            f"config.json must hold a JSON object (a dict of GPT-2 settings); got "
+            f"{type(hf).__name__}"
+        )
+    missing = [key for key in _REQUIRED if key not in hf]
+    if missing:
+        raise ValueError(
+            f"config.json lacks the keys {missing} (a GPT-2 config.json has {list(_REQUIRED)})"
+        )
     if hf.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"config.json: model_type {hf.get('model_type')!r} is not 'gpt2'")
     unsupported = [
@@ -113,10 +152,12 @@ def from_pretrained(
 
     Raises:
       FileNotFoundError: missing folder or files (the message lists them).
-      ValueError: a pickled checkpoint only (refused), or tensors that do not fit the config.
+      PretrainedFileError: (a ``ValueError``) ``config.json`` is not valid JSON, lacks a key
+        or holds a value of the wrong type; ``model.safetensors`` is empty, truncated, not a
+        safetensors file, or holds tensors that do not fit ``config.json``. The message names
+        the file, what is wrong and what to do.
+      ValueError: a pickled checkpoint only (refused).
     """
-    from safetensors.numpy import load_file
-
     folder = _resolve(path_or_name)
     weights_file, config_file = folder / "model.safetensors", folder / "config.json"
     if not weights_file.exists():
@@ -132,13 +173,65 @@ def from_pretrained(
         raise FileNotFoundError(f"from_pretrained: {folder} lacks {missing}")
     if not config_file.exists():
         raise FileNotFoundError(f"from_pretrained: {folder} lacks ['config.json']")
-    config = config_from_hf(json.loads(config_file.read_text()))
-    tensors = {k.removeprefix("transformer."): v for k, v in load_file(weights_file).items()}
+    config = read_config(config_file)
+    tensors = {k.removeprefix("transformer."): v for k, v in _read_weights(weights_file).items()}
     model = GPT2(
         config, AttentionSpec() if attention is None else attention, rngs=rngs or nnx.Rngs(0)
     )
     _assign(model, tensors, folder)
     return model
+
+
+def read_config(config_file: str | os.PathLike) -> GPT2Config:
+    """The GPT2Config of a Hugging Face ``config.json``; :class:`PretrainedFileError` (naming the
+    file) when it cannot be read, is not JSON, or does not describe a GPT-2 this package runs."""
+    config_file = pathlib.Path(config_file)
+    try:
+        text = config_file.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise PretrainedFileError(config_file, f"cannot be read ({err})") from err
+    try:
+        hf = json.loads(text)
+    except json.JSONDecodeError as err:
+        what = "is empty" if not text.strip() else f"is not valid JSON ({err})"
+        raise PretrainedFileError(config_file, what) from err
+    try:
+        return config_from_hf(hf)
+    except (TypeError, ValueError) as err:
+        problem = str(err).removeprefix("config.json: ").removeprefix("config.json ")
+        problem = problem.removeprefix("GPT2Config: ")
+        raise PretrainedFileError(config_file, problem) from err
+
+
+def check_weights_file(weights_file: str | os.PathLike) -> None:
+    """Reads the header of a ``model.safetensors`` (not its tensors):
+    :class:`PretrainedFileError` when the file is empty, truncated or not safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    weights_file = pathlib.Path(weights_file)
+    try:
+        with safe_open(weights_file, framework="numpy") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as err:
+        raise _weights_error(weights_file, err) from err
+
+
+def _weights_error(weights_file: pathlib.Path, err: Exception) -> PretrainedFileError:
+    size = weights_file.stat().st_size if weights_file.exists() else 0
+    what = "is empty (0 bytes)" if size == 0 else f"cannot be read as safetensors ({err})"
+    return PretrainedFileError(
+        weights_file, f"{what}: the file is truncated, damaged or of another format"
+    )
+
+
+def _read_weights(weights_file: pathlib.Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(weights_file)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise _weights_error(weights_file, err) from err
 
 
 def _expected(config) -> dict[str, tuple[int, ...]]:
@@ -186,17 +279,22 @@ def _assign(model, tensors: dict[str, np.ndarray], folder) -> None:
         raise ValueError(f"from_pretrained: {folder}: an untied lm_head.weight is not supported")
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected) - ignored)
+    weights_file = pathlib.Path(folder) / "model.safetensors"
     if missing or extra:
-        raise ValueError(
-            f"from_pretrained: {folder}/model.safetensors does not match config.json: missing "
-            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}"
+        raise PretrainedFileError(
+            weights_file,
+            f"does not hold the GPT-2 tensors that config.json describes: missing "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected {extra[:8]}",
+            "Pass a folder of a GPT-2 (GPT2LMHeadModel) checkpoint whose config.json and "
+            "model.safetensors belong together.",
         )
     for name, shape in expected.items():
         value = tensors[name]
         if tuple(value.shape) != shape:
-            raise ValueError(
-                f"from_pretrained: tensor {name!r} has shape {tuple(value.shape)}; the config "
-                f"needs {shape}"
+            raise PretrainedFileError(
+                weights_file,
+                f"tensor {name!r} has shape {tuple(value.shape)}; config.json needs {shape}",
+                "Pass a folder whose config.json and model.safetensors belong together.",
             )
         _variable(model, name)[...] = np.asarray(value, np.float32)
 
@@ -204,6 +302,11 @@ def _assign(model, tensors: dict[str, np.ndarray], folder) -> None:
 def save_pretrained(model: GPT2, path: str | os.PathLike) -> pathlib.Path:
     """Writes ``model`` as a Hugging Face GPT-2 folder ``path`` (``config.json``,
     ``model.safetensors``); returns the folder.
+
+    A new folder is written under a temporary name beside it and renamed into place when
+    complete, so a save killed midway never leaves a folder that looks saved (only a hidden
+    ``.<name>.partial-*`` folder, removed by a later save of the same folder). An existing
+    folder gets each file replaced atomically, the weights first.
 
     Only the dense architecture is expressible there: models with pruned heads or FFN units, or
     with parameters beyond GPT-2's (gates, candidate weights, learned α), are refused (save
@@ -230,14 +333,14 @@ def save_pretrained(model: GPT2, path: str | os.PathLike) -> pathlib.Path:
             "(gates, candidate weights or α): the Hugging Face layout cannot hold them"
         )
     folder = pathlib.Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"save_pretrained: `path`={str(path)!r} is a file; pass a folder")
     tensors = {
         "transformer." + name: np.ascontiguousarray(
             np.asarray(_variable(model, name)[...], np.float32)
         )
         for name in expected
     }
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf = {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -254,5 +357,43 @@ def save_pretrained(model: GPT2, path: str | os.PathLike) -> pathlib.Path:
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
     }
-    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_partials(folder)
+    # Everything is written into a fresh sibling folder first: a new `folder` appears whole (one
+    # rename) or not at all, so a save killed midway never leaves a folder that looks saved.
+    tmp = folder.parent / f".{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-"
+    tmp = tmp.with_name(tmp.name + uuid.uuid4().hex[:8])
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if not folder.exists():
+            try:
+                os.rename(tmp, folder)
+                return folder
+            except OSError:  # another process made `folder` meanwhile: replace its files
+                if not folder.is_dir():
+                    raise
+        # An existing folder: each file is replaced atomically (weights first).
+        for name in ("model.safetensors", "config.json"):
+            os.replace(tmp / name, folder / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _remove_dead_partials(folder: pathlib.Path) -> None:
+    """Removes what saves of ``folder`` killed midway left (``.<name>.partial-<host>-<pid>-*``
+    of a process of this host that no longer runs); a live writer's folder is left alone."""
+    host = socket.gethostname()
+    for leftover in folder.parent.glob(f".{folder.name}.partial-*"):
+        parts = leftover.name.removeprefix(f".{folder.name}.partial-").rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+            continue
+        pid = parts[1]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:  # the process exists (owned by another user)
+            pass
