@@ -164,6 +164,7 @@ def test_auto_never_picks_a_fused_kernel_off_its_backend():
     assert impl == {"tpu": "splash", "gpu": "cudnn"}.get(backend, impl)
     if backend == "cpu":
         assert impl in ("xla", "blocksparse")
+    assert_engine(impl, lambda q: attention(q, k, v, mask=causal()), q)  # and that one runs
     # sparse normalizers never go to a softmax-only kernel
     assert attention_impl(q, k, v, mask=causal(), normalizer="sparsemax").impl in (
         "xla",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pathlib
 
@@ -30,6 +31,7 @@ from sparse_jax.models.layers import (
     default_candidates,
     mask_at,
 )
+from tests.engines import assert_engine
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 
@@ -192,6 +194,53 @@ def test_student_with_full_causal_attention_reproduces_the_teacher(spec):
     student = student_from_teacher(teacher, spec)
     ids = _ids(2, 37)
     np.testing.assert_allclose(student(ids), teacher(ids), atol=1e-5)
+    if spec.impl == "blocksparse":  # the block-sparse kernel, not the dense reference
+        assert_engine("blocksparse", lambda ids: student(ids), ids)
+
+
+_WINDOW = causal() & local(3, 0)  # at T = 32 with blocks of 8: 7 of 16 blocks (auto: blocksparse)
+
+
+@pytest.mark.parametrize(
+    "spec, engine",
+    [
+        (AttentionSpec(), "xla"),  # T = 32 < one block of 128: nothing to skip
+        (AttentionSpec(mask=_WINDOW, block_size=(8, 8)), "blocksparse"),  # impl="auto"
+        (AttentionSpec(mask=_WINDOW, impl="blocksparse", block_size=(8, 8)), "blocksparse"),
+        (AttentionSpec(mask=_WINDOW, impl="xla", block_size=(8, 8)), "xla"),
+        (
+            AttentionSpec(mask=_WINDOW, normalizer=1.5, learn_alpha=True, block_size=(8, 8)),
+            "blocksparse",
+        ),
+        (AttentionSpec(mask=_WINDOW, normalizer="sparsemax", block_size=(8, 8)), "blocksparse"),
+        (AttentionSpec(kind="candidates", candidates=(sink(2) & causal(), _WINDOW)), "xla"),
+        (
+            AttentionSpec(kind="candidates", candidates=(_WINDOW,), combine="mixture"),
+            "xla",  # the mixture's calls take the default blocks of 128
+        ),
+    ],
+    ids=["teacher", "auto", "blocksparse", "xla", "learned-alpha", "sparsemax-auto",
+         "candidates", "mixture"],
+)  # fmt: skip
+def test_models_run_the_engine_their_spec_names(spec, engine):
+    """The model's forward pass and its gradient run the engine the spec selects (read from the
+    traced program), with the values of the same model on the XLA reference engine."""
+    model = _perturb(_tiny(spec))
+    ids = _ids(2, 32)
+    graphdef, state = nnx.split(model)
+    forward = lambda state: nnx.merge(graphdef, state)(ids)
+    assert_engine(engine, forward, state)
+    loss = lambda state: jnp.sum(forward(state) ** 2)
+    assert_engine(engine, jax.grad(loss), state)
+    if spec.kind == "fixed" and engine != "xla":
+        reference = _tiny(dataclasses.replace(spec, impl="xla"))
+        nnx.update(reference, nnx.state(model, nnx.Param))
+        ref_def, ref_state = nnx.split(reference)
+        ref_forward = lambda state: nnx.merge(ref_def, state)(ids)
+        assert_engine("xla", ref_forward, ref_state)
+        np.testing.assert_allclose(
+            jax.jit(forward)(state), jax.jit(ref_forward)(ref_state), atol=1e-5
+        )
 
 
 def test_bfloat16_forward_is_close_to_float32():

@@ -25,6 +25,7 @@ import pytest
 import sparse_jax as sj
 from sparse_jax import masks
 from sparse_jax.normalizers import masked_softmax, normalize
+from tests.engines import assert_engine
 from tests.reference import entmax15_ref, entmax_ref, sparsemax_ref
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +251,17 @@ def _engine_fns(normalizer):
             jax.jit(jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3))),
         )
     return out
+
+
+@pytest.mark.parametrize("normalizer", ENGINE_NORMALIZERS)
+def test_the_engines_compared_are_the_engines_named(normalizer):
+    # The comparisons below are xla against blocksparse, not xla against itself.
+    q = jnp.zeros((1, 12, 2, 4), jnp.float32)
+    bias = jnp.zeros((1, 2, 12, 12), jnp.float32)
+    for impl in ("xla", "blocksparse"):
+        fn = functools.partial(_attention, normalizer=normalizer, impl=impl)
+        assert_engine(impl, fn, q, q, q, bias)
+        assert_engine(impl, jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) ** 2)), q, q, q, bias)
 
 
 @st.composite
