@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import configs, distill, distill_config
+from experiments import configs, distill, distill_config, distill_phases, measure
+from experiments.distill_run import Run
 from sparse_jax.training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,6 +72,84 @@ def test_tiny_run_writes_the_run_folder_and_report(whole_run):
     distill.run(distill.parse(_args(tmp_path, "again", *again)))
     lines = (tmp_path / "again" / "metrics.jsonl").read_text().splitlines()
     assert "teacher" not in {json.loads(line)["phase"] for line in lines}
+
+
+def _report_table(report: str) -> dict[str, list[str]]:
+    """The rows of report.md's tables: first cell -> the other cells."""
+    rows = {}
+    for line in report.splitlines():
+        if line.startswith("| ") and line.endswith(" |"):
+            cells = [cell.strip() for cell in line[2:-2].split(" | ")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _flops_cell(cell: str) -> float:
+    """A FLOPs cell of the report ("1.23 M") as a number."""
+    number, _, unit = cell.partition(" ")
+    return float(number) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
+
+
+@pytest.mark.slow
+def test_report_and_summary_figures_are_those_of_the_saved_models(whole_run):
+    """Each figure of summary.json and of report.md's table against a recomputation from the run
+    folder's own models (restored from their checkpoints: nothing is trained again): a fresh
+    evaluate_lm in other batches, and the models' own density and FLOPs methods."""
+    root, _ = whole_run
+    folder = root / "run"
+    summary = json.loads((folder / "summary.json").read_text())
+    table = _report_table((folder / "report.md").read_text())
+    r = Run(distill.parse([*_args(root, "run", *WHOLE), "--resume"]))
+    teacher = distill_phases.teacher(r)
+    student, _ = distill_phases.student(r, teacher)
+    hard = distill_phases.hardened(r, student, teacher)
+    windows = r.eval_windows
+    assert len(windows) == 4  # one evaluation batch of 4; evaluated below in batches of 3 and 1
+    nll = {"teacher": measure.evaluate_lm(teacher, windows, batch=3)[0]}
+    nll["student"], kl_student = measure.evaluate_lm(student, windows, teacher, batch=3)
+    nll["hardened"], kl_hardened = measure.evaluate_lm(hard, windows, teacher, batch=3)
+    ppl = {k: float(np.exp(v)) for k, v in nll.items()}
+    close = dict(rel=1e-5, abs=1e-6)
+    for name in ("teacher", "student", "hardened"):
+        assert summary[f"{name}_ppl"] == pytest.approx(ppl[name], **close), name
+    assert summary["student_kl"] == pytest.approx(kl_student, **close)
+    assert summary["hardened_kl"] == pytest.approx(kl_hardened, **close)
+    # The table shows them rounded (3 and 4 decimals), each in its own column.
+    cells = [float(c) for c in table["perplexity"]]
+    want = [ppl["teacher"], ppl["student"], ppl["hardened"]]
+    np.testing.assert_allclose(cells, want, rtol=0, atol=5.1e-4)
+    cells = [float(c) for c in table["KL(teacher ‖ ·), nats/token"]]
+    np.testing.assert_allclose(cells, [0.0, kl_student, kl_hardened], rtol=0, atol=5.1e-5)
+    # Density and FLOPs from the models' own methods, in the summary and in the table.
+    n = 16
+    speed = summary["speed"][str(n)]
+    densities = {"teacher": float(teacher.attention_density(n))}
+    densities["hardened"] = float(hard.attention_density(n))
+    flops = {"teacher": teacher.flops(n), "hardened": hard.flops(n)}
+    for name in ("teacher", "hardened"):
+        assert speed[f"{name}_density"] == pytest.approx(densities[name], rel=1e-6), name
+        assert speed[f"{name}_flops_per_token"] == pytest.approx(flops[name].per_token), name
+        assert speed[f"{name}_attention_flops"] == flops[name].attention, name
+    teacher_cell, _, hard_cell = table[f"attention density at n={n}"]
+    assert float(teacher_cell.rstrip("%")) == pytest.approx(100 * densities["teacher"], abs=0.051)
+    assert float(hard_cell.rstrip("%")) == pytest.approx(100 * densities["hardened"], abs=0.051)
+    for row, of in (
+        (f"FLOPs/token at n={n}", "per_token"),
+        (f"attention FLOPs at n={n}", "attention"),
+    ):
+        teacher_cell, _, hard_cell = table[row]
+        assert _flops_cell(teacher_cell) == pytest.approx(getattr(flops["teacher"], of), rel=5e-3)
+        assert _flops_cell(hard_cell) == pytest.approx(getattr(flops["hardened"], of), rel=5e-3)
+    # What the hardened model keeps.
+    assert summary["hardened_heads"] == [b.attn.num_heads for b in hard.h]
+    assert summary["hardened_ffn_units"] == [b.mlp.units for b in hard.h]
+    assert summary["hardened_masks"] == [
+        repr(b.attn.core.mask) if b.attn.num_heads else None for b in hard.h
+    ]
+    per_block = [
+        float(b.attn.head_densities(n).mean()) if b.attn.num_heads else 0.0 for b in hard.h
+    ]
+    np.testing.assert_allclose(summary["hardened_layer_density"], per_block, rtol=1e-6)
 
 
 def _final_params(run_dir):
