@@ -74,6 +74,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointWarning",
+    "NoReadableCheckpointError",
     "NonFiniteLossError",
     "abstract_like",
     "check_finite",
@@ -89,6 +90,17 @@ _TMP_MARKER = ".orbax-checkpoint-tmp"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint, or a checkpoint that does not fit what is asked of it."""
+
+
+class NoReadableCheckpointError(CheckpointError):
+    """Every checkpoint of a directory is unreadable: ``steps`` lists them (newest first) and
+    ``details`` says why each failed. Nothing was moved; :meth:`Checkpointer.quarantine` moves
+    them aside (a run then starts again from step 0)."""
+
+    def __init__(self, message: str, steps: Sequence[int], details: str):
+        super().__init__(message)
+        self.steps = list(steps)
+        self.details = details
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -486,8 +498,10 @@ class Checkpointer:
 
         Raises:
           FileNotFoundError: there is no complete checkpoint (or none for ``step``).
-          CheckpointError: the requested step cannot be read, no checkpoint at all can be read,
-            or the latest one reads fine but does not fit ``target``.
+          CheckpointError: the requested step cannot be read, or the latest one reads fine but
+            does not fit ``target``.
+          NoReadableCheckpointError: (a ``CheckpointError``) no checkpoint at all can be read;
+            they are left in place (:meth:`quarantine` moves them aside).
         """
         self._check_open()
         self.wait()
@@ -528,7 +542,11 @@ class Checkpointer:
             self._quarantine([s for s, _ in unreadable])
             return result
         details = "; ".join(f"step {s}: {m}" for s, m in unreadable)
-        raise CheckpointError(f"no readable checkpoint in {self._directory}: {details}")
+        raise NoReadableCheckpointError(
+            f"no readable checkpoint in {self._directory}: {details}",
+            [s for s, _ in unreadable],
+            details,
+        )
 
     def _restore_step(self, step: int, target: Any) -> tuple[Any, dict[str, Any], Any, int]:
         state_args = (
@@ -585,10 +603,19 @@ class Checkpointer:
         nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
         return True, f"{path}: ok ({len(leaves)} leaves, {nbytes} bytes)"
 
-    def _quarantine(self, steps: Sequence[int]) -> None:
+    def quarantine(self, steps: Sequence[int]) -> list[epath.Path]:
+        """Moves the checkpoints of ``steps`` aside to ``<step>.corrupt`` (``.corrupt-1``, ... if
+        taken), never deleting them, so that their steps can be written again; returns where
+        each went. For checkpoints that :meth:`restore` reported unreadable
+        (:class:`NoReadableCheckpointError` lists them)."""
+        self._check_open()
+        return self._quarantine([check_int(s, "steps[i]", "quarantine", low=0) for s in steps])
+
+    def _quarantine(self, steps: Sequence[int]) -> list[epath.Path]:
         """Moves unreadable checkpoints aside (never deletes them) so their steps can be redone."""
+        moved: list[epath.Path] = []
         if not steps:
-            return
+            return moved
         for step in steps:
             src = self.step_path(step)
             dst = src.parent / f"{src.name}.corrupt"
@@ -598,6 +625,7 @@ class Checkpointer:
                 n += 1
             if jax.process_index() == 0:
                 src.rename(dst)
+            moved.append(dst)
             warnings.warn(
                 f"moved unreadable checkpoint {src} to {dst} (kept for inspection, not deleted); "
                 f"step {step} will be written again",
@@ -606,6 +634,7 @@ class Checkpointer:
             )
         ocp.multihost.sync_global_processes("sparse_jax_checkpoint_quarantine")
         self._manager.reload()
+        return moved
 
     def _report_unlisted_steps(self) -> None:
         if not self._directory.exists():
