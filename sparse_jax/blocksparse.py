@@ -97,26 +97,6 @@ _NAME = "blocksparse_attention"
 # Argument checking (Python, on static shapes; runs before anything is traced).
 
 
-def _check_layout(layout: Any, tq: int, tk: int, n: int, caller: str) -> BlockLayout:
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(
-            f"{caller}: `layout` must be a sparse_jax.masks.BlockLayout (from "
-            f"`mask.blocks(q_len, kv_len, block_q, block_kv)`); got {type(layout).__name__}"
-        )
-    if (layout.q_len, layout.kv_len) != (tq, tk):
-        raise ValueError(
-            f"{caller}: `layout` was built for (q_len, kv_len) = ({layout.q_len}, "
-            f"{layout.kv_len}) but q and k have lengths ({tq}, {tk}); build it with "
-            f"`mask.blocks({tq}, {tk}, {layout.block_q}, {layout.block_kv})`"
-        )
-    if layout.num_heads is not None and layout.num_heads != n:
-        raise ValueError(
-            f"{caller}: `layout` is per-head with {layout.num_heads} heads but q has {n} query "
-            f"heads; allowed: a per-head layout with exactly {n} heads, or a shared one"
-        )
-    return layout
-
-
 def _check_mask(mask: Any, layout: BlockLayout, b: int, caller: str) -> Any:
     if not layout.dynamic:
         if mask is not None and not isinstance(mask, masks_lib.Mask):
@@ -512,7 +492,7 @@ def blocksparse_attention(
     check_qkv(q, k, v, caller)
     b, tq, n, d = q.shape
     tk = k.shape[1]
-    layout = _check_layout(layout, tq, tk, n, caller)
+    layout = masks_lib.check_layout(layout, tq, tk, n, caller)
     mask = _check_mask(mask, layout, b, caller)
     bias = check_bias(bias, (b, n, tq, tk), caller)
     normalizer = check_normalizer(normalizer, n, caller)

@@ -96,6 +96,7 @@ __all__ = [
     "Sink",
     "Strided",
     "causal",
+    "check_layout",
     "chunked",
     "dilated",
     "fixed",
@@ -255,6 +256,29 @@ class BlockLayout:
         ]
         out = out.reshape(h, nq * self.block_q, nk * self.block_kv)[:, : self.q_len, : self.kv_len]
         return out if self.num_heads is not None else out[0]
+
+
+def check_layout(layout: Any, tq: int, tk: int, n: int, caller: str) -> BlockLayout:
+    """``layout`` if it is a :class:`BlockLayout` for query/key lengths ``tq``/``tk`` and ``n``
+    query heads (shared, or per-head with ``n`` heads); a ``TypeError``/``ValueError`` naming
+    ``caller`` and the argument otherwise. The kernels' check, before anything is traced."""
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(
+            f"{caller}: `layout` must be a sparse_jax.masks.BlockLayout (from "
+            f"`mask.blocks(q_len, kv_len, block_q, block_kv)`); got {type(layout).__name__}"
+        )
+    if (layout.q_len, layout.kv_len) != (tq, tk):
+        raise ValueError(
+            f"{caller}: `layout` was built for (q_len, kv_len) = ({layout.q_len}, "
+            f"{layout.kv_len}) but q and k have lengths ({tq}, {tk}); build it with "
+            f"`mask.blocks({tq}, {tk}, {layout.block_q}, {layout.block_kv})`"
+        )
+    if layout.num_heads is not None and layout.num_heads != n:
+        raise ValueError(
+            f"{caller}: `layout` is per-head with {layout.num_heads} heads but q has {n} query "
+            f"heads; allowed: a per-head layout with exactly {n} heads, or a shared one"
+        )
+    return layout
 
 
 # ----------------------------------------------------------------------------------------------

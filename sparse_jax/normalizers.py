@@ -75,7 +75,8 @@ import functools
 import math
 import numbers
 import operator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -330,7 +331,32 @@ def _row_loop(body, init, max_iter: int):
     return jax.lax.while_loop(cond, step, (jnp.int32(0), init))[1]
 
 
-def _sparsemax_threshold(z, tau0, done0):
+class RowSearch(NamedTuple):
+    """A threshold search split into per-entry terms and a per-row update.
+
+    One pass of a search sums ``terms(z, state)`` (a tuple of arrays shaped like ``z``) over the
+    row and hands the sums (each ``[..., 1]``) to ``update(state, sums)``, which returns the next
+    state; ``state[0]`` is the threshold and ``state[-1]`` says the row is done. Split this way,
+    the same search runs on whole rows here (:func:`_run_search`) and on rows held in blocks by
+    a fused kernel, which adds each block's sums (:mod:`sparse_jax.kernels`).
+    """
+
+    init: tuple
+    terms: Callable[[jax.Array, tuple], tuple]
+    update: Callable[[tuple, tuple], tuple]
+    max_iter: int
+
+
+def _run_search(z, search: RowSearch):
+    """Runs ``search`` on rows z (last axis) to the end; returns the final state."""
+
+    def body(state):
+        return search.update(state, _row_sums(*search.terms(z, state)))
+
+    return _row_loop(body, search.init, search.max_iter)
+
+
+def sparsemax_search(tau0, done0, row_length: int) -> RowSearch:
     """Exact sparsemax threshold of rows z (max 0) by Michelot's iteration; τ shape [..., 1].
 
     Each pass takes τ ← (Σ_S z - 1)/|S| on S = {z > τ}, from a start τ0 <= τ*. The supports are
@@ -338,34 +364,37 @@ def _sparsemax_threshold(z, tau0, done0):
     closed form on its own support, which is the exact threshold.
     """
 
-    def body(state):
+    def terms(z, state):
+        in_support = z > state[0]
+        return in_support.astype(z.dtype), jnp.where(in_support, z, 0.0)
+
+    def update(state, sums):
         tau, previous_size, done = state
-        in_support = z > tau
-        size, total = _row_sums(in_support.astype(z.dtype), jnp.where(in_support, z, 0.0))
+        size, total = sums
         new_tau = (total - 1.0) / jnp.maximum(size, 1.0)
         return jnp.where(done, tau, new_tau), size, done | (size == previous_size)
 
-    init = (tau0, jnp.full_like(tau0, -1.0), done0)
-    tau, _, _ = _row_loop(body, init, max_iter=z.shape[-1] + 1)
-    return tau
+    return RowSearch((tau0, jnp.full_like(tau0, -1.0), done0), terms, update, row_length + 1)
 
 
-def _entmax15_threshold(z, tau0, done0):
+def entmax15_search(tau0, done0) -> RowSearch:
     """Exact 1.5-entmax threshold of rows z = (x - max)/2 (p = [z - τ]_+²); τ shape [..., 1].
 
     Newton steps on ||[z - τ]_+||_2 - 1 from a start τ0 <= τ* (monotone: the function is convex
     and decreasing). Every pass also forms the exact quadratic root τ_c of Σ_S (z - τ)² = 1 on
     its support S and, in the next pass, counts the entries >= τ_c: if they cover S, the KKT
-    conditions hold and τ_c is the threshold.
+    conditions hold and τ_c is the threshold. Finish with :func:`entmax15_polish`.
     """
 
-    def body(state):
-        tau, candidate, candidate_size, done = state
+    def terms(z, state):
+        tau, candidate = state[0], state[1]
         in_support = z > tau
         u = jnp.where(in_support, z - tau, 0.0)
-        size, s1, s2, covered = _row_sums(
-            in_support.astype(z.dtype), u, u * u, (z >= candidate).astype(z.dtype)
-        )
+        return in_support.astype(z.dtype), u, u * u, (z >= candidate).astype(z.dtype)
+
+    def update(state, sums):
+        tau, candidate, candidate_size, done = state
+        size, s1, s2, covered = sums
         finished = covered >= candidate_size
         excess = s2 - 1.0  # >= 0 left of the root
         # Smaller root δ of Σ_S (u - δ)² = 1, written without cancellation.
@@ -382,17 +411,37 @@ def _entmax15_threshold(z, tau0, done0):
         )
 
     init = (tau0, tau0, jnp.full_like(tau0, jnp.inf), done0)
-    tau, _, _, _ = _row_loop(body, init, max_iter=_ENTMAX15_MAX_ITER)
-    # Polish: the candidate was formed at a Newton iterate that may still have been far from the
-    # root, where Σ(u - δ)² = 1 loses digits to cancellation. The same closed form taken once
-    # more, from sums centred on the (now nearly exact) τ, is exact to float rounding.
+    return RowSearch(init, terms, update, _ENTMAX15_MAX_ITER)
+
+
+def entmax15_polish_terms(z, tau):
+    """Per-entry terms of :func:`entmax15_polish` (summed over the row)."""
     in_support = z > tau
     u = jnp.where(in_support, z - tau, 0.0)
-    size, s1, s2 = _row_sums(in_support.astype(z.dtype), u, u * u)
+    return in_support.astype(z.dtype), u, u * u
+
+
+def entmax15_polish(tau, sums):
+    """The final 1.5-entmax threshold from the sums of :func:`entmax15_polish_terms`.
+
+    The search's candidate was formed at a Newton iterate that may still have been far from the
+    root, where Σ(u - δ)² = 1 loses digits to cancellation. The same closed form taken once
+    more, from sums centred on the (now nearly exact) τ, is exact to float rounding.
+    """
+    size, s1, s2 = sums
     excess = s2 - 1.0
     disc = jnp.maximum(s1 * s1 - size * excess, 0.0)
-    polished = tau + excess / jnp.maximum(s1 + jnp.sqrt(disc), jnp.finfo(z.dtype).tiny)
+    polished = tau + excess / jnp.maximum(s1 + jnp.sqrt(disc), jnp.finfo(tau.dtype).tiny)
     return jnp.where(size > 0.0, polished, tau)
+
+
+def _sparsemax_threshold(z, tau0, done0):
+    return _run_search(z, sparsemax_search(tau0, done0, z.shape[-1]))[0]
+
+
+def _entmax15_threshold(z, tau0, done0):
+    tau = _run_search(z, entmax15_search(tau0, done0))[0]
+    return entmax15_polish(tau, _row_sums(*entmax15_polish_terms(z, tau)))
 
 
 def _entmax_u(z, theta, sigma):
@@ -421,21 +470,21 @@ def _entmax_u(z, theta, sigma):
     return jnp.where(positive, u, 0.0), log_u
 
 
-def _entmax_powers(z, theta, eps, sigma):
+def entmax_powers(z, theta, eps, sigma):
     """(u^(1/ε), u^(1/ε - 1)) elementwise, zero off the support, with ε = α - 1."""
     u, log_u = _entmax_u(z, theta, sigma)
     u_pow_m1 = jnp.where(u > 0.0, jnp.exp((1.0 / eps - 1.0) * log_u), 0.0)
     return u_pow_m1 * u, u_pow_m1
 
 
-def _entmax_threshold(z, eps, sigma, done0):
+def entmax_search(eps, sigma, n_valid, done0) -> RowSearch:
     """α-entmax threshold of rows z = ε (x - max), ε = α - 1, held as θ (see :func:`_entmax_u`).
 
-    Safeguarded Newton from τ = -1: the bracket [lo, hi] always holds the root; a Newton step that
-    leaves it, or does not at least halve the previous step, is replaced by bisection.
+    ``n_valid`` ``[..., 1]``: the number of allowed entries of each row. Safeguarded Newton from
+    τ = -1: the bracket [lo, hi] always holds the root; a Newton step that leaves it, or does
+    not at least halve the previous step, is replaced by bisection.
     """
     offset = jnp.where(sigma, 1.0, 0.0) if not isinstance(sigma, bool) else float(sigma)
-    n_valid = jnp.sum(z > -jnp.inf, axis=-1, keepdims=True, dtype=z.dtype)
     eps_log_n = eps * jnp.log(jnp.maximum(n_valid, 1.0))
     # τ = -(1/n)^(α-1) has f <= 0: as σ = 1 + τ that is -expm1(-ε log n), without cancellation.
     if isinstance(sigma, bool):
@@ -443,17 +492,20 @@ def _entmax_threshold(z, eps, sigma, done0):
     else:
         hi = jnp.where(sigma, -jnp.expm1(-eps_log_n), -jnp.exp(-eps_log_n))
     lo = jnp.zeros_like(hi) + (offset - 1.0)
-    eps_f = jnp.finfo(z.dtype).eps
-    tiny = jnp.finfo(z.dtype).tiny
+    eps_f = jnp.finfo(hi.dtype).eps
+    tiny = jnp.finfo(hi.dtype).tiny
 
     def scale(theta):
         if isinstance(sigma, bool):
             return jnp.maximum(jnp.abs(theta), eps) if sigma else jnp.abs(theta)
         return jnp.where(sigma, jnp.maximum(jnp.abs(theta), eps), jnp.abs(theta))
 
-    def body(state):
+    def terms(z, state):
+        return entmax_powers(z, state[0], eps, sigma)
+
+    def update(state, sums):
         theta, lo, hi, previous_step, done = state
-        mass, slope = _row_sums(*_entmax_powers(z, theta, eps, sigma))
+        mass, slope = sums
         excess = mass - 1.0
         lo = jnp.where(excess >= 0.0, theta, lo)
         hi = jnp.where(excess <= 0.0, theta, hi)
@@ -479,7 +531,12 @@ def _entmax_threshold(z, eps, sigma, done0):
         return jnp.where(done, theta, new_theta), lo, hi, step, done | finished
 
     init = (lo, lo, jnp.maximum(hi, lo), jnp.full_like(lo, jnp.inf), done0)
-    return _row_loop(body, init, max_iter=_ENTMAX_MAX_ITER)[0]
+    return RowSearch(init, terms, update, _ENTMAX_MAX_ITER)
+
+
+def _entmax_threshold(z, eps, sigma, done0):
+    n_valid = jnp.sum(z > -jnp.inf, axis=-1, keepdims=True, dtype=z.dtype)
+    return _run_search(z, entmax_search(eps, sigma, n_valid, done0))[0]
 
 
 def _jacobian_product(s, dx):
@@ -539,6 +596,13 @@ def _entmax_dp_dalpha(p, eps):
     from its series for b < 1/2 and from t_i = (s_i - p_i - p_i b_i) / ε² (s_i = p_i e^(b_i))
     above, where that subtraction loses at most a few roundings.
     """
+    s, t = entmax_alpha_terms(p, eps)
+    s_sum, t_sum = _row_sums(s, t)
+    return s * t_sum / jnp.where(s_sum > 0.0, s_sum, 1.0) - t
+
+
+def entmax_alpha_terms(p, eps):
+    """Per-entry (s, t) of :func:`_entmax_dp_dalpha`: ∂p_i/∂α = s_i Σ_j t_j / Σ_j s_j - t_i."""
     positive = p > 0.0
     log_p = jnp.log(jnp.where(positive, p, 1.0))
     s = _entmax_s(p, eps)
@@ -550,8 +614,7 @@ def _entmax_dp_dalpha(p, eps):
         psi = psi * b_small + c
     term_large = (s - p - p * b) / jnp.where(small, 1.0, eps * eps)
     t = jnp.where(positive, jnp.where(small, p * log_p * log_p * psi, term_large), 0.0)
-    s_sum, t_sum = _row_sums(s, t)
-    return s * t_sum / jnp.where(s_sum > 0.0, s_sum, 1.0) - t
+    return s, t
 
 
 @jax.custom_jvp
@@ -595,7 +658,7 @@ _entmax15_rows.defvjp(_entmax15_rows_fwd, _entmax15_rows_bwd)
 # 1.01 and 1.7e-7 at 1.05; above α = 1.5 τ is 10-100x better on long near-uniform rows (α = 2.5,
 # n = 4096: 1.6e-8 against 1.2e-6). A σ pass costs ~1.35x a τ pass on XLA:CPU (the rounding
 # term), so σ is used only where τ loses digits.
-_SIGMA_MAX_EPS = 0.05
+SIGMA_MAX_EPS = 0.05
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -607,11 +670,11 @@ def _entmax_rows(x, eps, sigma):
     """
     z, has_any, nan_row = _shift_to_zero_max(x)
     if sigma is None:
-        sigma = eps <= _SIGMA_MAX_EPS
+        sigma = eps <= SIGMA_MAX_EPS
     z = eps * z
     theta = _entmax_threshold(z, eps, sigma, ~has_any)
     # Divided by its sum, so rows sum to one although θ comes from a stopped iteration.
-    p, _ = _entmax_powers(z, theta, eps, sigma)
+    p, _ = entmax_powers(z, theta, eps, sigma)
     mass = jnp.sum(p, axis=-1, keepdims=True)
     return _poison(p / jnp.where(mass > 0.0, mass, 1.0), nan_row)
 
@@ -724,7 +787,7 @@ def entmax(x, alpha, axis: int = -1, *, where=None) -> jax.Array:
     x, axis, dtype = _prepare(x, axis, where, "entmax")
     if isinstance(alpha, float):  # α - 1 in python float64: α = 1 + 1e-7 is not a float32
         eps = jnp.full((*x.shape[:-1], 1), alpha - 1.0, x.dtype)
-        sigma = alpha - 1.0 <= _SIGMA_MAX_EPS
+        sigma = alpha - 1.0 <= SIGMA_MAX_EPS
     else:
         eps = jnp.broadcast_to(jnp.asarray(alpha, x.dtype), x.shape[:-1])[..., None] - 1.0
         sigma = None  # chosen per row
