@@ -12,6 +12,7 @@ from sparse_jax.blocksparse import BlockSparseCost, blocksparse_attention, block
 from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.dynamic import topk_block_attention, topk_mask
 from sparse_jax.fused import cudnn_attention, splash_attention
+from sparse_jax.kernels import pallas_attention
 from sparse_jax.normalizers import (
     entmax,
     entmax15,
@@ -36,6 +37,7 @@ __all__ = [
     "entmax_loss",
     "gates",
     "masks",
+    "pallas_attention",
     "sparsemax",
     "sparsemax_loss",
     "splash_attention",

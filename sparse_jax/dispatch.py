@@ -35,6 +35,10 @@ Implementations and dispatch
   ``mask.blocks(Tq, Tk, *block_size)`` (:class:`sparse_jax.masks.BlockLayout`): it gathers the
   key blocks each query block keeps and normalizes over that compact row, so work and memory
   follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
+* ``"pallas"``: :func:`sparse_jax.kernels.pallas_attention`, the fused Pallas kernel over the
+  same layout (flash-style: scores stay on chip), every normalizer, static masks, block sizes
+  powers of two >= 16, no ``bias`` yet; GPU (Triton), and interpret mode on CPU (slow: for
+  tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
   only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
   mode (slow: for tests).
@@ -43,7 +47,8 @@ Implementations and dispatch
   ``causal()``, ``local(l, r)``, ``causal() & local(l, r)`` or none.
 * ``"auto"`` takes ``"splash"`` on TPU and ``"cudnn"`` on GPU when the call is one they
   compute (softmax, no bias, no array mask, no ``return_weights``, a mask they express, their
-  dtypes); otherwise ``"blocksparse"`` when the kernel would form at most
+  dtypes); on GPU ``"pallas"`` for any other call with a ``Mask`` that it computes; otherwise
+  ``"blocksparse"`` when the kernel would form at most
   ``BLOCKSPARSE_MAX_FRACTION`` (75%) of the dense score entries (``blocksparse_cost``), else
   ``"xla"``. :func:`attention_impl` says which and why. Asking a softmax-only kernel for
   anything else raises a ``ValueError`` that names the obstacle and what would work.
@@ -83,6 +88,7 @@ import numpy as np
 from sparse_jax import masks as masks_lib
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost, nonfinite_values
 from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
+from sparse_jax.kernels import pallas_attention, pallas_supports
 from sparse_jax.normalizers import NORMALIZERS, normalize
 from sparse_jax.validation import (
     as_4d_broadcastable,
@@ -106,7 +112,7 @@ __all__ = [
 ]
 
 #: Values of ``impl=``.
-IMPLS = ("auto", "xla", "blocksparse", "splash", "cudnn")
+IMPLS = ("auto", "xla", "blocksparse", "pallas", "splash", "cudnn")
 #: With ``query_chunk=None``, ``impl="xla"`` takes as many query rows per chunk as keep one
 #: chunk's scores ``[B, N, chunk, Tk]`` within this many elements (16 MiB in float32), and at
 #: least 8 rows.
@@ -232,9 +238,9 @@ def _check_all(
     scale = check_scale(scale, h, caller)
     impl = _check_impl(impl, caller)
     block_size = check_block_size(block_size, caller)
-    if impl == "blocksparse" and not isinstance(mask, masks_lib.Mask):
+    if impl in ("blocksparse", "pallas") and not isinstance(mask, masks_lib.Mask):
         raise ValueError(
-            f"{caller}: `impl`='blocksparse' needs `mask` to be a sparse_jax.masks.Mask (the "
+            f"{caller}: `impl`={impl!r} needs `mask` to be a sparse_jax.masks.Mask (the "
             f"kernel skips the blocks the mask leaves out); got "
             f"{'None' if mask is None else 'a bool array'}. Use impl='xla', or describe the "
             "pattern with sparse_jax.masks (masks.from_array for a fixed numpy array)."
@@ -248,6 +254,13 @@ def _check_all(
         _check_fused(impl, normalizer, bias, None if is_obj else mask, return_weights, caller)
         if impl == "cudnn" and is_obj:
             cudnn_mask_arguments(mask)  # raises for masks cuDNN cannot express
+    if impl == "pallas":
+        ok, why = _pallas_ok(q, mask, bias, return_weights, block_size)
+        if not ok:
+            raise ValueError(
+                f"{caller}: impl='pallas' cannot compute this call: {why}. Use "
+                "impl='blocksparse' (every normalizer, bias, padding masks) or impl='xla'"
+            )
     return _Args(
         q,
         k,
@@ -269,6 +282,18 @@ def _check_all(
 # docs/benchmarks.md): causal masks, where it forms 56-63% of the entries, ran fwd+bwd 1.5-1.9x
 # faster than the dense reference for n = 1024 ... 16384.
 BLOCKSPARSE_MAX_FRACTION = 0.75
+
+
+def _pallas_ok(q, mask, bias, return_weights, block_size) -> tuple[bool, str]:
+    """Whether the fused Pallas kernel computes the call (see pallas_supports), from its
+    arguments alone (no layout is built)."""
+    for name, size in zip(("block_size[0]", "block_size[1]"), block_size, strict=True):
+        if size < 16 or size & (size - 1):
+            return False, f"`{name}`={size} is not a power of two >= 16"
+    dynamic = isinstance(mask, masks_lib.Mask) and mask.is_dynamic
+    return pallas_supports(q, None, bias=bias, mask=mask if dynamic else None,
+                           return_weights=return_weights) if not dynamic else (
+        False, "run-time (padding) masks are not supported yet")  # fmt: skip
 
 
 def _layout(args: _Args) -> masks_lib.BlockLayout:
@@ -294,6 +319,14 @@ def _resolve_impl(args: _Args) -> ImplChoice:
             )
         except ValueError:
             pass
+    not_pallas = ""
+    if backend == "gpu" and mask is not None:
+        ok, why = _pallas_ok(args.q, mask, args.bias, args.return_weights, args.block_size)
+        if ok:
+            return ImplChoice(
+                "pallas", "impl='auto': a sparse_jax.masks.Mask on GPU: the fused Pallas kernel"
+            )
+        not_pallas = f" (not the Pallas kernel: {why})"
     if mask is None:
         return ImplChoice(
             "xla",
@@ -307,7 +340,8 @@ def _resolve_impl(args: _Args) -> ImplChoice:
     return ImplChoice(
         "blocksparse" if fraction <= BLOCKSPARSE_MAX_FRACTION else "xla",
         f"impl='auto': with blocks {args.block_size} the block-sparse kernel would form "
-        f"{fraction:.1%} of the dense score entries ({verdict} {BLOCKSPARSE_MAX_FRACTION:.0%})",
+        f"{fraction:.1%} of the dense score entries ({verdict} {BLOCKSPARSE_MAX_FRACTION:.0%})"
+        + not_pallas,
     )
 
 
@@ -486,9 +520,9 @@ def attention(
         of shape ``[]`` or ``[N]`` (one α per *query* head). An array α is differentiable:
         parametrise a learned α as ``1 + softplus(θ)`` (a traced α cannot be checked).
       scale: multiplier of ``q·k``; default ``H ** -0.5``. A scalar float array is accepted.
-      impl: ``"auto"``, ``"xla"``, ``"blocksparse"``, ``"splash"`` or ``"cudnn"`` (see the
-        module docstring; :func:`attention_impl` tells which ``"auto"`` takes and why).
-      block_size: ``(block_q, block_kv)`` of the block-sparse and splash kernels; unused by
+      impl: ``"auto"``, ``"xla"``, ``"blocksparse"``, ``"pallas"``, ``"splash"`` or ``"cudnn"``
+        (see the module docstring; :func:`attention_impl` tells which ``"auto"`` takes and why).
+      block_size: ``(block_q, block_kv)`` of the block-sparse, Pallas and splash kernels; unused by
         ``"xla"`` and ``"cudnn"``.
       return_weights: also return the attention weights. This materialises a
         ``[B, N, Tq, Tk]`` array: O(Tq·Tk) memory, which the chunking otherwise avoids.
@@ -549,6 +583,15 @@ def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
             )
         if choice.impl == "cudnn":
             return cudnn_attention(args.q, args.k, args.v, mask=args.mask_obj, scale=args.scale)
+        if choice.impl == "pallas":
+            return pallas_attention(
+                args.q,
+                args.k,
+                args.v,
+                _layout(args),
+                normalizer=args.normalizer,
+                scale=args.scale,
+            )
         if choice.impl == "blocksparse":
             return blocksparse_attention(
                 args.q,
@@ -679,8 +722,8 @@ def attention_fn(
         m = static_mask
         if is_causal:
             m = masks_lib.causal() if m is None else m & masks_lib.causal()
-        if impl == "blocksparse" and m is None:
-            m = masks_lib.full()  # the kernel needs a Mask for its block layout
+        if impl in ("blocksparse", "pallas") and m is None:
+            m = masks_lib.full()  # the kernels need a Mask for their block layout
         mask_arr = to_4d_bcast(mask)
         bias4 = to_4d_bcast(bias)
         if mask_arr is not None and m is not None:

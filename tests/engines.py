@@ -7,8 +7,9 @@ dispatcher asserts both the value and :func:`assert_engine`, so that a dispatche
 to another engine fails the test even when the values agree.
 
 Beside the scope, each engine must show its own work inside it (a fallback that kept the scope
-name would still fail): the block-sparse kernel gathers key/value blocks (``gather``), splash is
-a ``pallas_call``, the XLA reference forms scores with ``dot_general`` and gathers nothing.
+name would still fail): the block-sparse kernel gathers key/value blocks (``gather``), splash and
+the fused kernels are a ``pallas_call``, the XLA reference forms scores with ``dot_general``
+and gathers nothing.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ from collections.abc import Callable, Iterator
 import jax
 from jax.extend import core as jex_core
 
-ENGINES = ("xla", "blocksparse", "splash", "cudnn")
+ENGINES = ("xla", "blocksparse", "pallas", "splash", "cudnn")
 # Under autodiff the scope is wrapped, e.g. "transpose(jvp(sparse_jax/blocksparse))".
 _SCOPE = re.compile(r"sparse_jax/(" + "|".join(ENGINES) + r")\b")
 
 # Primitives that only the named engine's own work contains (checked inside its scope).
-_SIGNATURE = {"blocksparse": "gather", "splash": "pallas_call", "xla": "dot_general"}
+_SIGNATURE = {
+    "blocksparse": "gather",
+    "pallas": "pallas_call",
+    "splash": "pallas_call",
+    "xla": "dot_general",
+}
 
 
 def _sub_jaxprs(value) -> Iterator[jex_core.Jaxpr]:

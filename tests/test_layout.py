@@ -20,6 +20,7 @@ LEVELS = {
     "sparse_jax.blocksparse": 3,
     "sparse_jax.fused": 3,
     "sparse_jax.dynamic": 3,
+    "sparse_jax.kernels": 3,
     "sparse_jax.dispatch": 4,
     "sparse_jax.data": 5,
     "sparse_jax.models": 6,

@@ -1,0 +1,758 @@
+"""Fused block-sparse attention in Pallas for softmax, sparsemax, 1.5-entmax and α-entmax.
+
+:func:`pallas_attention` computes the same function as :func:`sparse_jax.blocksparse_attention`
+(``[batch, seq, heads, head_dim]``, a :class:`~sparse_jax.masks.BlockLayout`, grouped-query
+attention, ``Tq != Tk``) with the work of a query block done in on-chip memory: the scores of
+a block are formed, used and dropped, never written to HBM, and only the key blocks the layout
+keeps are visited.
+
+Forward (one program per query block, batch element and head):
+
+* softmax: the online (flash) recurrence over the kept key blocks (running maximum, running
+  sum, running ``p @ v``); the row's log-sum-exp is kept for the backward pass.
+* sparsemax, 1.5-entmax, α-entmax: the row's threshold τ is found without materialising the
+  row. The searches of :mod:`sparse_jax.normalizers` (Michelot's iteration, Newton on the
+  2-norm with its exact quadratic check, safeguarded Newton for any α) are written as
+  per-entry terms and a per-row update (:class:`~sparse_jax.normalizers.RowSearch`), so each
+  pass of a search sums its terms block by block over the kept key blocks. A first pass finds
+  the row maximum, the search passes follow, then one pass accumulates ``p @ v``. That pass
+  records which key blocks hold any nonzero weight: a block whose scores all fall below τ
+  skips its ``p @ v`` products there and is not visited at all by the backward pass, so the
+  sparsity the normalizer creates saves work, not only the mask's.
+
+Backward (two kernels, FlashAttention-2 style, no ``n x n`` buffer): with ``g_i = p_i^(2-α)``
+on the support (``p`` for softmax, ``1[p > 0]`` for sparsemax, ``√p`` for 1.5-entmax) the
+normalizers' Jacobian gives ``ds = g ⊙ (dp - δ)`` with ``δ = Σ g dp / Σ g = do · ū`` and
+``ū = Σ g v / Σ g``, which the forward pass accumulates beside the output (``ū = o`` for
+softmax). One kernel walks the kept key blocks of each query block for ``dq`` (and the α and
+scale derivatives, ``δ Σ t - Σ dp t`` per row with the ``t`` of
+:func:`~sparse_jax.normalizers.entmax_alpha_terms`); the other walks, for each key block, the
+query blocks that keep it (the transposed layout) for ``dk`` and ``dv``.
+
+Numerics follow :func:`sparse_jax.attention`: scores, normalizer and accumulation in float32,
+``p`` cast to ``v``'s dtype for its product, output in ``q``'s dtype; fully masked rows give
+0 and zero gradients; non-finite input follows the attention policy (``+inf`` scores count as
+the largest float, an allowed NaN makes the row NaN, a non-finite value vector makes its key's
+scores NaN).
+
+Backends: the kernels use only what Pallas lowers with Triton (GPU) and run unchanged in
+Pallas' interpret mode, which is how they run, and are tested, on CPU (``interpret=None``
+picks it there). Block sizes must be powers of two >= 16 (Triton's tiles); head dims are
+zero-padded to one. Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
+takes another engine): a ``bias``, run-time (``padding``) masks, ``return_weights``, float64,
+TPU (Mosaic lowering).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from sparse_jax.blocksparse import nonfinite_values
+from sparse_jax.masks import SENTINEL, BlockLayout, check_layout
+from sparse_jax.normalizers import (
+    SIGMA_MAX_EPS,
+    entmax15_polish,
+    entmax15_polish_terms,
+    entmax15_search,
+    entmax_alpha_terms,
+    entmax_powers,
+    entmax_search,
+    sparsemax_search,
+)
+from sparse_jax.validation import check_normalizer, check_qkv, check_scale
+
+__all__ = ["pallas_attention", "pallas_supports"]
+
+_NAME = "pallas_attention"
+_MIN_BLOCK = 16  # Triton's smallest dot tile
+_F32 = jnp.float32
+_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def _next_pow2(x: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, int(x) - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# What the kernels support (the dispatcher asks before choosing them).
+
+
+def pallas_supports(
+    q: Any,
+    layout: BlockLayout | None = None,
+    *,
+    bias: Any = None,
+    mask: Any = None,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> tuple[bool, str]:
+    """Whether :func:`pallas_attention` computes this call, and why not.
+
+    Args:
+      q: the queries (only the dtype is read).
+      layout: the block layout (its block sizes and whether it is dynamic), if known.
+      bias, mask: the call's bias and run-time mask (``padding``) if any.
+      return_weights: whether the call asks for the weights.
+      backend: ``jax.default_backend()`` when None.
+
+    Returns:
+      ``(True, "")`` or ``(False, reason)``.
+
+    Example:
+      >>> pallas_supports(np.zeros((1, 8, 1, 8)), backend="gpu")[1]  # numpy float64
+      'float64 is not supported (the kernels compute in float32)'
+    """
+    backend = backend or jax.default_backend()
+    if backend not in ("cpu", "gpu"):
+        return False, f"no Pallas kernel for backend {backend!r} yet (GPU/Triton and CPU interpret)"
+    if jnp.dtype(q.dtype) == jnp.float64:
+        return False, "float64 is not supported (the kernels compute in float32)"
+    if bias is not None:
+        return False, "a bias is not supported yet"
+    if return_weights:
+        return False, "return_weights is not supported (the weights are never materialised)"
+    if layout is not None:
+        if layout.dynamic or (mask is not None and getattr(mask, "is_dynamic", False)):
+            return False, "run-time (padding) masks are not supported yet"
+        for name, size in (("block_q", layout.block_q), ("block_kv", layout.block_kv)):
+            if size < _MIN_BLOCK or size & (size - 1):
+                return False, f"`{name}`={size} is not a power of two >= {_MIN_BLOCK}"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Static description of one call.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    """Static shapes, the normalizer and the layout arrays of one call (hashed by identity)."""
+
+    kind: str  # "softmax" | "sparsemax" | "entmax15" | "entmax"
+    sigma: Any  # entmax: python bool (static α) or None (decided per head from eps)
+    b: int
+    n: int
+    g: int  # query heads per key head
+    bq: int
+    bkv: int
+    nq: int
+    nk: int
+    d: int  # padded head dims
+    dv: int
+    per_head: int  # 1: layout arrays per head, 0: shared
+    interpret: bool
+    arrays: dict  # numpy layout arrays (see _layout_arrays)
+
+    @property
+    def row_length(self) -> int:
+        return self.arrays["idx"].shape[-1] * self.bkv
+
+
+def _layout_arrays(layout: BlockLayout) -> dict:
+    """The layout as the kernels read it, slot widths padded to powers of two.
+
+    ``idx``/``full``/``pmi`` ``[H, nq, Kp]`` (kept key blocks of each query block, in order),
+    ``count`` ``[H, nq, 1]``; ``masks`` ``[P, bq, bkv]`` int32; the transposed layout for the
+    key-block kernel: ``t_rows``/``t_slots`` ``[H, nk, Mp]`` (the query blocks keeping each key
+    block and the slot it has there), ``t_count`` ``[H, nk, 1]``.
+    """
+    idx = layout.kv_block_indices
+    h, _, k = idx.shape
+    nk = layout.num_kv_blocks
+    kp = _next_pow2(k)
+    valid = idx != SENTINEL
+
+    def pad(x, fill=0):
+        return np.pad(x, ((0, 0), (0, 0), (0, kp - k)), constant_values=fill).astype(np.int32)
+
+    masks = layout.partial_masks.astype(np.int32)
+    p = _next_pow2(max(1, masks.shape[0]))
+    masks = np.concatenate(
+        [masks, np.zeros((p - masks.shape[0], layout.block_q, layout.block_kv), np.int32)]
+    )
+    hh, rr, ss = np.nonzero(valid)
+    cc = idx[hh, rr, ss]
+    order = np.lexsort((rr, cc, hh))
+    hh, rr, ss, cc = hh[order], rr[order], ss[order], cc[order]
+    key = hh * nk + cc
+    t_count = np.bincount(key, minlength=h * nk).reshape(h, nk)
+    first = np.searchsorted(key, key, side="left")
+    pos = np.arange(len(key)) - first
+    mp = _next_pow2(max(1, int(t_count.max(initial=0))))
+    t_rows = np.zeros((h, nk, mp), np.int32)
+    t_slots = np.zeros((h, nk, mp), np.int32)
+    t_rows[hh, cc, pos] = rr
+    t_slots[hh, cc, pos] = ss
+    return {
+        "idx": pad(np.where(valid, idx, 0)),
+        "full": pad(layout.block_is_full),
+        "pmi": pad(np.maximum(layout.partial_mask_index, 0)),
+        "count": layout.kv_block_counts[..., None].astype(np.int32),
+        "masks": masks,
+        "t_rows": t_rows,
+        "t_slots": t_slots,
+        "t_count": t_count[..., None].astype(np.int32),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces shared by the kernels.
+
+
+def _dot(a, b, contract_a: int = 1, contract_b: int = 1):
+    """a @ b contracting the given axes of two 2-d tiles, accumulated in float32."""
+    dims = (((contract_a,), (contract_b,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=_F32)
+
+
+def _block_scores(q, k_ref, kv_block, plan: _Plan, scale):
+    """Scaled scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf clipped)."""
+    start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
+    k = k_ref[pl.ds(start, plan.bkv), :]
+    raw = _dot(q, k)
+    return raw, jnp.minimum(raw * scale, _MAX)
+
+
+def _allowed(full, mask_index, masks_ref):
+    """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask."""
+    return jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
+
+
+def _z(kind: str, x, row_max, eps):
+    """The search variable of a masked score tile ``x`` (-inf where masked): x - max, scaled."""
+    shifted = x - row_max
+    if kind == "sparsemax":
+        return shifted
+    if kind == "entmax15":
+        return 0.5 * shifted
+    return eps * shifted
+
+
+def _weights(kind: str, z, tau, eps, sigma):
+    """Unnormalized weights p̂ and Jacobian weights ŝ = p̂^(2-α) of a tile at threshold τ."""
+    if kind == "sparsemax":
+        return jnp.maximum(z - tau, 0.0), (z > tau).astype(_F32)
+    if kind == "entmax15":
+        u = jnp.maximum(z - tau, 0.0)
+        return u * u, u
+    return entmax_powers(z, tau, eps, sigma)
+
+
+def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int):
+    """The :class:`~sparse_jax.normalizers.RowSearch` of a row tile, started from τ = -1."""
+    done0 = jnp.logical_not(row_max > -jnp.inf)  # nothing allowed, or NaN: no search
+    tau0 = jnp.full_like(row_max, -1.0)
+    if kind == "sparsemax":
+        return sparsemax_search(tau0, done0, row_length)
+    if kind == "entmax15":
+        return entmax15_search(tau0, done0)
+    return entmax_search(eps, sigma, n_valid, done0)
+
+
+def _row_pass(count, block_terms, n_terms: int, rows: int):
+    """Sums ``block_terms(j)`` (a tuple of ``[rows, bkv]`` tiles) over the row's kept blocks."""
+
+    def body(j, sums):
+        return tuple(
+            a + jnp.sum(x, axis=-1, keepdims=True)
+            for a, x in zip(sums, block_terms(j), strict=True)
+        )
+
+    init = tuple(jnp.zeros((rows, 1), _F32) for _ in range(n_terms))
+    return jax.lax.fori_loop(0, count, body, init)
+
+
+def _eps_sigma(plan: _Plan, eps_ref, rows: int):
+    """(ε = α - 1 as a [rows, 1] tile, how τ is held) for α-entmax; else (None, None)."""
+    if plan.kind != "entmax":
+        return None, None
+    eps = jnp.full((rows, 1), eps_ref[0], _F32)
+    sigma = plan.sigma if plan.sigma is not None else eps <= SIGMA_MAX_EPS
+    return eps, sigma
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernels.
+
+
+def _forward_softmax_kernel(scale_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, full_ref, pmi_ref,
+                            masks_ref, o_ref, lse_ref, *, plan: _Plan):  # fmt: skip
+    q = q_ref[...]
+    scale = scale_ref[0]
+    bq = q.shape[0]
+
+    def body(j, carry):
+        row_max, total, acc = carry
+        kv_block = idx_ref[j]
+        _, s = _block_scores(q, k_ref, kv_block, plan, scale)
+        x = jnp.where(_allowed(full_ref[j], pmi_ref[j], masks_ref), s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        correction = jnp.exp(row_max - shift)
+        e = jnp.exp(x - shift)
+        start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
+        v = v_ref[pl.ds(start, plan.bkv), :]
+        acc = correction * acc + _dot(e.astype(v.dtype), v, 1, 0)
+        return new_max, correction * total + jnp.sum(e, axis=-1, keepdims=True), acc
+
+    init = (
+        jnp.full((bq, 1), -jnp.inf, _F32),
+        jnp.zeros((bq, 1), _F32),
+        jnp.zeros((bq, plan.dv), _F32),
+    )
+    row_max, total, acc = jax.lax.fori_loop(0, cnt_ref[0], body, init)
+    o_ref[...] = (acc / jnp.where(total > 0.0, total, 1.0)).astype(o_ref.dtype)
+    shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
+    lse_ref[...] = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)[:, 0]
+
+
+def _forward_sparse_kernel(scale_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, full_ref,
+                           pmi_ref, masks_ref, o_ref, ubar_ref, max_ref, tau_ref, mass_ref,
+                           live_ref, *, plan: _Plan):  # fmt: skip
+    q = q_ref[...]
+    scale = scale_ref[0]
+    bq = q.shape[0]
+    count = cnt_ref[0]
+    eps, sigma = _eps_sigma(plan, eps_ref, bq)
+
+    def masked(j):
+        _, s = _block_scores(q, k_ref, idx_ref[j], plan, scale)
+        return jnp.where(_allowed(full_ref[j], pmi_ref[j], masks_ref), s, -jnp.inf)
+
+    def first_pass(j, carry):
+        row_max, n_valid = carry
+        x = masked(j)
+        row_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
+        return row_max, n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
+
+    init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32))
+    row_max, n_valid = jax.lax.fori_loop(0, count, first_pass, init)
+    nan_row = jnp.isnan(row_max)
+    shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN stays NaN: its z is NaN
+
+    def z_of(j):
+        return _z(plan.kind, masked(j), shift, eps)
+
+    search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length)
+    tile = jax.ShapeDtypeStruct((bq, plan.bkv), _F32)
+    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
+
+    def cond(carry):
+        it, state = carry
+        return jnp.logical_and(it < search.max_iter, jnp.logical_not(jnp.all(state[-1])))
+
+    def step(carry):
+        it, state = carry
+        sums = _row_pass(count, lambda j: search.terms(z_of(j), state), n_terms, bq)
+        return it + 1, search.update(state, sums)
+
+    _, state = jax.lax.while_loop(cond, step, (jnp.int32(0), search.init))
+    tau = state[0]
+    if plan.kind == "entmax15":
+        tau = entmax15_polish(
+            tau, _row_pass(count, lambda j: entmax15_polish_terms(z_of(j), tau), 3, bq)
+        )
+
+    live_ref[...] = jnp.zeros(live_ref.shape, live_ref.dtype)
+
+    def out_pass(j, carry):
+        acc, acc_u, mass, s_sum = carry
+        p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
+        live = jnp.any(p > 0.0)
+        live_ref[j] = live.astype(live_ref.dtype)
+        start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
+
+        def products(acc, acc_u):
+            v = v_ref[pl.ds(start, plan.bkv), :]
+            return (
+                acc + _dot(p.astype(v.dtype), v, 1, 0),
+                acc_u + _dot(s.astype(v.dtype), v, 1, 0),
+            )
+
+        acc, acc_u = jax.lax.cond(live, products, lambda a, b: (a, b), acc, acc_u)
+        mass = mass + jnp.sum(p, axis=-1, keepdims=True)
+        return acc, acc_u, mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
+
+    zeros_v = jnp.zeros((bq, plan.dv), _F32)
+    zeros_r = jnp.zeros((bq, 1), _F32)
+    acc, acc_u, mass, s_sum = jax.lax.fori_loop(
+        0, count, out_pass, (zeros_v, zeros_v, zeros_r, zeros_r)
+    )
+    out = jnp.where(nan_row, jnp.nan, acc / jnp.where(mass > 0.0, mass, 1.0))
+    o_ref[...] = out.astype(o_ref.dtype)
+    ubar_ref[...] = acc_u / jnp.where(s_sum > 0.0, s_sum, 1.0)
+    max_ref[...] = shift[:, 0]
+    tau_ref[...] = tau[:, 0]
+    mass_ref[...] = jnp.where(nan_row, jnp.nan, mass)[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: the weights and Jacobian weights of a tile, recomputed from the row statistics.
+
+
+def _recompute(plan: _Plan, x, rows: dict, eps, sigma):
+    """(p, g) of a masked score tile: the weights and g = p^(2-α) (softmax: g = p)."""
+    if plan.kind == "softmax":
+        p = jnp.exp(x - rows["lse"])
+        return p, p
+    z = _z(plan.kind, x, rows["max"], eps)
+    p_hat, s_hat = _weights(plan.kind, z, rows["tau"], eps, sigma)
+    mass = rows["mass"]
+    safe = jnp.where(mass > 0.0, mass, 1.0)
+    p = p_hat / safe
+    if plan.kind == "sparsemax":
+        return p, s_hat
+    if plan.kind == "entmax15":
+        return p, s_hat * jax.lax.rsqrt(safe)
+    return p, s_hat * jnp.exp((eps - 1.0) * jnp.log(safe))
+
+
+def _row_names(plan: _Plan) -> tuple[str, ...]:
+    stats = ("lse",) if plan.kind == "softmax" else ("max", "tau", "mass")
+    return (*stats, "delta")
+
+
+def _dq_kernel(*refs, plan: _Plan):
+    names = _row_names(plan)
+    scale_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:6]
+    row_refs = dict(zip(names, refs[6 : 6 + len(names)], strict=True))
+    idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = refs[
+        6 + len(names) : 12 + len(names)
+    ]
+    dq_ref, dalpha_ref, dscale_ref = refs[12 + len(names) :]
+    q, do = q_ref[...], do_ref[...]
+    bq = q.shape[0]
+    scale = scale_ref[0]
+    eps, sigma = _eps_sigma(plan, eps_ref, bq)
+    rows = {name: ref[...][:, None] for name, ref in row_refs.items()}
+    delta = rows["delta"]
+
+    def body(j, carry):
+        def visit(carry):
+            dq, t_sum, dp_t, ds_raw = carry
+            kv_block = idx_ref[j]
+            raw, s = _block_scores(q, k_ref, kv_block, plan, scale)
+            x = jnp.where(_allowed(full_ref[j], pmi_ref[j], masks_ref), s, -jnp.inf)
+            p, g = _recompute(plan, x, rows, eps, sigma)
+            start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
+            k = k_ref[pl.ds(start, plan.bkv), :]
+            v = v_ref[pl.ds(start, plan.bkv), :]
+            dp = _dot(do, v)
+            ds = g * (dp - delta)
+            dq = dq + _dot(ds.astype(k.dtype), k, 1, 0)
+            ds_raw = ds_raw + jnp.sum(jnp.where(g > 0.0, ds * raw, 0.0), axis=-1, keepdims=True)
+            if plan.kind == "entmax":
+                _, t = entmax_alpha_terms(p, eps)
+                t_sum = t_sum + jnp.sum(t, axis=-1, keepdims=True)
+                dp_t = dp_t + jnp.sum(jnp.where(t != 0.0, dp * t, 0.0), axis=-1, keepdims=True)
+            return dq, t_sum, dp_t, ds_raw
+
+        if plan.kind == "softmax":
+            return visit(carry)
+        return jax.lax.cond(live_ref[j] != 0, visit, lambda c: c, carry)
+
+    zeros_r = jnp.zeros((bq, 1), _F32)
+    init = (jnp.zeros((bq, plan.d), _F32), zeros_r, zeros_r, zeros_r)
+    dq, t_sum, dp_t, ds_raw = jax.lax.fori_loop(0, cnt_ref[0], body, init)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dalpha_ref[...] = (delta * t_sum - dp_t)[:, 0]
+    dscale_ref[...] = ds_raw[:, 0]
+
+
+def _dkv_kernel(*refs, plan: _Plan):
+    names = _row_names(plan)
+    scale_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:6]
+    row_refs = dict(zip(names, refs[6 : 6 + len(names)], strict=True))
+    rest = refs[6 + len(names) :]
+    t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref, dk_ref, dv_ref = (
+        rest
+    )
+    k, v = k_ref[...], v_ref[...]
+    scale = scale_ref[0]
+    bq, bkv = plan.bq, plan.bkv
+    eps, sigma = _eps_sigma(plan, eps_ref, bq)
+
+    def body(t, carry):
+        row_block, slot = t_rows_ref[t], t_slots_ref[t]
+
+        def visit(carry):
+            dk, dv = carry
+            start = pl.multiple_of(row_block * bq, bq)
+            sl = pl.ds(start, bq)
+            q, do = q_ref[sl, :], do_ref[sl, :]
+            rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
+            s = jnp.minimum(_dot(q, k) * scale, _MAX)
+            allowed = _allowed(full_ref[row_block, slot], pmi_ref[row_block, slot], masks_ref)
+            x = jnp.where(allowed, s, -jnp.inf)
+            p, g = _recompute(plan, x, rows, eps, sigma)
+            dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+            ds = g * (_dot(do, v) - rows["delta"])
+            dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+            return dk, dv
+
+        if plan.kind == "softmax":
+            return visit(carry)
+        return jax.lax.cond(live_ref[row_block, slot] != 0, visit, lambda c: c, carry)
+
+    init = (jnp.zeros((bkv, plan.d), _F32), jnp.zeros((bkv, plan.dv), _F32))
+    dk, dv = jax.lax.fori_loop(0, t_cnt_ref[0], body, init)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrappers.
+
+
+def _call(kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name: str):
+    kwargs = {}
+    if not plan.interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(
+            num_warps=4 if plan.d <= 64 else 8, num_stages=2
+        )
+    return pl.pallas_call(
+        functools.partial(kernel, plan=plan),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=plan.interpret,
+        name=name,
+        **kwargs,
+    )
+
+
+def _scalar_spec():
+    return pl.BlockSpec((1,), lambda *_: (0,))
+
+
+def _eps_spec(head_axis: int):
+    return pl.BlockSpec((None, 1), lambda *ids: (ids[head_axis], 0))
+
+
+def _forward(plan: _Plan, scale, eps, q, k, v):
+    a = plan.arrays
+    b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
+    tq, tk = q.shape[1], k.shape[1]
+    ph = plan.per_head
+    q_spec = pl.BlockSpec((None, bq, None, plan.d), lambda i, bb, h: (bb, i, h, 0))
+    k_spec = pl.BlockSpec((None, tk, None, plan.d), lambda i, bb, h: (bb, 0, h // g, 0))
+    v_spec = pl.BlockSpec((None, tk, None, plan.dv), lambda i, bb, h: (bb, 0, h // g, 0))
+    kp = a["idx"].shape[-1]
+    row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
+    layout_specs = [
+        row_spec,
+        pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)),
+        row_spec,
+        row_spec,
+        pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
+    ]
+    layout_in = [jnp.asarray(a[key]) for key in ("idx", "count", "full", "pmi", "masks")]
+    o_shape = jax.ShapeDtypeStruct((b, tq, n, plan.dv), q.dtype)
+    o_spec = pl.BlockSpec((None, bq, None, plan.dv), lambda i, bb, h: (bb, i, h, 0))
+    stat_shape = jax.ShapeDtypeStruct((b, n, tq), _F32)
+    stat_spec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
+    grid = (nq, b, n)
+    if plan.kind == "softmax":
+        o, lse = _call(
+            _forward_softmax_kernel, plan, grid,
+            [_scalar_spec(), q_spec, k_spec, v_spec, *layout_specs],
+            [o_spec, stat_spec], [o_shape, stat_shape], "sparse_jax_pallas_softmax_fwd",
+        )(scale, q, k, v, *layout_in)  # fmt: skip
+        return o, {"lse": lse, "ubar": o.astype(_F32), "live": None}
+    live_shape = jax.ShapeDtypeStruct((b, n, nq, kp), jnp.int32)
+    live_spec = pl.BlockSpec((None, None, None, kp), lambda i, bb, h: (bb, h, i, 0))
+    ubar_shape = jax.ShapeDtypeStruct((b, tq, n, plan.dv), _F32)
+    o, ubar, row_max, tau, mass, live = _call(
+        _forward_sparse_kernel, plan, grid,
+        [_scalar_spec(), _eps_spec(2), q_spec, k_spec, v_spec, *layout_specs],
+        [o_spec, o_spec, stat_spec, stat_spec, stat_spec, live_spec],
+        [o_shape, ubar_shape, stat_shape, stat_shape, stat_shape, live_shape],
+        f"sparse_jax_pallas_{plan.kind}_fwd",
+    )(scale, eps, q, k, v, *layout_in)  # fmt: skip
+    return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
+
+
+def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
+    a = plan.arrays
+    b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
+    tq, tk = q.shape[1], k.shape[1]
+    ph = plan.per_head
+    kh = k.shape[2]
+    # δ = do · ū per row [B, N, Tq].
+    delta = jnp.einsum("bqnd,bqnd->bnq", do.astype(_F32), res["ubar"])
+    rows = {**{key: res[key] for key in _row_names(plan)[:-1]}, "delta": delta}
+    row_values = [rows[name] for name in _row_names(plan)]
+    live = res["live"] if res["live"] is not None else jnp.zeros((b, n, nq, 1), jnp.int32)
+    kp = a["idx"].shape[-1]
+    layout_in = [jnp.asarray(a[key]) for key in ("idx", "count", "full", "pmi", "masks")]
+
+    # dq (and the per-row α and scale terms): one program per query block.
+    q_blk = pl.BlockSpec((None, bq, None, plan.d), lambda i, bb, h: (bb, i, h, 0))
+    do_blk = pl.BlockSpec((None, bq, None, plan.dv), lambda i, bb, h: (bb, i, h, 0))
+    k_all = pl.BlockSpec((None, tk, None, plan.d), lambda i, bb, h: (bb, 0, h // g, 0))
+    v_all = pl.BlockSpec((None, tk, None, plan.dv), lambda i, bb, h: (bb, 0, h // g, 0))
+    stat_blk = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
+    row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
+    live_w = live.shape[-1]
+    dq, dalpha_rows, dscale_rows = _call(
+        _dq_kernel, plan, (nq, b, n),
+        [_scalar_spec(), _eps_spec(2), q_blk, k_all, v_all, do_blk,
+         *[stat_blk] * len(row_values),
+         row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
+         row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
+         pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
+        [q_blk, stat_blk, stat_blk],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tq), _F32),
+         jax.ShapeDtypeStruct((b, n, tq), _F32)],
+        f"sparse_jax_pallas_{plan.kind}_dq",
+    )(scale, eps, q, k, v, do, *row_values, *layout_in, live)  # fmt: skip
+
+    # dk, dv per query head: one program per key block, over the query blocks keeping it.
+    mp = a["t_rows"].shape[-1]
+    q_all = pl.BlockSpec((None, tq, None, plan.d), lambda c, bb, h: (bb, 0, h, 0))
+    do_all = pl.BlockSpec((None, tq, None, plan.dv), lambda c, bb, h: (bb, 0, h, 0))
+    k_blk = pl.BlockSpec((None, bkv, None, plan.d), lambda c, bb, h: (bb, c, h // g, 0))
+    v_blk = pl.BlockSpec((None, bkv, None, plan.dv), lambda c, bb, h: (bb, c, h // g, 0))
+    stat_all = pl.BlockSpec((None, None, tq), lambda c, bb, h: (bb, h, 0))
+    t_spec = pl.BlockSpec((None, None, mp), lambda c, bb, h: (h * ph, c, 0))
+    full_all = pl.BlockSpec((None, nq, kp), lambda c, bb, h: (h * ph, 0, 0))
+    dk_blk = pl.BlockSpec((None, bkv, None, plan.d), lambda c, bb, h: (bb, c, h, 0))
+    dv_blk = pl.BlockSpec((None, bkv, None, plan.dv), lambda c, bb, h: (bb, c, h, 0))
+    dk, dv = _call(
+        _dkv_kernel, plan, (nk, b, n),
+        [_scalar_spec(), _eps_spec(2), q_all, k_blk, v_blk, do_all,
+         *[stat_all] * len(row_values),
+         t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
+         full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
+         pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0))],
+        [dk_blk, dv_blk],
+        [jax.ShapeDtypeStruct((b, tk, n, plan.d), k.dtype),
+         jax.ShapeDtypeStruct((b, tk, n, plan.dv), v.dtype)],
+        f"sparse_jax_pallas_{plan.kind}_dkv",
+    )(scale, eps, q, k, v, do, *row_values, jnp.asarray(a["t_rows"]), jnp.asarray(a["t_slots"]),
+      jnp.asarray(a["t_count"]), jnp.asarray(a["full"]), jnp.asarray(a["pmi"]),
+      jnp.asarray(a["masks"]), live)  # fmt: skip
+    if g > 1:  # grouped-query attention: a key head's gradient sums its query heads'
+        dk = dk.astype(_F32).reshape(b, tk, kh, g, plan.d).sum(3).astype(k.dtype)
+        dv = dv.astype(_F32).reshape(b, tk, kh, g, plan.dv).sum(3).astype(v.dtype)
+    deps = jnp.sum(dalpha_rows, axis=(0, 2))[:, None] if plan.kind == "entmax" else None
+    dscale = jnp.sum(dscale_rows).reshape(1)
+    return dq, dk, dv, deps, dscale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(plan: _Plan, scale, eps, q, k, v):
+    return _forward(plan, scale, eps, q, k, v)[0]
+
+
+def _fused_fwd(plan, scale, eps, q, k, v):
+    o, res = _forward(plan, scale, eps, q, k, v)
+    return o, (scale, eps, q, k, v, res)
+
+
+def _fused_bwd(plan, residuals, do):
+    scale, eps, q, k, v, res = residuals
+    dq, dk, dv, deps, dscale = _backward(plan, scale, eps, q, k, v, res, do)
+    deps = jnp.zeros_like(eps) if deps is None else deps
+    return dscale.astype(scale.dtype), deps.astype(eps.dtype), dq, dk, dv
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+
+def pallas_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layout: BlockLayout,
+    *,
+    normalizer: Any = "softmax",
+    scale: float | jax.Array | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
+
+    Shapes: ``B`` batch, ``Tq``/``Tk`` query/key lengths, ``N`` query heads, ``Kh`` key/value
+    heads (``Kh`` divides ``N``), ``D``/``Dv`` head dims.
+
+    Args:
+      q: ``[B, Tq, N, D]`` queries, float32, bfloat16 or float16.
+      k: ``[B, Tk, Kh, D]`` keys, ``v``: ``[B, Tk, Kh, Dv]`` values, ``q``'s dtype.
+      layout: ``mask.blocks(Tq, Tk, bq, bkv)`` for a static mask (shared or per-head with ``N``
+        heads); ``bq`` and ``bkv`` powers of two >= 16.
+      normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
+        float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
+      scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
+      interpret: run the kernels in Pallas' interpret mode; default: on CPU only.
+
+    Returns:
+      ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
+      scale.
+
+    Raises:
+      ValueError, TypeError: for bad or unsupported arguments, before anything is traced.
+
+    Example:
+      >>> from sparse_jax.masks import causal, local
+      >>> q = k = v = jnp.ones((1, 32, 2, 16))  # [batch, seq, heads, head_dim]
+      >>> layout = (causal() & local(7, 0)).blocks(32, 32, 16, 16)
+      >>> out = pallas_attention(q, k, v, layout, normalizer="sparsemax")
+      >>> out.shape, bool(jnp.allclose(out, 1.0))
+      ((1, 32, 2, 16), True)
+    """
+    caller = _NAME
+    check_qkv(q, k, v, caller)
+    b, tq, n, d = q.shape
+    tk, kh, dv = v.shape[1], v.shape[2], v.shape[3]
+    layout = check_layout(layout, tq, tk, n, caller)
+    normalizer = check_normalizer(normalizer, n, caller)
+    scale = check_scale(scale, d, caller)
+    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"{caller}: `interpret` must be None or a bool; got {interpret!r}")
+    backend = "cpu" if interpret else jax.default_backend()
+    ok, why = pallas_supports(q, layout, backend=backend)
+    if not ok:
+        raise ValueError(f"{caller}: {why}; use impl='blocksparse' or impl='xla' for this call")
+    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+    kind, sigma, alpha = normalizer, None, None
+    if isinstance(normalizer, float):
+        kind = {2.0: "sparsemax", 1.5: "entmax15"}.get(normalizer, "entmax")
+        alpha = normalizer
+        sigma = normalizer - 1.0 <= SIGMA_MAX_EPS
+    elif not isinstance(normalizer, str):
+        kind, alpha = "entmax", jnp.broadcast_to(normalizer.astype(_F32).reshape(-1), (n,))
+    eps = (jnp.asarray(alpha, _F32) - 1.0) if kind == "entmax" else jnp.zeros((), _F32)
+    eps = jnp.broadcast_to(eps, (n,)).reshape(n, 1)
+
+    nq, nk = layout.num_q_blocks, layout.num_kv_blocks
+    bq, bkv = layout.block_q, layout.block_kv
+    d_p, dv_p = _next_pow2(d, _MIN_BLOCK), _next_pow2(dv, _MIN_BLOCK)
+    plan = _Plan(
+        kind=kind, sigma=sigma, b=b, n=n, g=n // kh, bq=bq, bkv=bkv, nq=nq, nk=nk, d=d_p,
+        dv=dv_p, per_head=int(layout.kv_block_indices.shape[0] > 1), interpret=interpret,
+        arrays=_layout_arrays(layout),
+    )  # fmt: skip
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    v, key_nan = nonfinite_values(v)  # a non-finite value vector makes its key's scores NaN
+    k = jnp.where(jnp.isnan(key_nan)[..., None], jnp.asarray(jnp.nan, k.dtype), k)
+    q = jnp.pad(q, ((0, 0), (0, nq * bq - tq), (0, 0), (0, d_p - d)))
+    k = jnp.pad(k, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, d_p - d)))
+    v = jnp.pad(v, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, dv_p - dv)))
+    scale = jnp.asarray(scale, _F32).reshape(1)
+    out = _fused(plan, scale, eps, q, k, v)
+    return out[:, :tq, :, :dv]

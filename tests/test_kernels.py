@@ -1,0 +1,248 @@
+"""The fused Pallas kernels (sparse_jax.kernels) in interpret mode against the XLA reference.
+
+One parametrised grid (each row a normalizer with a mask, shape and dtype; not the product),
+values and gradients of q, k, v and, where it is an array, α and the scale. Small shapes: the
+kernels run in Pallas' interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_jax import attention, attention_impl, masks
+from sparse_jax.kernels import flash as pk
+from sparse_jax.kernels import pallas_attention
+from tests.engines import assert_engine
+
+# (normalizer, mask, (B, Tq, Tk, N, Kh, D), dtype, block)
+CASES = {
+    "softmax-causal": ("softmax", masks.causal(), (1, 64, 64, 2, 2, 8), jnp.float32, 16),
+    "sparsemax-per-head": (
+        "sparsemax",
+        masks.per_head([masks.causal() & masks.local(20, 0), masks.causal() & masks.sink(4)]),
+        (1, 64, 64, 2, 2, 8),
+        jnp.float32,
+        16,
+    ),
+    "entmax15-cross": (
+        "entmax15",
+        masks.local(24, 24),
+        (2, 40, 72, 2, 1, 12),
+        jnp.float32,
+        16,
+    ),
+    "alpha-heads-gqa": (
+        "alpha",
+        masks.causal() & (masks.local(16, 0) | masks.sink(2)),
+        (1, 64, 64, 4, 2, 8),
+        jnp.float32,
+        16,
+    ),
+    "alpha-2.5-window": (
+        2.5,
+        masks.causal() & masks.local(24, 0),
+        (1, 64, 64, 2, 2, 8),
+        jnp.float32,
+        16,
+    ),
+    "softmax-window-bf16": (
+        "softmax",
+        masks.causal() & masks.local(24, 0),
+        (1, 64, 64, 2, 1, 16),
+        jnp.bfloat16,
+        32,
+    ),
+    "sparsemax-causal-bf16": ("sparsemax", masks.causal(), (1, 64, 64, 2, 2, 16), jnp.bfloat16, 32),
+}
+
+
+def _inputs(shape, dtype, seed=0):
+    b, tq, tk, n, kh, d = shape
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (b, tq, n, d)) * 1.5
+    k = jax.random.normal(keys[1], (b, tk, kh, d)) * 1.5
+    v = jax.random.normal(keys[2], (b, tk, kh, d))
+    cot = jax.random.normal(keys[3], (b, tq, n, d))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), cot
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_values_and_gradients_match_the_xla_reference(case):
+    norm, mask, shape, dtype, block = CASES[case]
+    q, k, v, cot = _inputs(shape, dtype)
+    n = shape[3]
+    alpha = jnp.linspace(1.2, 1.9, n) if norm == "alpha" else None
+    scale = jnp.float32(0.4)
+
+    def loss(impl):
+        def fn(q, k, v, alpha, scale):
+            out = attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                normalizer=norm if alpha is None else alpha,
+                scale=scale,
+                impl=impl,
+                block_size=(block, block),
+            )
+            return jnp.sum(out.astype(jnp.float32) * cot), out
+
+        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4), has_aux=True)
+
+    argnums_alpha = alpha if alpha is not None else None
+    (_, out), grads = jax.jit(loss("pallas"))(q, k, v, argnums_alpha, scale)
+    (_, ref), ref_grads = jax.jit(loss("xla"))(q, k, v, argnums_alpha, scale)
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.float32(out), np.float32(ref), atol=tol, rtol=tol)
+    for name, g, r in zip(("q", "k", "v", "alpha", "scale"), grads, ref_grads, strict=True):
+        if r is None:
+            continue
+        g, r = np.float32(g), np.float32(r)
+        # bfloat16: the kernels and the reference round p (and ds) to bfloat16 at different
+        # points; compare against the gradient's own scale.
+        atol = tol * max(1.0, float(np.abs(r).max())) * (1 if dtype == jnp.float32 else 4)
+        np.testing.assert_allclose(g, r, atol=atol, rtol=tol, err_msg=name)
+
+
+def test_the_dispatcher_runs_the_kernel_and_auto_keeps_the_xla_kernels_on_cpu():
+    q, k, v, _ = _inputs((1, 64, 64, 2, 2, 8), jnp.float32)
+    mask = masks.causal() & masks.local(16, 0)
+
+    def run(q, k, v):
+        return attention(
+            q, k, v, mask=mask, normalizer="entmax15", impl="pallas", block_size=(16, 16)
+        )
+
+    assert_engine("pallas", run, q, k, v)
+    assert "sparse_jax_pallas_entmax15_fwd" in str(jax.make_jaxpr(run)(q, k, v))
+    choice = attention_impl(q, k, v, mask=mask, normalizer="entmax15", block_size=(16, 16))
+    assert choice.impl in ("blocksparse", "xla"), choice
+
+
+def test_fully_masked_rows_give_zero_output_and_gradients():
+    allowed = np.tril(np.ones((32, 32), bool))
+    allowed[5:9] = False  # four query rows see nothing
+    mask = masks.from_array(allowed)
+    q, k, v, cot = _inputs((1, 32, 32, 2, 2, 8), jnp.float32)
+    layout = mask.blocks(32, 32, 16, 16)
+    for norm in ("softmax", "sparsemax", 1.7):
+
+        def loss(q, k, v, norm=norm):
+            return jnp.sum(pallas_attention(q, k, v, layout, normalizer=norm) * cot)
+
+        out = pallas_attention(q, k, v, layout, normalizer=norm)
+        dq = jax.grad(loss)(q, k, v)
+        assert float(jnp.abs(out[:, 5:9]).max()) == 0.0
+        assert float(jnp.abs(dq[:, 5:9]).max()) == 0.0
+        assert bool(jnp.isfinite(out).all()) and bool(jnp.isfinite(dq).all())
+
+
+def test_ties_at_the_threshold_match_the_reference():
+    # Integer scores with many equal values: ties at τ are where supports are decided.
+    idx = jnp.arange(32)
+    q = jnp.stack([(idx % 3).astype(jnp.float32), jnp.ones(32)], -1)[None, :, None, :]
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, 14)))
+    k = jnp.stack([(idx % 2).astype(jnp.float32), (idx % 4 == 0).astype(jnp.float32)], -1)
+    k = jnp.pad(k[None, :, None, :], ((0, 0), (0, 0), (0, 0), (0, 14)))
+    v = jax.random.normal(jax.random.PRNGKey(1), (1, 32, 1, 16))
+    mask = masks.causal()
+    for norm in ("sparsemax", "entmax15"):
+        out = attention(q, k, v, mask=mask, normalizer=norm, impl="pallas", block_size=(16, 16),
+                        scale=1.0)  # fmt: skip
+        ref = attention(q, k, v, mask=mask, normalizer=norm, impl="xla", scale=1.0)
+        np.testing.assert_allclose(out, ref, atol=1e-6)
+
+
+def test_blocks_below_the_threshold_are_skipped():
+    # Query rows that score key block 0 far above the rest: sparsemax gives the later blocks
+    # zero weight, and the forward pass marks them dead (skipped there and in the backward).
+    q = jnp.zeros((1, 64, 1, 16)).at[..., 0].set(1.0)
+    k = jnp.zeros((1, 64, 1, 16)).at[:, :16, :, 0].set(8.0)
+    v = jax.random.normal(jax.random.PRNGKey(2), (1, 64, 1, 16))
+    layout = masks.causal().blocks(64, 64, 16, 16)
+    plan_out = pallas_attention(q, k, v, layout, normalizer="sparsemax", scale=1.0)
+    ref = attention(q, k, v, mask=masks.causal(), normalizer="sparsemax", impl="xla", scale=1.0)
+    np.testing.assert_allclose(plan_out, ref, atol=1e-6)
+    live = _live_map(q, k, v, layout, "sparsemax")
+    counts = layout.kv_block_counts[0]
+    # Query block 3 keeps key blocks 0..3 but only block 0 holds weight.
+    assert live[0, 0, 3, : counts[3]].tolist() == [1, 0, 0, 0]
+    grads = jax.grad(
+        lambda q, k, v: jnp.sum(
+            pallas_attention(q, k, v, layout, normalizer="sparsemax", scale=1.0) * v
+        ),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    ref_grads = jax.grad(
+        lambda q, k, v: jnp.sum(
+            attention(q, k, v, mask=masks.causal(), normalizer="sparsemax", impl="xla", scale=1.0)
+            * v
+        ),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    # dq is 0 up to rounding (16 tied keys with equal k): sums of 16 terms of 8·|ds| ~ 8.
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+def _live_map(q, k, v, layout, norm):
+    """The forward pass's record of the key blocks holding weight, ``[B, N, nq, slots]``."""
+    b, _, n, d = q.shape
+    plan = pk._Plan(
+        kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
+        nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
+        interpret=True, arrays=pk._layout_arrays(layout),
+    )  # fmt: skip
+    eps = jnp.zeros((n, 1), jnp.float32)
+    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), eps, q, k, v)
+    return np.asarray(res["live"])
+
+
+def test_non_finite_input_follows_the_attention_policy():
+    q, k, v, _ = _inputs((1, 32, 32, 1, 1, 16), jnp.float32)
+    q = q.at[0, 20, 0, 3].set(jnp.nan)  # query row 20 is NaN
+    v = v.at[0, 25, 0, 1].set(jnp.inf)  # key 25: rows >= 25 (causal) become NaN
+    mask = masks.causal()
+    for norm in ("softmax", "entmax15"):
+        out = attention(q, k, v, mask=mask, normalizer=norm, impl="pallas", block_size=(16, 16))
+        ref = attention(q, k, v, mask=mask, normalizer=norm, impl="xla")
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        finite = ~np.isnan(np.asarray(ref))
+        np.testing.assert_allclose(np.asarray(out)[finite], np.asarray(ref)[finite], atol=1e-5)
+        assert np.isnan(np.asarray(out)[0, 20]).all() and np.isnan(np.asarray(out)[0, 25:]).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"block_size": (8, 16)}, r"block_size\[0\]`=8 is not a power of two >= 16"),
+        ({"block_size": (16, 48)}, r"block_size\[1\]`=48"),
+        ({"bias": jnp.zeros((1, 1, 32, 32))}, "a bias is not supported"),
+        ({"mask": masks.padding(jnp.array([20]))}, "run-time \\(padding\\) masks"),
+        ({"mask": None}, "needs `mask` to be a sparse_jax.masks.Mask"),
+        ({"return_weights": True}, "return_weights is not supported"),
+    ],
+)
+def test_bad_arguments_are_refused_before_tracing(kwargs, match):
+    q, k, v, _ = _inputs((1, 32, 32, 1, 1, 16), jnp.float32)
+    call = {"mask": masks.causal(), "block_size": (16, 16), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, impl="pallas", **call)
+
+
+def test_kernel_arguments_are_checked():
+    q, k, v, _ = _inputs((1, 32, 32, 1, 1, 16), jnp.float32)
+    layout = masks.causal().blocks(32, 32, 16, 16)
+    with pytest.raises(ValueError, match="float64 is not supported"):
+        x = np.zeros((1, 32, 1, 16))
+        pallas_attention(x, x, x, layout)
+    with pytest.raises(ValueError, match="built for"):
+        pallas_attention(q, k, v, masks.causal().blocks(48, 48, 16, 16))
+    with pytest.raises(ValueError, match="normalizer"):
+        pallas_attention(q, k, v, layout, normalizer="softermax")
+    with pytest.raises(TypeError, match="`interpret` must be None or a bool"):
+        pallas_attention(q, k, v, layout, interpret="yes")
