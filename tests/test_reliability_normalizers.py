@@ -309,6 +309,7 @@ def test_nonfinite_in_attention_follows_the_policy():
             run = functools.partial(
                 sj.attention, mask=causal, normalizer=normalizer, impl=impl, block_size=(4, 4)
             )
+            assert_engine(impl, run, q, k, v)
             # A NaN query row: that row is NaN (never a silent zero), the others are not.
             clean = np.asarray(run(q, k, v))
             q_nan = q.copy()
