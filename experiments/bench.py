@@ -7,6 +7,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench normalizers --help
     python -m experiments.bench attention --lengths 1024 4096
     python -m experiments.bench hardening --lengths 1024
+    python -m experiments.bench kernels    # fused kernels and, on a GPU, the PyTorch peers
 
 The default ``normalizers`` run takes about 8 minutes on a 2-core CPU, most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
@@ -36,6 +37,7 @@ from optax.projections import projection_simplex
 
 import sparse_jax
 from experiments import timing
+from experiments.bench_kernels import KernelsConfig, run_kernels
 from sparse_jax import masks
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention
@@ -57,16 +59,6 @@ def benchmark(name: str, config_cls: type) -> Callable:
         return runner
 
     return register
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _fmt_ms(stats: timing.TimingStats) -> str:
-    ms = stats.median_ms
-    text = f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
-    return text + (f"†{len(stats.times_s)}" if stats.truncated else "")
 
 
 def _fmt_ratio(value: float, reference: float | None) -> str:
@@ -265,7 +257,7 @@ def _check(name: str, config: NormalizersConfig, norm: Normalizer, n: int, key) 
     visible = mask.sum(-1).mean()
     if problems:
         msg = f"sanity check FAILED for {name} at n={n}: " + "; ".join(problems)
-        _log("WARNING: " + msg)
+        timing.log("WARNING: " + msg)
         return [msg]
     return [
         f"{name} at n={n}: masked mass 0, rows sum to 1 (±{tol:g}); mean support "
@@ -281,7 +273,7 @@ def run_normalizers(config: NormalizersConfig, command: str) -> str:
     b, h, d = config.batch, config.heads, config.head_dim
     start = time.perf_counter()
     header = timing.environment_line(command)
-    _log(header)
+    timing.log(header)
 
     notes = []
     check_n = min(*config.lengths, 512)  # sanity checks run in numpy: keep them small
@@ -313,7 +305,7 @@ def run_normalizers(config: NormalizersConfig, command: str) -> str:
                 )
                 cells.append(stats)
             results[(name, n)] = cells
-            _log(
+            timing.log(
                 f"[{time.perf_counter() - start:6.0f} s] n={n} {_label(name, config)}: "
                 + ", ".join(f"{s.median_ms:.1f}" for s in cells)
                 + " ms"
@@ -331,7 +323,7 @@ def run_normalizers(config: NormalizersConfig, command: str) -> str:
             row: list[str] = [_label(name, config), str(n)]
             for j, stats in enumerate(cells):
                 ref_s = None if ref is None else ref[j].median_s
-                row += [_fmt_ms(stats), _fmt_ratio(stats.median_s, ref_s)]
+                row += [timing.format_ms(stats), _fmt_ratio(stats.median_s, ref_s)]
             peak = cells[3].peak_bytes
             row.append("–" if peak is None else f"{peak / 2**20:.0f}")
             row.append(f"{math.fsum(s.compile_s for s in cells):.1f}")
@@ -462,7 +454,7 @@ def run_attention(config: AttentionConfig, command: str) -> str:
     b, h, d = config.batch, config.heads, config.head_dim
     start = time.perf_counter()
     header = timing.environment_line(command)
-    _log(header)
+    timing.log(header)
     rows, findings = [], {"speed": [], "density": [], "normalizer": []}
     for n in config.lengths:
         keys = jax.random.split(jax.random.key(config.seed + n), 4)
@@ -508,10 +500,10 @@ def run_attention(config: AttentionConfig, command: str) -> str:
                         f"{cost.computed_scores / cost.dense_scores:.1%}",
                         normalizer,
                         dense_label,
-                        _fmt_ms(dense[0]),
-                        _fmt_ms(dense[1]),
-                        _fmt_ms(sparse[0]),
-                        _fmt_ms(sparse[1]),
+                        timing.format_ms(dense[0]),
+                        timing.format_ms(dense[1]),
+                        timing.format_ms(sparse[0]),
+                        timing.format_ms(sparse[1]),
                         f"{speedup:.1f}x",
                         "–" if naive_mib is None else f"{naive_mib:.0f}",
                         "–" if mem[0] is None else f"{mem[0] / 2**20:.0f}",
@@ -539,7 +531,7 @@ def run_attention(config: AttentionConfig, command: str) -> str:
                         f"under the block-sparse kernel {ratio:.2f}x softmax's fwd+bwd "
                         "(target <= 1.5x)"
                     )
-                _log(
+                timing.log(
                     f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {normalizer}: "
                     f"{dense_label} {dense[1].median_ms:.0f} ms, blocksparse "
                     f"{sparse[1].median_ms:.0f} ms (fwd+bwd)"
@@ -652,7 +644,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
     """Returns the markdown of the hardening benchmark (see HardeningConfig)."""
     start = time.perf_counter()
     header = timing.environment_line(command)
-    _log(header)
+    timing.log(header)
     cfg = GPT2Config(
         vocab_size=config.vocab,
         n_positions=max(config.lengths),
@@ -715,9 +707,9 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
                     f"{f.attention_density:.1%}",
                     f"{f.total / 1e9:.2f}",
                     f"{f.attention / 1e9:.2f}",
-                    _fmt_ms(c),
+                    timing.format_ms(c),
                     "–" if c.peak_bytes is None else f"{c.peak_bytes / 2**20:.0f}",
-                    _fmt_ms(a),
+                    timing.format_ms(a),
                     "–" if label == "dense" else f"{ratio:.2f}",
                 ]
             )
@@ -727,7 +719,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
                 f"{attn_hard.median_ms:.0f} ms = {ratio:.2f} x density x dense "
                 f"({attn_dense.median_ms:.0f} ms; target <= 2)"
             )
-        _log(
+        timing.log(
             f"[{time.perf_counter() - start:6.0f} s] n={n}: model {cells['dense'].median_ms:.0f}"
             f" -> {cells['hardened'].median_ms:.0f} ms, attention {attn_dense.median_ms:.0f} -> "
             f"{attn_hard.median_ms:.0f} ms (window {window})"
@@ -762,6 +754,9 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
 
 
+benchmark("kernels", KernelsConfig)(run_kernels)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -782,7 +777,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         output = pathlib.Path(output)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(markdown)
-        _log(f"wrote {output}")
+        timing.log(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -202,3 +203,15 @@ def load_average() -> str:
         return "{:.2f}/{:.2f}/{:.2f}".format(*os.getloadavg())
     except OSError:
         return "unknown"
+
+
+def format_ms(stats: TimingStats) -> str:
+    """The median in ms with 3 significant digits; ``†k`` when only k calls were timed."""
+    ms = stats.median_ms
+    text = f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+    return text + (f"†{len(stats.times_s)}" if stats.truncated else "")
+
+
+def log(message: str) -> None:
+    """Progress of a benchmark, to stderr (stdout holds its table)."""
+    print(message, file=sys.stderr, flush=True)

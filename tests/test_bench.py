@@ -89,3 +89,30 @@ def test_bad_attention_flags_are_refused(capsys):
         bench.main(["attention", "--block", "0"])
     assert exit_info.value.code == 2
     assert "block must be a positive integer" in capsys.readouterr().err
+
+
+def test_kernels_benchmark_times_every_engine_on_every_cell(capsys):
+    bench.main(
+        ["kernels", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
+         "--block", "16", "--window", "8", "--normalizers", "1.3", "--masks", "local_sink",
+         "--dense-up-to", "16", "--repeats", "1"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("| ") and "ms" not in line]
+    rows = [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+    cells = {(row[0], row[2], row[3]): row for row in rows}
+    assert {engine for _, _, engine in cells} == {"xla", "blocksparse", "pallas"}  # CPU's
+    assert len(rows) == 3
+    for (_, _, engine), row in cells.items():
+        if engine == "xla":  # above --dense-up-to: said, not timed
+            assert row[4] == "–" and "dense O(n²) above 16" in row[6]
+        else:
+            assert float(row[5].rstrip("†1")) > 0, row
+    assert "no PyTorch peers: not a GPU machine" in printed
+
+
+def test_bad_kernels_flags_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["kernels", "--normalizers", "0.5"])
+    assert exit_info.value.code == 2
+    assert "finite α > 1" in capsys.readouterr().err

@@ -1,0 +1,290 @@
+"""``python -m experiments.bench kernels``: every attention engine of sparse_jax, and on a GPU
+its PyTorch peers, on the same work in the same run (see KernelsConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from experiments import timing
+from sparse_jax import masks
+from sparse_jax.dispatch import attention
+from sparse_jax.fused import cudnn_mask_arguments
+
+KernelMask = Literal["causal", "local", "local_sink"]
+Engine = Literal["xla", "blocksparse", "pallas", "cudnn", "splash"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsConfig:
+    """Fused and XLA engines for every normalizer under causal, windowed and sink masks,
+    forward and forward+backward, with compiled memory; PyTorch peers (SDPA, FlexAttention,
+    AdaSplash) on a CUDA machine where torch is importable, each in its own process."""
+
+    lengths: tuple[int, ...] | None = None
+    """Sequence lengths; default 4096 ... 131072 on an accelerator, 256 and 512 on CPU (where
+    the Pallas kernel runs in interpret mode: a correctness run, not a timing)."""
+    normalizers: tuple[str, ...] = ("softmax", "sparsemax", "entmax15", "1.3")
+    """Normalizers: names or an α for α-entmax."""
+    masks: tuple[KernelMask, ...] = ("causal", "local", "local_sink")
+    """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
+    engines: tuple[Engine, ...] | None = None
+    """Engines to time; default: xla, blocksparse, pallas, and cudnn (GPU) / splash (TPU)."""
+    window: int = 512
+    """Left extent of the local window."""
+    batch: int = 2
+    heads: int = 16
+    head_dim: int = 64
+    block: int = 128
+    """Block size (query and key) of the block-sparse and Pallas kernels."""
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
+    dense_up_to: int = 16384
+    """The dense XLA reference (O(n²) work) is timed up to this length only."""
+    repeats: int = 10
+    """Timed calls per cell (median), after compilation and a warm-up call."""
+    slow_s: float = 20.0
+    budget_s: float = 20.0
+    peers: bool = True
+    """Also time the PyTorch peers (GPU only, torch importable)."""
+    seed: int = 0
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "head_dim", "block", "repeats", "window", "dense_up_to"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.lengths is not None and (
+            not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths)
+        ):
+            raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
+        for name in self.normalizers:
+            if name not in ("softmax", "sparsemax", "entmax15"):
+                try:
+                    alpha = float(name)
+                except ValueError:
+                    alpha = float("nan")
+                if not alpha > 1.0 or alpha == float("inf"):
+                    raise ValueError(
+                        f"normalizers: {name!r} is neither softmax, sparsemax, entmax15 nor a "
+                        "finite α > 1"
+                    )
+        for name in ("slow_s", "budget_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+
+def _mask(name: str, window: int):
+    if name == "causal":
+        return masks.causal(), "causal"
+    local = masks.causal() & masks.local(window, 0)
+    if name == "local":
+        return local, f"causal & local({window}, 0)"
+    return local | masks.sink(4), f"(causal & local({window}, 0)) | sink(4)"
+
+
+def _normalizer(name: str):
+    return name if name in ("softmax", "sparsemax", "entmax15") else float(name)
+
+
+def _applies(engine: str, norm, mask, n: int, dtype, config: KernelsConfig) -> str:
+    """'' when the engine computes the cell, else why not (shown in the table)."""
+    if engine == "xla" and n > config.dense_up_to:
+        return f"dense O(n²) above {config.dense_up_to}"
+    if engine in ("cudnn", "splash") and norm != "softmax":
+        return "softmax only"
+    if engine == "cudnn":
+        if dtype not in (jnp.bfloat16, jnp.float16):
+            return "half precision only"
+        try:
+            cudnn_mask_arguments(mask)
+        except ValueError:
+            return "mask not expressible"
+    if engine == "pallas" and jax.default_backend() == "cpu" and n > 2048:
+        return "interpret mode on CPU: too slow above 2048"
+    return ""
+
+
+def _cells(config, q, k, v, g, mask, norm, engine):
+    block = (config.block, config.block)
+
+    def fwd(q, k, v):
+        return attention(q, k, v, mask=mask, normalizer=norm, impl=engine, block_size=block)
+
+    def loss(q, k, v, g):
+        return jnp.sum(fwd(q, k, v).astype(jnp.float32) * g)
+
+    limits = {"repeats": config.repeats, "slow_s": config.slow_s, "budget_s": config.budget_s}
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return timing.time_fn(fwd, q, k, v, **limits), timing.time_fn(grad, q, k, v, g, **limits)
+
+
+def _peer_rows(config, lengths, dtype_name) -> tuple[list[dict], str]:
+    """Runs experiments.bench_peers in its own process; (rows, note)."""
+    if not config.peers:
+        return [], "peers not requested (--no-peers)"
+    if jax.default_backend() != "gpu":
+        return [], "no PyTorch peers: not a GPU machine"
+    if importlib.util.find_spec("torch") is None:
+        return [], "no PyTorch peers: torch is not importable (an optional benchmark extra)"
+    cells = [
+        {"mask": m, "n": n, "normalizer": name, "window": config.window}
+        for n in lengths
+        for m in config.masks
+        for name in config.normalizers
+    ]
+    request = {
+        "batch": config.batch,
+        "heads": config.heads,
+        "head_dim": config.head_dim,
+        "dtype": dtype_name,
+        "repeats": config.repeats,
+        "cells": cells,
+    }
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_peers", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        return [], f"the peers' process failed: {done.stderr.strip()[-300:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1]), "peers measured in their own process"
+
+
+def run_kernels(config: KernelsConfig, command: str) -> str:
+    """Returns the markdown of the kernels benchmark (see KernelsConfig)."""
+    backend = jax.default_backend()
+    accel = backend != "cpu"
+    lengths = config.lengths or ((4096, 16384, 65536, 131072) if accel else (256, 512))
+    dtype_name = config.dtype or ("bfloat16" if accel else "float32")
+    dtype = jnp.dtype(dtype_name)
+    engines = config.engines or (
+        ("xla", "blocksparse", "pallas")
+        + (("cudnn",) if backend == "gpu" else ("splash",) if backend == "tpu" else ())
+    )
+    b, h, d = config.batch, config.heads, config.head_dim
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    timing.log(header)
+    results: dict[tuple, tuple] = {}
+    rows = []
+    for n in lengths:
+        keys = jax.random.split(jax.random.key(config.seed + n), 4)
+        q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
+        q, k, v = (x.astype(dtype) for x in (q, k, v))
+        for mask_name in config.masks:
+            mask, label = _mask(mask_name, config.window)
+            for norm_name in config.normalizers:
+                norm = _normalizer(norm_name)
+                for engine in engines:
+                    why = _applies(engine, norm, mask, n, dtype, config)
+                    cells: tuple = ()
+                    if not why:
+                        try:
+                            cells = _cells(config, q, k, v, g, mask, norm, engine)
+                        except Exception as err:  # OOM or a backend limit: report, go on
+                            why = f"{type(err).__name__}: {str(err)[:80]}"
+                    results[(n, mask_name, norm_name, engine)] = cells
+                    if cells:
+                        fwd, both = cells
+                        peak = both.peak_bytes
+                        rows.append(
+                            [label, str(n), norm_name, engine, timing.format_ms(fwd),
+                             timing.format_ms(both),
+                             "–" if peak is None else f"{peak / 2**20:.0f}"]
+                        )  # fmt: skip
+                        timing.log(
+                            f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} "
+                            f"{engine}: {both.median_ms:.2f} ms fwd+bwd"
+                        )
+                    else:
+                        rows.append([label, str(n), norm_name, engine, "–", "–", why])
+    peer_rows, peer_note = _peer_rows(config, lengths, dtype_name)
+    for row in peer_rows:
+        label = _mask(row["mask"], config.window)[1]
+        if "error" in row:
+            rows.append(
+                [label, str(row["n"]), row["normalizer"], row["peer"], "–", "–", row["error"]]
+            )
+        else:
+            rows.append(
+                [label, str(row["n"]), row["normalizer"], row["peer"], f"{row['fwd_ms']:.2f}",
+                 f"{row['fwd_bwd_ms']:.2f}", "–"]
+            )  # fmt: skip
+    headers = ["mask", "n", "normalizer", "engine", "fwd ms", "fwd+bwd ms", "peak MiB / note"]
+    table = timing.markdown_table(headers, rows, align="lrllrrl")
+    findings = _findings(results, peer_rows, lengths, config)
+    elapsed = time.perf_counter() - start
+    notes = [
+        f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; blocks {config.block}; fwd+bwd = gradient of "
+        f"sum(out * g) w.r.t. q, k, v; median of {config.repeats} calls after compilation and a "
+        "warm-up call (†k: only k calls). Peak MiB: XLA's compiled buffer assignment.",
+        f"Peers: {peer_note}.",
+        *findings,
+        f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
+    ]
+    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+
+
+def _findings(results, peer_rows, lengths, config) -> list[str]:
+    """The issue's targets, 'met' or 'MISSED', from the cells of this run."""
+
+    def ours(n, mask, norm, engine="pallas"):
+        cells = results.get((n, mask, norm, engine))
+        return cells[1].median_ms if cells else None
+
+    def peer(n, mask, norm, name):
+        for row in peer_rows:
+            if (row["n"], row["mask"], row["normalizer"], row["peer"]) == (n, mask, norm, name):
+                return row.get("fwd_bwd_ms")
+        return None
+
+    out = []
+
+    def check(text, value, target, better="<="):
+        if value is None:
+            return
+        ok = value <= target if better == "<=" else value >= target
+        out.append(f"{'met' if ok else 'MISSED'}: {text} {value:.2f} (target {better} {target})")
+
+    for n in lengths:
+        if n < 16384:
+            continue
+        mine, ref = ours(n, "causal", "entmax15"), peer(n, "causal", "entmax15", "adasplash-2")
+        if mine and ref:
+            check(f"n={n} 1.5-entmax causal: pallas / AdaSplash-2 fwd+bwd", mine / ref, 1.0)
+        mine, ref = ours(n, "causal", "sparsemax"), peer(n, "causal", "sparsemax", "adasplash-1")
+        if mine and ref:
+            check(f"n={n} sparsemax causal: AdaSplash-1 / pallas", ref / mine, 3.0, ">=")
+        for norm in ("sparsemax", "entmax15"):
+            mine, soft = ours(n, "local", norm), ours(n, "local", "softmax")
+            if mine and soft:
+                check(f"n={n} {norm} local: pallas / pallas softmax", mine / soft, 2.0)
+        for mask in config.masks:
+            mine, ref = ours(n, mask, "softmax"), peer(n, mask, "softmax", "flex")
+            if mine and ref:
+                check(f"n={n} softmax {mask}: pallas / FlexAttention", mine / ref, 1.3)
+        mine, ref = ours(n, "causal", "softmax"), ours(n, "causal", "softmax", "cudnn")
+        if mine and ref:
+            check(f"n={n} softmax causal: pallas / cuDNN", mine / ref, 1.5)
+    if 16384 in lengths and 65536 in lengths:
+        for norm in config.normalizers:
+            small, large = ours(16384, "local", norm), ours(65536, "local", norm)
+            if small and large:
+                check(f"{norm} local: pallas time growth 16384 -> 65536", large / small, 4.5)
+    return out
