@@ -346,7 +346,9 @@ def _forward_sparse_kernel(scale_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt
 
     def cond(carry):
         it, state = carry
-        return jnp.logical_and(it < search.max_iter, jnp.logical_not(jnp.all(state[-1])))
+        # (Triton lowers no boolean reductions: "all rows done" as a min over 0/1.)
+        running = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
+        return jnp.logical_and(it < search.max_iter, running)
 
     def step(carry):
         it, state = carry
@@ -365,7 +367,7 @@ def _forward_sparse_kernel(scale_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt
     def out_pass(j, carry):
         acc, acc_u, mass, s_sum = carry
         p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
-        live = jnp.any(p > 0.0)
+        live = jnp.max(p) > 0.0
         live_ref[j] = live.astype(live_ref.dtype)
         start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
 
