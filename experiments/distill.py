@@ -36,7 +36,7 @@ import jax
 
 from experiments import distill_phases, measure
 from experiments.distill_config import DistillConfig, parse
-from experiments.distill_run import Run, log
+from experiments.distill_run import Run, log, write_text_atomically
 from experiments.report import write_report
 
 __all__ = ["DistillConfig", "Run", "main", "parse", "run"]
@@ -50,6 +50,7 @@ def run(config: DistillConfig) -> dict:
     def lap(name):
         seconds[name] = time.perf_counter() - started - sum(seconds.values())
 
+    distill_phases.student_spec(config)  # the student's flags, checked before set-up
     r = Run(config)
     lap("data")
     teacher = distill_phases.teacher(r)
@@ -90,7 +91,8 @@ def run(config: DistillConfig) -> dict:
         "device": f"{jax.default_backend()} x{jax.device_count()}",
     }
     if r.primary:
-        (r.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+        text = json.dumps(summary, indent=2, default=float) + "\n"
+        write_text_atomically(r.dir / "summary.json", text)
         write_report(r.dir)
     log(f"done in {summary['wall_time_s']:.0f} s: {r.dir / 'report.md'}")
     return summary

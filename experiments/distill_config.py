@@ -19,14 +19,23 @@ import dataclasses
 import importlib
 import json
 import math
+import numbers
 import pathlib
+import shlex
 import sys
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import tyro
 
 from experiments import configs
 from sparse_jax.models.gpt2 import PRESETS, GPT2Config
+from sparse_jax.models.hf import (
+    PretrainedFileError,
+    check_weights_file,
+    from_pretrained,
+    read_config,
+)
 
 __all__ = [
     "OLD_FLAGS",
@@ -39,6 +48,7 @@ __all__ = [
     "StudentConfig",
     "TeacherConfig",
     "TrainConfig",
+    "command_line",
     "named",
     "parse",
 ]
@@ -47,6 +57,11 @@ __all__ = [
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 # The study configs in experiments/configs/ (one module each).
 ConfigName = Literal[configs.NAMES]  # type: ignore[valid-type]
+
+
+def _is_int(value: Any) -> bool:
+    """A python or numpy integer (bools refused)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 class _Group:
@@ -58,9 +73,11 @@ class _Group:
         return f"--{self.group}.{name.replace('_', '-')}"
 
     def int_at_least(self, name: str, low: int) -> None:
+        """Checks an int field (numpy integers accepted, stored as python ints)."""
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not _is_int(value) or value < low:
             raise ValueError(f"{self.flag(name)} must be an int >= {low}; got {value!r}")
+        object.__setattr__(self, name, int(value))
 
     def number(self, name: str, *, positive: bool) -> None:
         value = getattr(self, name)
@@ -92,6 +109,11 @@ class DataConfig(_Group):
         if self.source != "default" and not self.source.startswith("tfds:"):
             if not pathlib.Path(self.source).exists():
                 raise ValueError(f"{self.flag('source')} path {self.source!r} does not exist")
+        if self.tokenizer not in ("byte", "gpt2") and not pathlib.Path(self.tokenizer).is_dir():
+            raise ValueError(
+                f"{self.flag('tokenizer')} must be 'byte', 'gpt2' or a folder of GPT-2 "
+                f"vocabulary files; got {self.tokenizer!r} (no such folder)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +143,37 @@ class TeacherConfig(_Group):
         if self.source != "train" and not pathlib.Path(self.source).is_dir():
             if "/" in self.source or self.source.startswith("."):
                 raise ValueError(f"{self.flag('source')} folder {self.source!r} does not exist")
+        self.hf_config()  # a local folder's files are checked now, before anything is written
+
+    def hf_config(self) -> GPT2Config | None:
+        """The GPT2Config of a local --teacher.source folder (None: trained here, or a hub
+        name); a folder whose config.json or model.safetensors cannot be used is refused."""
+        folder = pathlib.Path(self.source)
+        if self.source == "train" or not folder.is_dir():
+            return None
+        flag = f"{self.flag('source')} {self.source!r}"
+        if not all((folder / name).is_file() for name in ("config.json", "model.safetensors")):
+            try:  # says which files are missing, or how to convert a pickled checkpoint
+                from_pretrained(folder)
+            except (FileNotFoundError, ValueError) as err:
+                raise ValueError(f"{flag}: {err}") from err
+        try:
+            config = read_config(folder / "config.json")
+            check_weights_file(folder / "model.safetensors")
+        except PretrainedFileError as err:
+            raise ValueError(
+                f"{flag}: {err.path} {err.problem}. Pass a folder "
+                "holding a Hugging Face GPT-2 (config.json and model.safetensors; download it "
+                "again if it was cut short)"
+            ) from err
+        return config
 
     def positions(self) -> int | None:
         """The teacher's n_positions, known before anything is built (None for a hub name)."""
         if self.source == "train":
             return GPT2Config.preset(self.size).n_positions
-        hf_config = pathlib.Path(self.source) / "config.json"
-        if hf_config.exists():
-            return int(json.loads(hf_config.read_text())["n_positions"])
-        return None
+        config = self.hf_config()
+        return None if config is None else config.n_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +205,13 @@ class StudentConfig(_Group):
     def __post_init__(self):
         self.int_at_least("block_size", 1)
         self.int_at_least("fixed_window", 1)
-        if not self.windows or any(
-            isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.windows
-        ):
-            raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {self.windows!r}")
+        windows = self.windows
+        if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
+            raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {windows!r}")
+        windows = tuple(windows)
+        if not windows or any(not _is_int(w) or w < 1 for w in windows):
+            raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {windows!r}")
+        object.__setattr__(self, "windows", tuple(int(w) for w in windows))
         if self.anchor_self and self.combine == "mixture":
             raise ValueError(
                 f"{self.flag('anchor_self')} needs {self.flag('combine')} soft_union or "
@@ -313,8 +360,9 @@ class RunConfig(_Group):
         self.int_at_least("model_axis", 1)
         if self.data_axis is not None:
             self.int_at_least("data_axis", 1)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not _is_int(self.seed):
             raise ValueError(f"{self.flag('seed')} must be an int; got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +402,46 @@ class DistillConfig:
             else:
                 out[key] = value
         return json.loads(json.dumps(out, default=str))
+
+    def command(self, *, resume: bool | None = None, run_dir: Any = None) -> str:
+        """The shell command that runs this config (the flags that differ from its --config's
+        values), with --resume and --run.dir set as given.
+
+        Example:
+          >>> DistillConfig(train=TrainConfig(steps=9)).command(resume=True, run_dir="runs/a")
+          'python -m experiments.distill --resume --train.steps 9 --run.dir runs/a'
+        """
+        flags = self.flags()
+        if resume is not None:
+            flags["resume"] = resume
+        if run_dir is not None:
+            flags["run.dir"] = str(run_dir)
+        return command_line(flags)
+
+
+def command_line(flags: dict[str, Any]) -> str:
+    """``python -m experiments.distill ...`` for dotted flag values (as :meth:`DistillConfig.flags`
+    gives them): the flags that differ from the values of their ``--config`` study. Flags that
+    no longer exist are left out."""
+    name = flags.get("config", "default")
+    name = name if name in configs.NAMES else "default"
+    base = named(name).flags()
+    args = ["python", "-m", "experiments.distill"]
+    if name != "default":
+        args += ["--config", name]
+    for key, value in flags.items():
+        if key == "config" or key not in base or value == base[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):  # tyro's --x / --no-x, --group.x / --group.no-x
+            group, _, field = flag[2:].rpartition(".")
+            off = f"--{group}.no-{field}" if group else f"--no-{field}"
+            args.append(flag if value else off)
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *(str(v) for v in value)]
+        else:
+            args += [flag, str(value)]
+    return shlex.join(args)
 
 
 # The flat flags of distill before its configuration was grouped -> the grouped field, so that

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import sys
 import time
 import zlib
@@ -25,14 +26,25 @@ import zlib
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.distill_config import OLD_FLAGS, DistillConfig
+from experiments.distill_config import OLD_FLAGS, DistillConfig, command_line
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training import sharding
-from sparse_jax.training.checkpoint import Checkpointer
+from sparse_jax.training.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    NoReadableCheckpointError,
+)
 from sparse_jax.training.loop import Trainer, append_jsonl
 
-__all__ = ["Run", "check_same_config", "log", "resolve_run_dir"]
+__all__ = [
+    "Run",
+    "check_same_config",
+    "log",
+    "read_record",
+    "resolve_run_dir",
+    "write_text_atomically",
+]
 
 
 def log(msg: str) -> None:
@@ -81,10 +93,10 @@ def _flags_of_record(record: dict) -> dict:
     return out
 
 
-def check_same_config(saved: dict, given: dict) -> None:
+def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = None) -> None:
     """--resume continues the run it finds: refuse flags that would change what it computes.
     ``saved`` and ``given`` are config.json records; a flag that the run's (older) record lacks
-    must be at its default."""
+    must be at its default. ``folder`` (the run's) lets the message give the exact command."""
     saved, given = _flags_of_record(saved), _flags_of_record(given)
     defaults = DistillConfig().flags()
     changed = [
@@ -94,15 +106,35 @@ def check_same_config(saved: dict, given: dict) -> None:
         if key not in _RESUME_FREE and saved.get(key, defaults.get(key)) != given.get(key)
     ]
     if changed:
+        how = "Resume with the run's flags, or start a new --run.dir"
+        if folder is not None:
+            run_flags = {**saved, "resume": True, "run.dir": str(folder)}
+            # A run that stopped before its first checkpoint may be started afresh in place.
+            restart = folder.is_dir() and _failed_before_first_checkpoint(folder)
+            where = "" if restart else " in a new folder"
+            now_dir = folder if restart else _sibling(folder)
+            now = {**given, "resume": False, "run.dir": str(now_dir)}
+            how = (
+                f"Resume with the run's flags:  {command_line(run_flags)}   or start these flags "
+                f"afresh{where}:  {command_line(now)}"
+            )
         raise ValueError(
             "--resume: this command's configuration differs from the run's config.json in "
             + "; ".join(changed)
-            + ". Resume with the run's flags, or start a new --run.dir"
+            + ". "
+            + how
         )
 
 
 class Run:
-    """State shared by the phases of one run: data, mesh, folders, the metrics log."""
+    """State shared by the phases of one run: data, mesh, folders, the metrics log.
+
+    Nothing is written into the run folder before every check that can fail has passed (flags,
+    mesh, data, the folder itself). A fresh start refuses a folder that holds checkpoints or a
+    finished run, saying the command that continues it; a folder left by a run that failed
+    before its first checkpoint is started afresh. ``--resume`` refuses a folder that does not
+    exist or holds no run, saying the command that starts one.
+    """
 
     def __init__(self, config: DistillConfig):
         self.config = config
@@ -113,13 +145,9 @@ class Run:
         now = float(sharding.broadcast_from_primary(np.float64(time.time())))
         self.dir = resolve_run_dir(config, now)
         self.cache = pathlib.Path(os.path.expanduser(config.run.cache_dir))
-        if self.dir.exists() and any(self.dir.iterdir()) and not config.resume:
-            raise ValueError(
-                f"--run.dir {str(self.dir)!r} already holds a run: pass --resume to continue it "
-                "or choose another --run.dir (nothing is overwritten)"
-            )
-        sharding.sync_processes("distill_run_dir_checked")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        config_path = self.dir / "config.json"
+        saved = self._check_folder(config_path)  # the run's record on --resume, else None
         self.mesh = sharding.make_mesh(config.run.data_axis, config.run.model_axis)
         sharding.check_batch(config.data.batch_size, self.mesh)
         d = config.data
@@ -131,19 +159,96 @@ class Run:
                     d.source, d.tokenizer, d.seq_len, data_dir=self.cache / "tfds"
                 )
             sharding.sync_processes(f"distill_data_prepared_{turn}")
-        self.metrics_path = self.dir / "metrics.jsonl"
+        teacher = config.teacher.hf_config()  # a local --teacher.source folder's sizes
+        if teacher is not None and teacher.vocab_size < self.data.vocab_size:
+            raise ValueError(
+                f"--teacher.source {config.teacher.source!r} has a vocabulary of "
+                f"{teacher.vocab_size} but --data.tokenizer {d.tokenizer!r} produces ids up to "
+                f"{self.data.vocab_size - 1}: pass a teacher of that tokenizer"
+            )
         record = json.loads(json.dumps(_record(config, self.data.describe()), default=str))
-        config_path = self.dir / "config.json"
-        if config.resume and config_path.exists():
-            check_same_config(json.loads(config_path.read_text()), record)
-        elif self.primary:
-            config_path.write_text(json.dumps(record, indent=2) + "\n")
-        log(self.data.describe())
+        if saved is not None:
+            check_same_config(saved, record, self.dir)
         # Fixed evaluation batches: the first windows of the evaluation split.
         n_eval = min(len(self.data.eval), config.measure.eval_batches * d.batch_size)
         if n_eval < 1:
-            raise ValueError("the evaluation split has no window of --data.seq-len + 1 tokens")
+            raise ValueError(
+                f"the evaluation split of --data.source {d.source!r} has no window of "
+                f"--data.seq-len + 1 = {d.seq_len + 1} tokens: pass a shorter --data.seq-len "
+                "or a longer corpus"
+            )
         self.eval_windows = np.asarray(self.data.eval[list(range(n_eval))], np.int32)
+        # Every check passed: the run folder is written from here on.
+        if self.primary:
+            if saved is None:
+                self._clear_failed_start()
+                self.dir.mkdir(parents=True, exist_ok=True)
+                write_text_atomically(config_path, json.dumps(record, indent=2) + "\n")
+        sharding.sync_processes("distill_run_dir_ready")
+        log(self.data.describe())
+
+    def _check_folder(self, config_path: pathlib.Path) -> dict | None:
+        """Refuses a run folder this command cannot use (reads only); returns the run's record
+        for --resume."""
+        c, folder = self.config, self.dir
+        if c.resume:
+            if not folder.is_dir():
+                raise ValueError(
+                    f"--resume: the run folder {str(folder)!r} does not exist, so there is no "
+                    f"run to continue. Start it with:  {c.command(resume=False, run_dir=folder)}"
+                )
+            if not config_path.exists():
+                if _checkpoint_steps(folder):
+                    raise ValueError(
+                        f"--resume: {folder} holds checkpoints but no config.json (the run's "
+                        "flags): put it back, or start a new run in another folder with:  "
+                        f"{c.command(resume=False, run_dir=_sibling(folder))}"
+                    )
+                raise ValueError(
+                    f"--resume: {folder} holds no run to continue (no config.json). Start one "
+                    f"with:  {c.command(resume=False, run_dir=folder)}"
+                )
+            return read_record(config_path, c)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--run.dir {str(folder)!r} is a file; choose another --run.dir")
+        if not folder.exists() or not any(folder.iterdir()):
+            return None
+        if _failed_before_first_checkpoint(folder):
+            return None
+        steps = _checkpoint_steps(folder)
+        if not config_path.exists() and not steps and not (folder / "summary.json").exists():
+            raise ValueError(
+                f"--run.dir {str(folder)!r} is not empty and holds no run of this job: choose "
+                "another --run.dir (nothing is overwritten)"
+            )
+        held = ", ".join(f"{phase} up to step {max(s)}" for phase, s in steps.items())
+        held = f"checkpoints of {held}" if held else "a finished run"
+        resume = c.command(resume=True, run_dir=folder)
+        if config_path.exists():
+            try:
+                resume = command_line(
+                    {**_flags_of_record(read_record(config_path, c)), "resume": True}
+                    | {"run.dir": str(folder)}
+                )
+            except ValueError:
+                pass  # its config.json is damaged: read_record says so on --resume
+        raise ValueError(
+            f"--run.dir {str(folder)!r} already holds a run ({held}); nothing is overwritten. "
+            f"Continue it with:  {resume}   or start afresh in a new folder with:  "
+            f"{c.command(resume=False, run_dir=_sibling(folder))}"
+        )
+
+    def _clear_failed_start(self) -> None:
+        """A folder left by a run that failed before its first checkpoint: its log and
+        checkpoint leftovers go (config.json is written again)."""
+        if not self.dir.is_dir() or not any(self.dir.iterdir()):
+            return
+        log(
+            f"{self.dir}: the run there stopped before its first checkpoint; starting it afresh "
+            "with this command's flags"
+        )
+        self.metrics_path.unlink(missing_ok=True)
+        shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
 
     def log(self, record) -> None:
         if self.primary:
@@ -189,7 +294,17 @@ class Run:
         trainer = Trainer(
             model, loss_fn, train_config, frozen_models=frozen, mesh=self.mesh, checkpointer=ckpt
         )
-        data_state = trainer.restore() if c.resume else None
+        try:
+            data_state = trainer.restore() if c.resume else None
+        except NoReadableCheckpointError as err:
+            moved = ckpt.quarantine(err.steps)
+            ckpt.close()
+            raise CheckpointError(
+                f"{phase}: no checkpoint of this phase can be read ({err.details}). They were "
+                f"moved aside (kept, not deleted) to {', '.join(str(m) for m in moved)}. Run "
+                f"the same command again to train the {phase} phase from its start (the "
+                f"earlier phases are kept):  {c.command(resume=True, run_dir=self.dir)}"
+            ) from err
         if data_state is not None:
             log(f"{phase}: resumed at step {trainer.step} from {ckpt.directory}")
         if c.resume:
@@ -221,6 +336,81 @@ class Run:
         bar.close()
         ckpt.close()
         return sharding.local_model(trainer.sync_model())
+
+
+def write_text_atomically(path: pathlib.Path, text: str) -> None:
+    """Writes ``path`` through a temporary file in its folder and a rename: a reader (or a
+    resumed run) sees the old content or the new one, never a part."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_record(path: pathlib.Path, config: DistillConfig) -> dict:
+    """A run folder's config.json (its flags); a ValueError naming the file, what is wrong and
+    what to do when it cannot be read."""
+    new_run = config.command(resume=False, run_dir=_sibling(path.parent))
+    advice = (
+        "It records the run's flags: put back a good copy, or start a new run with:  " + new_run
+    )
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} cannot be read ({err}). {advice}") from err
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        what = "is empty" if not text.strip() else f"is not valid JSON ({err})"
+        raise ValueError(f"{path} {what}. {advice}") from err
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{path} must hold a JSON object of the run's flags; got {type(record).__name__}. "
+            + advice
+        )
+    grouped = any(isinstance(value, dict) for value in record.values())  # else the old flat
+    for key, value in record.items():
+        if grouped and key in _GROUPS and not isinstance(value, dict):
+            raise ValueError(
+                f"{path}: the group {key!r} must be a JSON object of flags; got "
+                f"{type(value).__name__} {value!r:.60}. {advice}"
+            )
+    return record
+
+
+def _sibling(folder: pathlib.Path) -> pathlib.Path:
+    """A folder beside ``folder`` that does not exist yet (``<name>-2``, ``-3``, ...)."""
+    n = 2
+    while folder.with_name(f"{folder.name}-{n}").exists():
+        n += 1
+    return folder.with_name(f"{folder.name}-{n}")
+
+
+def _checkpoint_steps(folder: pathlib.Path) -> dict[str, list[int]]:
+    """The committed checkpoint steps of each phase in a run folder (Orbax renames a step's
+    folder to its number when the write is complete)."""
+    steps = {}
+    for phase in sorted((folder / "checkpoints").glob("*")):
+        found = [int(p.name) for p in phase.glob("*") if p.name.isdigit() and p.is_dir()]
+        if found:
+            steps[phase.name] = sorted(found)
+    return steps
+
+
+def _failed_before_first_checkpoint(folder: pathlib.Path) -> bool:
+    """The folder holds only what a run writes before its first checkpoint: config.json,
+    metrics.jsonl and checkpoint folders without a committed step (no summary, no report)."""
+    allowed = {"config.json", "metrics.jsonl", "checkpoints"}
+    names = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
+    return names <= allowed and "config.json" in names and not _checkpoint_steps(folder)
+
+
+_GROUPS = tuple(
+    f.name for f in dataclasses.fields(DistillConfig) if dataclasses.is_dataclass(f.default)
+)
 
 
 def _record(config: DistillConfig, data_description: str) -> dict:

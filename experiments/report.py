@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
 import sys
 
@@ -68,7 +69,7 @@ def _plot_curves(phases, out: pathlib.Path) -> bool:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return drawn
 
 
@@ -93,7 +94,7 @@ def _plot_weights(phases, candidates, out: pathlib.Path) -> bool:
     axes[0][0].set_ylabel("sigmoid(logit), mean over heads")
     axes[0][-1].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -112,7 +113,7 @@ def _plot_density(summary, out: pathlib.Path) -> bool:
     ax.set_xticks(list(x))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -192,8 +193,19 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
             lines.append(f"| `{cell['teacher']}` | `{cell['hardened']}` |")
             lines.append("")
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    _replace(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     return path
+
+
+def _replace(path: pathlib.Path, write) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then a rename onto ``path``: a
+    reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

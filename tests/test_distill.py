@@ -313,8 +313,9 @@ def test_old_flags_name_every_field():
 def test_existing_run_folder_is_not_overwritten(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="already holds a run: pass --resume"):
+    with pytest.raises(ValueError, match=r"holds no run of this job: choose another --run.dir"):
         distill.run(distill.parse(_args(tmp_path)))
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_help_documents_every_flag(capsys):
