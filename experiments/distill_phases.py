@@ -22,6 +22,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import pathlib
+import shlex
+import shutil
 
 import jax
 from flax import nnx
@@ -39,11 +43,21 @@ from sparse_jax.models import (
     save_pretrained,
     student_from_teacher,
 )
+from sparse_jax.models.hf import PretrainedFileError
 from sparse_jax.models.layers import default_candidates
 from sparse_jax.training import loop, sharding
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss, sparsity_penalty
 
-__all__ = ["hardened", "objective", "student", "student_spec", "teacher", "teacher_key"]
+__all__ = [
+    "cached_teacher",
+    "hardened",
+    "load_cached_teacher",
+    "objective",
+    "student",
+    "student_spec",
+    "teacher",
+    "teacher_key",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,7 +75,15 @@ def teacher(run: Run) -> GPT2:
     """The dense teacher: loaded, cached, or trained here (and cached)."""
     c = run.config
     if c.teacher.source != "train":
-        model = from_pretrained(c.teacher.source)
+        try:
+            model = from_pretrained(c.teacher.source)
+        except PretrainedFileError as err:
+            raise PretrainedFileError(
+                err.path,
+                err.problem,
+                f"--teacher.source {c.teacher.source!r}: download the folder again, or pass "
+                "another folder holding a Hugging Face GPT-2.",
+            ) from err
         if model.config.vocab_size < run.data.vocab_size:
             raise ValueError(
                 f"--teacher.source has a vocabulary of {model.config.vocab_size} but "
@@ -70,12 +92,12 @@ def teacher(run: Run) -> GPT2:
             )
     else:
         folder = run.cache / "teachers" / teacher_key(c, run.data)
-        if (folder / "model.safetensors").exists():
+        if cached_teacher(folder) is not None:
             log(f"teacher: reusing {folder}")
-            model = from_pretrained(folder)
+            model = load_cached_teacher(folder)
         else:
             model = _train_teacher(run)
-            if run.primary:
+            if run.primary:  # written whole or not at all (save_pretrained renames a new folder)
                 save_pretrained(model, folder)
             sharding.sync_processes("distill_teacher_cached")
             log(f"teacher: cached in {folder}")
@@ -85,6 +107,35 @@ def teacher(run: Run) -> GPT2:
             f"{model.config.n_positions} positions"
         )
     return model
+
+
+def cached_teacher(folder: pathlib.Path) -> pathlib.Path | None:
+    """``folder`` if it holds a complete cached teacher, else None. A folder holding only
+    part of one (left by a version that wrote the files in place, killed between them) is
+    moved aside, so that the teacher is trained and cached again."""
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    if folder.exists() and sharding.is_primary():
+        log(f"teacher: {folder} holds an incomplete cached teacher; removed, training it again")
+        aside = folder.with_name(f".{folder.name}.incomplete-{os.getpid()}")
+        os.rename(folder, aside)  # gone from its name at once, then deleted
+        shutil.rmtree(aside, ignore_errors=True)
+    sharding.sync_processes("distill_teacher_cache_checked")
+    return None
+
+
+def load_cached_teacher(folder: pathlib.Path) -> GPT2:
+    """The cached teacher of ``folder``; an unreadable cache names its file and says to delete
+    the folder (the teacher is then trained again)."""
+    try:
+        return from_pretrained(folder)
+    except PretrainedFileError as err:
+        raise PretrainedFileError(
+            err.path,
+            err.problem,
+            f"The cached teacher is damaged: delete its folder (rm -r {shlex.quote(str(folder))}) "
+            "and run the command again; the teacher is trained and cached again.",
+        ) from err
 
 
 def _lm_loss(model, batch, rng):
