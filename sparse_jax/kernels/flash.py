@@ -367,7 +367,7 @@ def _forward_sparse_kernel(scale_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt
     def out_pass(j, carry):
         acc, acc_u, mass, s_sum = carry
         p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
-        live = jnp.max(p) > 0.0
+        live = jnp.max(jnp.where(p > 0.0, 1, 0)) > 0  # (a NaN row must not hide the others)
         live_ref[j] = live.astype(live_ref.dtype)
         start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
 
