@@ -36,9 +36,9 @@ Implementations and dispatch
   key blocks each query block keeps and normalizes over that compact row, so work and memory
   follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
 * ``"pallas"``: :func:`sparse_jax.kernels.pallas_attention`, the fused Pallas kernel over the
-  same layout (flash-style: scores stay on chip), every normalizer, static masks, block sizes
-  powers of two >= 16, no ``bias`` yet; GPU (Triton), and interpret mode on CPU (slow: for
-  tests).
+  same layout (flash-style: scores stay on chip), every normalizer, static masks and
+  ``static & padding(lengths)``, block sizes powers of two >= 16, no ``bias`` yet; GPU
+  (Triton), and interpret mode on CPU (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
   only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
   mode (slow: for tests).
@@ -290,10 +290,8 @@ def _pallas_ok(q, mask, bias, return_weights, block_size) -> tuple[bool, str]:
     for name, size in zip(("block_size[0]", "block_size[1]"), block_size, strict=True):
         if size < 16 or size & (size - 1):
             return False, f"`{name}`={size} is not a power of two >= 16"
-    dynamic = isinstance(mask, masks_lib.Mask) and mask.is_dynamic
-    return pallas_supports(q, None, bias=bias, mask=mask if dynamic else None,
-                           return_weights=return_weights) if not dynamic else (
-        False, "run-time (padding) masks are not supported yet")  # fmt: skip
+    mask = mask if isinstance(mask, masks_lib.Mask) else None
+    return pallas_supports(q, None, bias=bias, mask=mask, return_weights=return_weights)
 
 
 def _layout(args: _Args) -> masks_lib.BlockLayout:
@@ -589,6 +587,7 @@ def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
                 args.k,
                 args.v,
                 _layout(args),
+                mask=args.mask_obj,
                 normalizer=args.normalizer,
                 scale=args.scale,
             )

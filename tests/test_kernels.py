@@ -55,6 +55,13 @@ CASES = {
         jnp.bfloat16,
         32,
     ),
+    "sparsemax-padding": (
+        "sparsemax",
+        masks.causal() & masks.padding(np.array([40, 17])),
+        (2, 64, 64, 2, 2, 8),
+        jnp.float32,
+        16,
+    ),
     "sparsemax-causal-bf16": ("sparsemax", masks.causal(), (1, 64, 64, 2, 2, 16), jnp.bfloat16, 32),
 }
 
@@ -198,7 +205,8 @@ def _live_map(q, k, v, layout, norm):
         interpret=True, arrays=pk._layout_arrays(layout),
     )  # fmt: skip
     eps = jnp.zeros((n, 1), jnp.float32)
-    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), eps, q, k, v)
+    lengths = jnp.full((b,), k.shape[1], jnp.int32)
+    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), lengths, eps, q, k, v)
     return np.asarray(res["live"])
 
 
@@ -222,7 +230,7 @@ def test_non_finite_input_follows_the_attention_policy():
         ({"block_size": (8, 16)}, r"block_size\[0\]`=8 is not a power of two >= 16"),
         ({"block_size": (16, 48)}, r"block_size\[1\]`=48"),
         ({"bias": jnp.zeros((1, 1, 32, 32))}, "a bias is not supported"),
-        ({"mask": masks.padding(jnp.array([20]))}, "run-time \\(padding\\) masks"),
+        ({"mask": masks.causal() | masks.padding(np.array([20]))}, "joined with & to a static"),
         ({"mask": None}, "needs `mask` to be a sparse_jax.masks.Mask"),
         ({"return_weights": True}, "return_weights is not supported"),
     ],

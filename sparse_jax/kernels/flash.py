@@ -39,8 +39,8 @@ Backends: the kernels use only what Pallas lowers with Triton (GPU) and run unch
 Pallas' interpret mode, which is how they run, and are tested, on CPU (``interpret=None``
 picks it there). Block sizes must be powers of two >= 16 (Triton's tiles); head dims are
 zero-padded to one. Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
-takes another engine): a ``bias``, run-time (``padding``) masks, ``return_weights``, float64,
-TPU (Mosaic lowering).
+takes another engine): a ``bias``, run-time masks other than ``static & padding(lengths)``,
+``return_weights``, float64, TPU (Mosaic lowering).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparse_jax.blocksparse import nonfinite_values
-from sparse_jax.masks import SENTINEL, BlockLayout, check_layout
+from sparse_jax.masks import SENTINEL, And, BlockLayout, Mask, Padding, check_layout
 from sparse_jax.normalizers import (
     SIGMA_MAX_EPS,
     entmax15_polish,
@@ -118,13 +118,56 @@ def pallas_supports(
         return False, "a bias is not supported yet"
     if return_weights:
         return False, "return_weights is not supported (the weights are never materialised)"
+    if mask is not None and mask.is_dynamic and _padding_parts(mask) is None:
+        return False, (
+            "the run-time part of the mask must be padding(lengths) joined with & to a static "
+            "mask (other run-time masks are not supported yet)"
+        )
     if layout is not None:
-        if layout.dynamic or (mask is not None and getattr(mask, "is_dynamic", False)):
-            return False, "run-time (padding) masks are not supported yet"
         for name, size in (("block_q", layout.block_q), ("block_kv", layout.block_kv)):
             if size < _MIN_BLOCK or size & (size - 1):
                 return False, f"`{name}`={size} is not a power of two >= {_MIN_BLOCK}"
     return True, ""
+
+
+def _padding_parts(mask: Mask) -> list[Padding] | None:
+    """The ``Padding`` nodes of ``mask`` if its run-time part is ``& padding(lengths)`` (any
+    number of them, joined by ``&`` to a static mask); None for other run-time masks."""
+    parts, stack = [], [mask]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, And):
+            stack += [node.left, node.right]
+        elif isinstance(node, Padding):
+            parts.append(node)
+        elif node.is_dynamic:
+            return None
+    return parts
+
+
+def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) -> jax.Array:
+    """Each batch element's key length ``[B]`` int32: ``Tk`` for a static layout, the run-time
+    ``padding`` lengths of ``mask`` (their minimum) for a dynamic one."""
+    if not layout.dynamic:
+        return jnp.full((b,), tk, jnp.int32)
+    if not isinstance(mask, Mask) or not mask.is_dynamic:
+        raise ValueError(
+            f"{caller}: `layout` is dynamic (built from a run-time `padding` mask): pass the mask "
+            f"it was built from as `mask=` (got {type(mask).__name__})"
+        )
+    parts = _padding_parts(mask)
+    if parts is None:
+        raise ValueError(
+            f"{caller}: the run-time part of `mask` must be padding(lengths) joined with & to a "
+            f"static mask; got {mask!r}. Use impl='blocksparse' for other run-time masks"
+        )
+    lengths = [jnp.asarray(part.lengths, jnp.int32) for part in parts]
+    if any(length.shape != (b,) for length in lengths):
+        raise ValueError(
+            f"{caller}: `mask` has padding lengths for batch size "
+            f"{[int(length.shape[0]) for length in lengths]} but q has batch size {b}"
+        )
+    return jnp.minimum(functools.reduce(jnp.minimum, lengths), tk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,9 +263,12 @@ def _block_scores(q, k_ref, kv_block, plan: _Plan, scale):
     return raw, jnp.minimum(raw * scale, _MAX)
 
 
-def _allowed(full, mask_index, masks_ref):
-    """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask."""
-    return jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
+def _allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int):
+    """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask;
+    keys at or beyond ``kv_length`` (the batch element's run-time padding length) masked."""
+    static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
+    keys = kv_block * bkv + jnp.arange(bkv, dtype=jnp.int32)
+    return jnp.logical_and(static, (keys < kv_length)[None, :])
 
 
 def _z(kind: str, x, row_max, eps):
@@ -282,8 +328,8 @@ def _eps_sigma(plan: _Plan, eps_ref, rows: int):
 # Forward kernels.
 
 
-def _forward_softmax_kernel(scale_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, full_ref, pmi_ref,
-                            masks_ref, o_ref, lse_ref, *, plan: _Plan):  # fmt: skip
+def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, full_ref,
+                            pmi_ref, masks_ref, o_ref, lse_ref, *, plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
@@ -292,7 +338,8 @@ def _forward_softmax_kernel(scale_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, fu
         row_max, total, acc = carry
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale)
-        x = jnp.where(_allowed(full_ref[j], pmi_ref[j], masks_ref), s, -jnp.inf)
+        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
+        x = jnp.where(allowed, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         correction = jnp.exp(row_max - shift)
@@ -313,9 +360,9 @@ def _forward_softmax_kernel(scale_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, fu
     lse_ref[...] = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)[:, 0]
 
 
-def _forward_sparse_kernel(scale_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, full_ref,
-                           pmi_ref, masks_ref, o_ref, ubar_ref, max_ref, tau_ref, mass_ref,
-                           live_ref, *, plan: _Plan):  # fmt: skip
+def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref,
+                           full_ref, pmi_ref, masks_ref, o_ref, ubar_ref, max_ref, tau_ref,
+                           mass_ref, live_ref, *, plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
@@ -323,8 +370,10 @@ def _forward_sparse_kernel(scale_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
 
     def masked(j):
-        _, s = _block_scores(q, k_ref, idx_ref[j], plan, scale)
-        return jnp.where(_allowed(full_ref[j], pmi_ref[j], masks_ref), s, -jnp.inf)
+        kv_block = idx_ref[j]
+        _, s = _block_scores(q, k_ref, kv_block, plan, scale)
+        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
+        return jnp.where(allowed, s, -jnp.inf)
 
     def first_pass(j, carry):
         row_max, n_valid = carry
@@ -423,12 +472,12 @@ def _row_names(plan: _Plan) -> tuple[str, ...]:
 
 def _dq_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:6]
-    row_refs = dict(zip(names, refs[6 : 6 + len(names)], strict=True))
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:7]
+    row_refs = dict(zip(names, refs[7 : 7 + len(names)], strict=True))
     idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = refs[
-        6 + len(names) : 12 + len(names)
+        7 + len(names) : 13 + len(names)
     ]
-    dq_ref, dalpha_ref, dscale_ref = refs[12 + len(names) :]
+    dq_ref, dalpha_ref, dscale_ref = refs[13 + len(names) :]
     q, do = q_ref[...], do_ref[...]
     bq = q.shape[0]
     scale = scale_ref[0]
@@ -441,7 +490,8 @@ def _dq_kernel(*refs, plan: _Plan):
             dq, t_sum, dp_t, ds_raw = carry
             kv_block = idx_ref[j]
             raw, s = _block_scores(q, k_ref, kv_block, plan, scale)
-            x = jnp.where(_allowed(full_ref[j], pmi_ref[j], masks_ref), s, -jnp.inf)
+            allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
+            x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
             start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
             k = k_ref[pl.ds(start, plan.bkv), :]
@@ -470,14 +520,15 @@ def _dq_kernel(*refs, plan: _Plan):
 
 def _dkv_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:6]
-    row_refs = dict(zip(names, refs[6 : 6 + len(names)], strict=True))
-    rest = refs[6 + len(names) :]
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:7]
+    row_refs = dict(zip(names, refs[7 : 7 + len(names)], strict=True))
+    rest = refs[7 + len(names) :]
     t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref, dk_ref, dv_ref = (
         rest
     )
     k, v = k_ref[...], v_ref[...]
     scale = scale_ref[0]
+    kv_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
     bq, bkv = plan.bq, plan.bkv
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
 
@@ -491,7 +542,14 @@ def _dkv_kernel(*refs, plan: _Plan):
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
             s = jnp.minimum(_dot(q, k) * scale, _MAX)
-            allowed = _allowed(full_ref[row_block, slot], pmi_ref[row_block, slot], masks_ref)
+            allowed = _allowed(
+                full_ref[row_block, slot],
+                pmi_ref[row_block, slot],
+                masks_ref,
+                kv_block,
+                kv_length,
+                bkv,
+            )
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
             dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
@@ -537,11 +595,15 @@ def _scalar_spec():
     return pl.BlockSpec((1,), lambda *_: (0,))
 
 
+def _length_spec():
+    return pl.BlockSpec((1,), lambda i, bb, h: (bb,))
+
+
 def _eps_spec(head_axis: int):
     return pl.BlockSpec((None, 1), lambda *ids: (ids[head_axis], 0))
 
 
-def _forward(plan: _Plan, scale, eps, q, k, v):
+def _forward(plan: _Plan, scale, lengths, eps, q, k, v):
     a = plan.arrays
     b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
     tq, tk = q.shape[1], k.shape[1]
@@ -567,24 +629,24 @@ def _forward(plan: _Plan, scale, eps, q, k, v):
     if plan.kind == "softmax":
         o, lse = _call(
             _forward_softmax_kernel, plan, grid,
-            [_scalar_spec(), q_spec, k_spec, v_spec, *layout_specs],
+            [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, *layout_specs],
             [o_spec, stat_spec], [o_shape, stat_shape], "sparse_jax_pallas_softmax_fwd",
-        )(scale, q, k, v, *layout_in)  # fmt: skip
+        )(scale, lengths, q, k, v, *layout_in)  # fmt: skip
         return o, {"lse": lse, "ubar": o.astype(_F32), "live": None}
     live_shape = jax.ShapeDtypeStruct((b, n, nq, kp), jnp.int32)
     live_spec = pl.BlockSpec((None, None, None, kp), lambda i, bb, h: (bb, h, i, 0))
     ubar_shape = jax.ShapeDtypeStruct((b, tq, n, plan.dv), _F32)
     o, ubar, row_max, tau, mass, live = _call(
         _forward_sparse_kernel, plan, grid,
-        [_scalar_spec(), _eps_spec(2), q_spec, k_spec, v_spec, *layout_specs],
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_spec, k_spec, v_spec, *layout_specs],
         [o_spec, o_spec, stat_spec, stat_spec, stat_spec, live_spec],
         [o_shape, ubar_shape, stat_shape, stat_shape, stat_shape, live_shape],
         f"sparse_jax_pallas_{plan.kind}_fwd",
-    )(scale, eps, q, k, v, *layout_in)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, *layout_in)  # fmt: skip
     return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
 
 
-def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
+def _backward(plan: _Plan, scale, lengths, eps, q, k, v, res, do):
     a = plan.arrays
     b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
@@ -608,7 +670,7 @@ def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
     live_w = live.shape[-1]
     dq, dalpha_rows, dscale_rows = _call(
         _dq_kernel, plan, (nq, b, n),
-        [_scalar_spec(), _eps_spec(2), q_blk, k_all, v_all, do_blk,
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all, do_blk,
          *[stat_blk] * len(row_values),
          row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
          row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
@@ -617,7 +679,7 @@ def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tq), _F32),
          jax.ShapeDtypeStruct((b, n, tq), _F32)],
         f"sparse_jax_pallas_{plan.kind}_dq",
-    )(scale, eps, q, k, v, do, *row_values, *layout_in, live)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, do, *row_values, *layout_in, live)  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
     mp = a["t_rows"].shape[-1]
@@ -632,7 +694,7 @@ def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
     dv_blk = pl.BlockSpec((None, bkv, None, plan.dv), lambda c, bb, h: (bb, c, h, 0))
     dk, dv = _call(
         _dkv_kernel, plan, (nk, b, n),
-        [_scalar_spec(), _eps_spec(2), q_all, k_blk, v_blk, do_all,
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_all, k_blk, v_blk, do_all,
          *[stat_all] * len(row_values),
          t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
@@ -641,9 +703,9 @@ def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
         [jax.ShapeDtypeStruct((b, tk, n, plan.d), k.dtype),
          jax.ShapeDtypeStruct((b, tk, n, plan.dv), v.dtype)],
         f"sparse_jax_pallas_{plan.kind}_dkv",
-    )(scale, eps, q, k, v, do, *row_values, jnp.asarray(a["t_rows"]), jnp.asarray(a["t_slots"]),
-      jnp.asarray(a["t_count"]), jnp.asarray(a["full"]), jnp.asarray(a["pmi"]),
-      jnp.asarray(a["masks"]), live)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, do, *row_values,
+      *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
+      live)  # fmt: skip
     if g > 1:  # grouped-query attention: a key head's gradient sums its query heads'
         dk = dk.astype(_F32).reshape(b, tk, kh, g, plan.d).sum(3).astype(k.dtype)
         dv = dv.astype(_F32).reshape(b, tk, kh, g, plan.dv).sum(3).astype(v.dtype)
@@ -653,20 +715,21 @@ def _backward(plan: _Plan, scale, eps, q, k, v, res, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: _Plan, scale, eps, q, k, v):
-    return _forward(plan, scale, eps, q, k, v)[0]
+def _fused(plan: _Plan, scale, lengths, eps, q, k, v):
+    return _forward(plan, scale, lengths, eps, q, k, v)[0]
 
 
-def _fused_fwd(plan, scale, eps, q, k, v):
-    o, res = _forward(plan, scale, eps, q, k, v)
-    return o, (scale, eps, q, k, v, res)
+def _fused_fwd(plan, scale, lengths, eps, q, k, v):
+    o, res = _forward(plan, scale, lengths, eps, q, k, v)
+    return o, (scale, lengths, eps, q, k, v, res)
 
 
 def _fused_bwd(plan, residuals, do):
-    scale, eps, q, k, v, res = residuals
-    dq, dk, dv, deps, dscale = _backward(plan, scale, eps, q, k, v, res, do)
+    scale, lengths, eps, q, k, v, res = residuals
+    dq, dk, dv, deps, dscale = _backward(plan, scale, lengths, eps, q, k, v, res, do)
     deps = jnp.zeros_like(eps) if deps is None else deps
-    return dscale.astype(scale.dtype), deps.astype(eps.dtype), dq, dk, dv
+    no_lengths = np.zeros(lengths.shape, jax.dtypes.float0)  # integer input: no cotangent
+    return dscale.astype(scale.dtype), no_lengths, deps.astype(eps.dtype), dq, dk, dv
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -682,6 +745,7 @@ def pallas_attention(
     v: jax.Array,
     layout: BlockLayout,
     *,
+    mask: Mask | None = None,
     normalizer: Any = "softmax",
     scale: float | jax.Array | None = None,
     interpret: bool | None = None,
@@ -694,8 +758,11 @@ def pallas_attention(
     Args:
       q: ``[B, Tq, N, D]`` queries, float32, bfloat16 or float16.
       k: ``[B, Tk, Kh, D]`` keys, ``v``: ``[B, Tk, Kh, Dv]`` values, ``q``'s dtype.
-      layout: ``mask.blocks(Tq, Tk, bq, bkv)`` for a static mask (shared or per-head with ``N``
-        heads); ``bq`` and ``bkv`` powers of two >= 16.
+      layout: ``mask.blocks(Tq, Tk, bq, bkv)`` (shared or per-head with ``N`` heads); ``bq``
+        and ``bkv`` powers of two >= 16.
+      mask: the run-time mask a dynamic layout was built from: ``static & padding(lengths)``
+        (keys ``j >= lengths[b]`` of batch element ``b`` are masked); ignored for static
+        layouts.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
         float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
@@ -726,7 +793,7 @@ def pallas_attention(
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"{caller}: `interpret` must be None or a bool; got {interpret!r}")
     backend = "cpu" if interpret else jax.default_backend()
-    ok, why = pallas_supports(q, layout, backend=backend)
+    ok, why = pallas_supports(q, layout, mask=mask if layout.dynamic else None, backend=backend)
     if not ok:
         raise ValueError(f"{caller}: {why}; use impl='blocksparse' or impl='xla' for this call")
     interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
@@ -755,6 +822,7 @@ def pallas_attention(
     q = jnp.pad(q, ((0, 0), (0, nq * bq - tq), (0, 0), (0, d_p - d)))
     k = jnp.pad(k, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, d_p - d)))
     v = jnp.pad(v, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, dv_p - dv)))
+    lengths = _kv_lengths(mask, layout, b, tk, caller)
     scale = jnp.asarray(scale, _F32).reshape(1)
-    out = _fused(plan, scale, eps, q, k, v)
+    out = _fused(plan, scale, lengths, eps, q, k, v)
     return out[:, :tq, :, :dv]
