@@ -590,6 +590,7 @@ def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
                 mask=args.mask_obj,
                 normalizer=args.normalizer,
                 scale=args.scale,
+                precision=precision,
             )
         if choice.impl == "blocksparse":
             return blocksparse_attention(

@@ -20,6 +20,15 @@ def jit_fast(fn, *args):
     return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
 
 
+# The tests compare float32 results at float32 tolerances (1e-5 and below). XLA's default
+# float32 matmul on GPUs is TF32 (10 mantissa bits), which fails them without being wrong, and a
+# TPU's default is bfloat16 passes: on accelerators the suite runs at full float32 precision,
+# the precision it compares at. (On CPU the default is already full precision: nothing changes
+# there.) Tests of low-precision inputs (bfloat16, float16) are unaffected: their matmuls are in
+# their own dtype.
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
 # Scripts that made the golden values and fixtures once (they import torch/transformers, which
 # are never dependencies): not test modules, and not imported by --doctest-modules.
 collect_ignore_glob = ["golden/make_*.py", "fixtures/make_*.py"]

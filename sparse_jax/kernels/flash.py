@@ -191,6 +191,7 @@ class _Plan:
     dv: int
     per_head: int  # 1: layout arrays per head, 0: shared
     interpret: bool
+    precision: Any  # of the tiles' products (jax.lax.Precision or None)
     arrays: dict  # numpy layout arrays (see _layout_arrays)
 
     @property
@@ -249,17 +250,17 @@ def _layout_arrays(layout: BlockLayout) -> dict:
 # Pieces shared by the kernels.
 
 
-def _dot(a, b, contract_a: int = 1, contract_b: int = 1):
+def _dot(plan: _Plan, a, b, contract_a: int = 1, contract_b: int = 1):
     """a @ b contracting the given axes of two 2-d tiles, accumulated in float32."""
     dims = (((contract_a,), (contract_b,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=_F32)
+    return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
 def _block_scores(q, k_ref, kv_block, plan: _Plan, scale):
     """Scaled scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf clipped)."""
     start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
     k = k_ref[pl.ds(start, plan.bkv), :]
-    raw = _dot(q, k)
+    raw = _dot(plan, q, k)
     return raw, jnp.minimum(raw * scale, _MAX)
 
 
@@ -346,7 +347,7 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, idx_ref, cn
         e = jnp.exp(x - shift)
         start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
         v = v_ref[pl.ds(start, plan.bkv), :]
-        acc = correction * acc + _dot(e.astype(v.dtype), v, 1, 0)
+        acc = correction * acc + _dot(plan, e.astype(v.dtype), v, 1, 0)
         return new_max, correction * total + jnp.sum(e, axis=-1, keepdims=True), acc
 
     init = (
@@ -423,8 +424,8 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, idx
         def products(acc, acc_u):
             v = v_ref[pl.ds(start, plan.bkv), :]
             return (
-                acc + _dot(p.astype(v.dtype), v, 1, 0),
-                acc_u + _dot(s.astype(v.dtype), v, 1, 0),
+                acc + _dot(plan, p.astype(v.dtype), v, 1, 0),
+                acc_u + _dot(plan, s.astype(v.dtype), v, 1, 0),
             )
 
         acc, acc_u = jax.lax.cond(live, products, lambda a, b: (a, b), acc, acc_u)
@@ -496,9 +497,9 @@ def _dq_kernel(*refs, plan: _Plan):
             start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
             k = k_ref[pl.ds(start, plan.bkv), :]
             v = v_ref[pl.ds(start, plan.bkv), :]
-            dp = _dot(do, v)
+            dp = _dot(plan, do, v)
             ds = g * (dp - delta)
-            dq = dq + _dot(ds.astype(k.dtype), k, 1, 0)
+            dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
             ds_raw = ds_raw + jnp.sum(jnp.where(g > 0.0, ds * raw, 0.0), axis=-1, keepdims=True)
             if plan.kind == "entmax":
                 _, t = entmax_alpha_terms(p, eps)
@@ -541,7 +542,7 @@ def _dkv_kernel(*refs, plan: _Plan):
             sl = pl.ds(start, bq)
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
-            s = jnp.minimum(_dot(q, k) * scale, _MAX)
+            s = jnp.minimum(_dot(plan, q, k) * scale, _MAX)
             allowed = _allowed(
                 full_ref[row_block, slot],
                 pmi_ref[row_block, slot],
@@ -552,9 +553,9 @@ def _dkv_kernel(*refs, plan: _Plan):
             )
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
-            dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
-            ds = g * (_dot(do, v) - rows["delta"])
-            dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+            dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
+            ds = g * (_dot(plan, do, v) - rows["delta"])
+            dk = dk + _dot(plan, ds.astype(q.dtype), q, 0, 0)
             return dk, dv
 
         if plan.kind == "softmax":
@@ -749,6 +750,7 @@ def pallas_attention(
     normalizer: Any = "softmax",
     scale: float | jax.Array | None = None,
     interpret: bool | None = None,
+    precision: Any = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -767,6 +769,8 @@ def pallas_attention(
         float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
       interpret: run the kernels in Pallas' interpret mode; default: on CPU only.
+      precision: of the tiles' products (``jax.lax.Precision``); default: full float32 for
+        float32 inputs (Triton's default would be TF32), the inputs' own for half precision.
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -814,6 +818,8 @@ def pallas_attention(
     plan = _Plan(
         kind=kind, sigma=sigma, b=b, n=n, g=n // kh, bq=bq, bkv=bkv, nq=nq, nk=nk, d=d_p,
         dv=dv_p, per_head=int(layout.kv_block_indices.shape[0] > 1), interpret=interpret,
+        precision=precision if precision is not None or q.dtype != jnp.float32
+        else jax.lax.Precision.HIGHEST,
         arrays=_layout_arrays(layout),
     )  # fmt: skip
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
