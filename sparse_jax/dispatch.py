@@ -37,8 +37,8 @@ Implementations and dispatch
   follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
 * ``"pallas"``: :func:`sparse_jax.kernels.pallas_attention`, the fused Pallas kernel over the
   same layout (flash-style: scores stay on chip), every normalizer, static masks and
-  ``static & padding(lengths)``, block sizes powers of two >= 16, no ``bias`` yet; GPU
-  (Triton), and interpret mode on CPU (slow: for tests).
+  ``static & padding(lengths)``, a ``bias``, block sizes powers of two >= 16; GPU (Triton),
+  and interpret mode on CPU (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
   only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
   mode (slow: for tests).
@@ -255,11 +255,11 @@ def _check_all(
         if impl == "cudnn" and is_obj:
             cudnn_mask_arguments(mask)  # raises for masks cuDNN cannot express
     if impl == "pallas":
-        ok, why = _pallas_ok(q, mask, bias, return_weights, block_size)
+        ok, why = _pallas_ok(q, mask, return_weights, block_size)
         if not ok:
             raise ValueError(
                 f"{caller}: impl='pallas' cannot compute this call: {why}. Use "
-                "impl='blocksparse' (every normalizer, bias, padding masks) or impl='xla'"
+                "impl='blocksparse' (every run-time mask, return_weights) or impl='xla'"
             )
     return _Args(
         q,
@@ -284,14 +284,14 @@ def _check_all(
 BLOCKSPARSE_MAX_FRACTION = 0.75
 
 
-def _pallas_ok(q, mask, bias, return_weights, block_size) -> tuple[bool, str]:
+def _pallas_ok(q, mask, return_weights, block_size) -> tuple[bool, str]:
     """Whether the fused Pallas kernel computes the call (see pallas_supports), from its
     arguments alone (no layout is built)."""
     for name, size in zip(("block_size[0]", "block_size[1]"), block_size, strict=True):
         if size < 16 or size & (size - 1):
             return False, f"`{name}`={size} is not a power of two >= 16"
     mask = mask if isinstance(mask, masks_lib.Mask) else None
-    return pallas_supports(q, None, bias=bias, mask=mask, return_weights=return_weights)
+    return pallas_supports(q, None, mask=mask, return_weights=return_weights)
 
 
 def _layout(args: _Args) -> masks_lib.BlockLayout:
@@ -319,7 +319,7 @@ def _resolve_impl(args: _Args) -> ImplChoice:
             pass
     not_pallas = ""
     if backend == "gpu" and mask is not None:
-        ok, why = _pallas_ok(args.q, mask, args.bias, args.return_weights, args.block_size)
+        ok, why = _pallas_ok(args.q, mask, args.return_weights, args.block_size)
         if ok:
             return ImplChoice(
                 "pallas", "impl='auto': a sparse_jax.masks.Mask on GPU: the fused Pallas kernel"
@@ -590,6 +590,7 @@ def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
                 mask=args.mask_obj,
                 normalizer=args.normalizer,
                 scale=args.scale,
+                bias=args.bias,
                 precision=precision,
             )
         if choice.impl == "blocksparse":

@@ -17,53 +17,48 @@ from sparse_jax.kernels import flash as pk
 from sparse_jax.kernels import pallas_attention
 from tests.engines import assert_engine
 
-# (normalizer, mask, (B, Tq, Tk, N, Kh, D), dtype, block)
+# name: (normalizer, mask, (B, Tq, Tk, N, Kh, D), dtype, block, bias shape or None); the bias
+# shapes cover a full bias (with -inf entries), one per key, one per query row, one per head.
 CASES = {
-    "softmax-causal": ("softmax", masks.causal(), (1, 64, 64, 2, 2, 8), jnp.float32, 16),
+    "softmax-causal-row-bias": (
+        "softmax", masks.causal(), (1, 64, 64, 2, 2, 8), jnp.float32, 16, (1, 2, 64, 1),
+    ),
     "sparsemax-per-head": (
         "sparsemax",
         masks.per_head([masks.causal() & masks.local(20, 0), masks.causal() & masks.sink(4)]),
-        (1, 64, 64, 2, 2, 8),
-        jnp.float32,
-        16,
+        (1, 64, 64, 2, 2, 8), jnp.float32, 16, (2, 1, 1),
     ),
-    "entmax15-cross": (
-        "entmax15",
-        masks.local(24, 24),
-        (2, 40, 72, 2, 1, 12),
-        jnp.float32,
-        16,
+    "entmax15-cross-full-bias": (
+        "entmax15", masks.local(24, 24), (2, 40, 72, 2, 1, 12), jnp.float32, 16, (2, 2, 40, 72),
     ),
-    "alpha-heads-gqa": (
-        "alpha",
-        masks.causal() & (masks.local(16, 0) | masks.sink(2)),
-        (1, 64, 64, 4, 2, 8),
-        jnp.float32,
-        16,
+    "alpha-heads-gqa-key-bias": (
+        "alpha", masks.causal() & (masks.local(16, 0) | masks.sink(2)), (1, 64, 64, 4, 2, 8),
+        jnp.float32, 16, (64,),
     ),
     "alpha-2.5-window": (
-        2.5,
-        masks.causal() & masks.local(24, 0),
-        (1, 64, 64, 2, 2, 8),
-        jnp.float32,
-        16,
+        2.5, masks.causal() & masks.local(24, 0), (1, 64, 64, 2, 2, 8), jnp.float32, 16, None,
     ),
     "softmax-window-bf16": (
-        "softmax",
-        masks.causal() & masks.local(24, 0),
-        (1, 64, 64, 2, 1, 16),
-        jnp.bfloat16,
-        32,
+        "softmax", masks.causal() & masks.local(24, 0), (1, 64, 64, 2, 1, 16), jnp.bfloat16, 32,
+        None,
     ),
     "sparsemax-padding": (
-        "sparsemax",
-        masks.causal() & masks.padding(np.array([40, 17])),
-        (2, 64, 64, 2, 2, 8),
-        jnp.float32,
-        16,
+        "sparsemax", masks.causal() & masks.padding(np.array([40, 17])), (2, 64, 64, 2, 2, 8),
+        jnp.float32, 16, None,
     ),
-    "sparsemax-causal-bf16": ("sparsemax", masks.causal(), (1, 64, 64, 2, 2, 16), jnp.bfloat16, 32),
-}
+    "sparsemax-causal-bf16": (
+        "sparsemax", masks.causal(), (1, 64, 64, 2, 2, 16), jnp.bfloat16, 32, None,
+    ),
+}  # fmt: skip
+
+
+def _bias(shape):
+    if shape is None:
+        return None
+    bias = jax.random.normal(jax.random.PRNGKey(7), shape)
+    if len(shape) == 4 and shape[-1] > 1 and shape[-2] > 1:  # some entries masked by the bias
+        bias = bias.at[..., 3::7].set(-jnp.inf)
+    return bias
 
 
 def _inputs(shape, dtype, seed=0):
@@ -78,14 +73,15 @@ def _inputs(shape, dtype, seed=0):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients_match_the_xla_reference(case):
-    norm, mask, shape, dtype, block = CASES[case]
+    norm, mask, shape, dtype, block, bias_shape = CASES[case]
     q, k, v, cot = _inputs(shape, dtype)
     n = shape[3]
     alpha = jnp.linspace(1.2, 1.9, n) if norm == "alpha" else None
     scale = jnp.float32(0.4)
+    bias = _bias(bias_shape)
 
     def loss(impl):
-        def fn(q, k, v, alpha, scale):
+        def fn(q, k, v, alpha, scale, bias):
             out = attention(
                 q,
                 k,
@@ -93,19 +89,20 @@ def test_values_and_gradients_match_the_xla_reference(case):
                 mask=mask,
                 normalizer=norm if alpha is None else alpha,
                 scale=scale,
+                bias=bias,
                 impl=impl,
                 block_size=(block, block),
             )
             return jnp.sum(out.astype(jnp.float32) * cot), out
 
-        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4), has_aux=True)
+        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)
 
-    argnums_alpha = alpha if alpha is not None else None
-    (_, out), grads = jax.jit(loss("pallas"))(q, k, v, argnums_alpha, scale)
-    (_, ref), ref_grads = jax.jit(loss("xla"))(q, k, v, argnums_alpha, scale)
+    (_, out), grads = jax.jit(loss("pallas"))(q, k, v, alpha, scale, bias)
+    (_, ref), ref_grads = jax.jit(loss("xla"))(q, k, v, alpha, scale, bias)
     tol = 2e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.float32(out), np.float32(ref), atol=tol, rtol=tol)
-    for name, g, r in zip(("q", "k", "v", "alpha", "scale"), grads, ref_grads, strict=True):
+    names = ("q", "k", "v", "alpha", "scale", "bias")
+    for name, g, r in zip(names, grads, ref_grads, strict=True):
         if r is None:
             continue
         g, r = np.float32(g), np.float32(r)
@@ -229,7 +226,6 @@ def test_non_finite_input_follows_the_attention_policy():
     [
         ({"block_size": (8, 16)}, r"block_size\[0\]`=8 is not a power of two >= 16"),
         ({"block_size": (16, 48)}, r"block_size\[1\]`=48"),
-        ({"bias": jnp.zeros((1, 1, 32, 32))}, "a bias is not supported"),
         ({"mask": masks.causal() | masks.padding(np.array([20]))}, "joined with & to a static"),
         ({"mask": None}, "needs `mask` to be a sparse_jax.masks.Mask"),
         ({"return_weights": True}, "return_weights is not supported"),
@@ -257,15 +253,15 @@ def test_kernel_arguments_are_checked():
 
 
 @pytest.mark.parametrize(
-    ("normalizer", "per_head", "kv_heads", "dtype"),
+    ("normalizer", "per_head", "kv_heads", "dtype", "bias_shape"),
     [
-        ("softmax", False, 4, jnp.bfloat16),
-        ("sparsemax", True, 4, jnp.bfloat16),
-        ("entmax15", False, 2, jnp.float16),
-        ("alpha", False, 4, jnp.float32),
+        ("softmax", False, 4, jnp.bfloat16, None),
+        ("sparsemax", True, 4, jnp.bfloat16, (1, 4, 128, 128)),
+        ("entmax15", False, 2, jnp.float16, (1, 1, 1, 128)),
+        ("alpha", False, 4, jnp.float32, (1, 4, 128, 1)),
     ],
 )
-def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dtype):
+def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dtype, bias_shape):
     """Forward and backward lower through Pallas' Triton backend (cross-lowered for CUDA on
     this CPU machine: no GPU needed to catch an op that Triton cannot express)."""
     q = jnp.zeros((1, 128, 4, 64), dtype)
@@ -274,13 +270,14 @@ def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dt
     mask = masks.per_head([window, masks.causal()] * 2) if per_head else window
     layout = mask.blocks(128, 128, 32, 32)
     alpha = jnp.full((4,), 1.3) if normalizer == "alpha" else None
+    bias = None if bias_shape is None else jnp.zeros(bias_shape)
 
-    def loss(q, k, v, alpha):
+    def loss(q, k, v, alpha, bias):
         norm = normalizer if alpha is None else alpha
-        out = pallas_attention(q, k, v, layout, normalizer=norm, interpret=False)
+        out = pallas_attention(q, k, v, layout, normalizer=norm, bias=bias, interpret=False)
         return jnp.sum(out.astype(jnp.float32))
 
-    grad = jax.grad(loss, argnums=(0, 1, 2) if alpha is None else (0, 1, 2, 3))
-    text = jax.jit(grad).trace(q, k, k, alpha).lower(lowering_platforms=("cuda",)).as_text()
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    text = jax.jit(grad).trace(q, k, k, alpha, bias).lower(lowering_platforms=("cuda",)).as_text()
     # forward, dq and dk/dv: three Triton kernels in the lowered program
     assert text.count("__gpu$xla.gpu.triton") == 3

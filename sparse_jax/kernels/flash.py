@@ -39,7 +39,7 @@ Backends: the kernels use only what Pallas lowers with Triton (GPU) and run unch
 Pallas' interpret mode, which is how they run, and are tested, on CPU (``interpret=None``
 picks it there). Block sizes must be powers of two >= 16 (Triton's tiles); head dims are
 zero-padded to one. Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
-takes another engine): a ``bias``, run-time masks other than ``static & padding(lengths)``,
+takes another engine): run-time masks other than ``static & padding(lengths)``,
 ``return_weights``, float64, TPU (Mosaic lowering).
 """
 
@@ -66,7 +66,7 @@ from sparse_jax.normalizers import (
     entmax_search,
     sparsemax_search,
 )
-from sparse_jax.validation import check_normalizer, check_qkv, check_scale
+from sparse_jax.validation import check_bias, check_normalizer, check_qkv, check_scale
 
 __all__ = ["pallas_attention", "pallas_supports"]
 
@@ -88,7 +88,6 @@ def pallas_supports(
     q: Any,
     layout: BlockLayout | None = None,
     *,
-    bias: Any = None,
     mask: Any = None,
     return_weights: bool = False,
     backend: str | None = None,
@@ -98,7 +97,7 @@ def pallas_supports(
     Args:
       q: the queries (only the dtype is read).
       layout: the block layout (its block sizes and whether it is dynamic), if known.
-      bias, mask: the call's bias and run-time mask (``padding``) if any.
+      mask: the call's mask if it has a run-time part (``padding``).
       return_weights: whether the call asks for the weights.
       backend: ``jax.default_backend()`` when None.
 
@@ -114,8 +113,6 @@ def pallas_supports(
         return False, f"no Pallas kernel for backend {backend!r} yet (GPU/Triton and CPU interpret)"
     if jnp.dtype(q.dtype) == jnp.float64:
         return False, "float64 is not supported (the kernels compute in float32)"
-    if bias is not None:
-        return False, "a bias is not supported yet"
     if return_weights:
         return False, "return_weights is not supported (the weights are never materialised)"
     if mask is not None and mask.is_dynamic and _padding_parts(mask) is None:
@@ -192,6 +189,7 @@ class _Plan:
     per_head: int  # 1: layout arrays per head, 0: shared
     interpret: bool
     precision: Any  # of the tiles' products (jax.lax.Precision or None)
+    bias_axes: tuple[bool, bool, bool, bool]  # the bias has a full (batch, head, q, kv) axis
     arrays: dict  # numpy layout arrays (see _layout_arrays)
 
     @property
@@ -256,12 +254,14 @@ def _dot(plan: _Plan, a, b, contract_a: int = 1, contract_b: int = 1):
     return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
-def _block_scores(q, k_ref, kv_block, plan: _Plan, scale):
-    """Scaled scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf clipped)."""
+def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref):
+    """Scaled, biased scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf
+    clipped), and the raw products q·k. ``bias_ref``: the query tile's bias rows."""
     start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
     k = k_ref[pl.ds(start, plan.bkv), :]
     raw = _dot(plan, q, k)
-    return raw, jnp.minimum(raw * scale, _MAX)
+    bias = bias_ref[:, pl.ds(start, plan.bkv)] if plan.bias_axes[3] else bias_ref[...]
+    return raw, jnp.minimum(raw * scale + bias, _MAX)
 
 
 def _allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int):
@@ -329,8 +329,9 @@ def _eps_sigma(plan: _Plan, eps_ref, rows: int):
 # Forward kernels.
 
 
-def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref, full_ref,
-                            pmi_ref, masks_ref, o_ref, lse_ref, *, plan: _Plan):  # fmt: skip
+def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, idx_ref,
+                            cnt_ref, full_ref, pmi_ref, masks_ref, o_ref, lse_ref, *,
+                            plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
@@ -338,7 +339,7 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, idx_ref, cn
     def body(j, carry):
         row_max, total, acc = carry
         kv_block = idx_ref[j]
-        _, s = _block_scores(q, k_ref, kv_block, plan, scale)
+        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref)
         allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
         x = jnp.where(allowed, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
@@ -361,9 +362,9 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, idx_ref, cn
     lse_ref[...] = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)[:, 0]
 
 
-def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, idx_ref, cnt_ref,
-                           full_ref, pmi_ref, masks_ref, o_ref, ubar_ref, max_ref, tau_ref,
-                           mass_ref, live_ref, *, plan: _Plan):  # fmt: skip
+def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, idx_ref,
+                           cnt_ref, full_ref, pmi_ref, masks_ref, o_ref, ubar_ref, max_ref,
+                           tau_ref, mass_ref, live_ref, *, plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
@@ -372,7 +373,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, idx
 
     def masked(j):
         kv_block = idx_ref[j]
-        _, s = _block_scores(q, k_ref, kv_block, plan, scale)
+        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref)
         allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
         return jnp.where(allowed, s, -jnp.inf)
 
@@ -473,12 +474,12 @@ def _row_names(plan: _Plan) -> tuple[str, ...]:
 
 def _dq_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:7]
-    row_refs = dict(zip(names, refs[7 : 7 + len(names)], strict=True))
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, do_ref = refs[:8]
+    row_refs = dict(zip(names, refs[8 : 8 + len(names)], strict=True))
     idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = refs[
-        7 + len(names) : 13 + len(names)
+        8 + len(names) : 14 + len(names)
     ]
-    dq_ref, dalpha_ref, dscale_ref = refs[13 + len(names) :]
+    dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[14 + len(names) :]
     q, do = q_ref[...], do_ref[...]
     bq = q.shape[0]
     scale = scale_ref[0]
@@ -488,9 +489,9 @@ def _dq_kernel(*refs, plan: _Plan):
 
     def body(j, carry):
         def visit(carry):
-            dq, t_sum, dp_t, ds_raw = carry
+            dq, t_sum, dp_t, ds_raw, ds_rows = carry
             kv_block = idx_ref[j]
-            raw, s = _block_scores(q, k_ref, kv_block, plan, scale)
+            raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref)
             allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
@@ -500,33 +501,38 @@ def _dq_kernel(*refs, plan: _Plan):
             dp = _dot(plan, do, v)
             ds = g * (dp - delta)
             dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
-            ds_raw = ds_raw + jnp.sum(jnp.where(g > 0.0, ds * raw, 0.0), axis=-1, keepdims=True)
+            ds = jnp.where(g > 0.0, ds, 0.0)
+            ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
+            ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
             if plan.kind == "entmax":
                 _, t = entmax_alpha_terms(p, eps)
                 t_sum = t_sum + jnp.sum(t, axis=-1, keepdims=True)
                 dp_t = dp_t + jnp.sum(jnp.where(t != 0.0, dp * t, 0.0), axis=-1, keepdims=True)
-            return dq, t_sum, dp_t, ds_raw
+            return dq, t_sum, dp_t, ds_raw, ds_rows
 
         if plan.kind == "softmax":
             return visit(carry)
         return jax.lax.cond(live_ref[j] != 0, visit, lambda c: c, carry)
 
     zeros_r = jnp.zeros((bq, 1), _F32)
-    init = (jnp.zeros((bq, plan.d), _F32), zeros_r, zeros_r, zeros_r)
-    dq, t_sum, dp_t, ds_raw = jax.lax.fori_loop(0, cnt_ref[0], body, init)
+    init = (jnp.zeros((bq, plan.d), _F32), zeros_r, zeros_r, zeros_r, zeros_r)
+    dq, t_sum, dp_t, ds_raw, ds_rows = jax.lax.fori_loop(0, cnt_ref[0], body, init)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
     dalpha_ref[...] = (delta * t_sum - dp_t)[:, 0]
     dscale_ref[...] = ds_raw[:, 0]
+    dbias_ref[...] = ds_rows[:, 0]
 
 
 def _dkv_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, do_ref = refs[:7]
-    row_refs = dict(zip(names, refs[7 : 7 + len(names)], strict=True))
-    rest = refs[7 + len(names) :]
-    t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref, dk_ref, dv_ref = (
-        rest
-    )
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, do_ref = refs[:8]
+    row_refs = dict(zip(names, refs[8 : 8 + len(names)], strict=True))
+    rest = refs[8 + len(names) :]
+    t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = rest[:7]
+    dk_ref, dv_ref, dbias_cols_ref = rest[7:10]
+    dense_bias_ref = rest[10] if len(rest) > 10 else None  # a bias with q and kv axes
+    if dense_bias_ref is not None:
+        dense_bias_ref[...] = jnp.zeros(dense_bias_ref.shape, dense_bias_ref.dtype)
     k, v = k_ref[...], v_ref[...]
     scale = scale_ref[0]
     kv_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
@@ -537,12 +543,13 @@ def _dkv_kernel(*refs, plan: _Plan):
         row_block, slot = t_rows_ref[t], t_slots_ref[t]
 
         def visit(carry):
-            dk, dv = carry
+            dk, dv, ds_cols = carry
             start = pl.multiple_of(row_block * bq, bq)
             sl = pl.ds(start, bq)
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
-            s = jnp.minimum(_dot(plan, q, k) * scale, _MAX)
+            bias = bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...]
+            s = jnp.minimum(_dot(plan, q, k) * scale + bias, _MAX)
             allowed = _allowed(
                 full_ref[row_block, slot],
                 pmi_ref[row_block, slot],
@@ -554,18 +561,25 @@ def _dkv_kernel(*refs, plan: _Plan):
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
             dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
-            ds = g * (_dot(plan, do, v) - rows["delta"])
+            ds = jnp.where(g > 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
             dk = dk + _dot(plan, ds.astype(q.dtype), q, 0, 0)
-            return dk, dv
+            if dense_bias_ref is not None:
+                dense_bias_ref[sl, :] = ds
+            return dk, dv, ds_cols + jnp.sum(ds, axis=0)  # the bias' column gradient
 
         if plan.kind == "softmax":
             return visit(carry)
         return jax.lax.cond(live_ref[row_block, slot] != 0, visit, lambda c: c, carry)
 
-    init = (jnp.zeros((bkv, plan.d), _F32), jnp.zeros((bkv, plan.dv), _F32))
-    dk, dv = jax.lax.fori_loop(0, t_cnt_ref[0], body, init)
+    init = (
+        jnp.zeros((bkv, plan.d), _F32),
+        jnp.zeros((bkv, plan.dv), _F32),
+        jnp.zeros((bkv,), _F32),
+    )
+    dk, dv, ds_cols = jax.lax.fori_loop(0, t_cnt_ref[0], body, init)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+    dbias_cols_ref[...] = ds_cols
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,7 +618,14 @@ def _eps_spec(head_axis: int):
     return pl.BlockSpec((None, 1), lambda *ids: (ids[head_axis], 0))
 
 
-def _forward(plan: _Plan, scale, lengths, eps, q, k, v):
+def _bias_rows_spec(plan: _Plan, bias_shape):
+    """The bias rows of a query tile, for the grid (query block, batch, head)."""
+    ab, an, aq, ak = (int(x) for x in plan.bias_axes)
+    block = (None, None, plan.bq if aq else 1, bias_shape[3] if ak else 1)
+    return pl.BlockSpec(block, lambda i, bb, h: (bb * ab, h * an, i * aq, 0))
+
+
+def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias):
     a = plan.arrays
     b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
     tq, tk = q.shape[1], k.shape[1]
@@ -627,27 +648,29 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v):
     stat_shape = jax.ShapeDtypeStruct((b, n, tq), _F32)
     stat_spec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
     grid = (nq, b, n)
+    bias_spec = _bias_rows_spec(plan, bias.shape)
     if plan.kind == "softmax":
         o, lse = _call(
             _forward_softmax_kernel, plan, grid,
-            [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, *layout_specs],
+            [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, bias_spec, *layout_specs],
             [o_spec, stat_spec], [o_shape, stat_shape], "sparse_jax_pallas_softmax_fwd",
-        )(scale, lengths, q, k, v, *layout_in)  # fmt: skip
+        )(scale, lengths, q, k, v, bias, *layout_in)  # fmt: skip
         return o, {"lse": lse, "ubar": o.astype(_F32), "live": None}
     live_shape = jax.ShapeDtypeStruct((b, n, nq, kp), jnp.int32)
     live_spec = pl.BlockSpec((None, None, None, kp), lambda i, bb, h: (bb, h, i, 0))
     ubar_shape = jax.ShapeDtypeStruct((b, tq, n, plan.dv), _F32)
     o, ubar, row_max, tau, mass, live = _call(
         _forward_sparse_kernel, plan, grid,
-        [_scalar_spec(), _length_spec(), _eps_spec(2), q_spec, k_spec, v_spec, *layout_specs],
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_spec, k_spec, v_spec, bias_spec,
+         *layout_specs],
         [o_spec, o_spec, stat_spec, stat_spec, stat_spec, live_spec],
         [o_shape, ubar_shape, stat_shape, stat_shape, stat_shape, live_shape],
         f"sparse_jax_pallas_{plan.kind}_fwd",
-    )(scale, lengths, eps, q, k, v, *layout_in)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, bias, *layout_in)  # fmt: skip
     return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
 
 
-def _backward(plan: _Plan, scale, lengths, eps, q, k, v, res, do):
+def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, res, do):
     a = plan.arrays
     b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
@@ -669,18 +692,18 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, res, do):
     stat_blk = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
     row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
     live_w = live.shape[-1]
-    dq, dalpha_rows, dscale_rows = _call(
+    dq, dalpha_rows, dscale_rows, dbias_rows = _call(
         _dq_kernel, plan, (nq, b, n),
-        [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all, do_blk,
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
+         _bias_rows_spec(plan, bias.shape), do_blk,
          *[stat_blk] * len(row_values),
          row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
          row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
-        [q_blk, stat_blk, stat_blk],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tq), _F32),
-         jax.ShapeDtypeStruct((b, n, tq), _F32)],
+        [q_blk, stat_blk, stat_blk, stat_blk],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
         f"sparse_jax_pallas_{plan.kind}_dq",
-    )(scale, lengths, eps, q, k, v, do, *row_values, *layout_in, live)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, bias, do, *row_values, *layout_in, live)  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
     mp = a["t_rows"].shape[-1]
@@ -693,44 +716,68 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, res, do):
     full_all = pl.BlockSpec((None, nq, kp), lambda c, bb, h: (h * ph, 0, 0))
     dk_blk = pl.BlockSpec((None, bkv, None, plan.d), lambda c, bb, h: (bb, c, h, 0))
     dv_blk = pl.BlockSpec((None, bkv, None, plan.dv), lambda c, bb, h: (bb, c, h, 0))
-    dk, dv = _call(
+    ab, an, aq, ak = (int(x) for x in plan.bias_axes)
+    bias_cols = pl.BlockSpec(
+        (None, None, tq if aq else 1, bkv if ak else 1),
+        lambda c, bb, h: (bb * ab, h * an, 0, c * ak),
+    )
+    # Per query head (GQA sums them below), in float32 when heads are summed.
+    grad_dtype = (_F32, _F32) if g > 1 else (k.dtype, v.dtype)
+    out_specs = [dk_blk, dv_blk, pl.BlockSpec((None, None, bkv), lambda c, bb, h: (bb, h, c))]
+    out_shapes = [
+        jax.ShapeDtypeStruct((b, tk, n, plan.d), grad_dtype[0]),
+        jax.ShapeDtypeStruct((b, tk, n, plan.dv), grad_dtype[1]),
+        jax.ShapeDtypeStruct((b, n, tk), _F32),
+    ]
+    if aq and ak:  # a bias with both length axes: its gradient is dense like itself
+        out_specs.append(pl.BlockSpec((None, None, tq, bkv), lambda c, bb, h: (bb, h, 0, c)))
+        out_shapes.append(jax.ShapeDtypeStruct((b, n, tq, tk), _F32))
+    grads = _call(
         _dkv_kernel, plan, (nk, b, n),
-        [_scalar_spec(), _length_spec(), _eps_spec(2), q_all, k_blk, v_blk, do_all,
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_all, k_blk, v_blk, bias_cols, do_all,
          *[stat_all] * len(row_values),
          t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0))],
-        [dk_blk, dv_blk],
-        [jax.ShapeDtypeStruct((b, tk, n, plan.d), k.dtype),
-         jax.ShapeDtypeStruct((b, tk, n, plan.dv), v.dtype)],
-        f"sparse_jax_pallas_{plan.kind}_dkv",
-    )(scale, lengths, eps, q, k, v, do, *row_values,
+        out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv",
+    )(scale, lengths, eps, q, k, v, bias, do, *row_values,
       *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
       live)  # fmt: skip
+    dk, dv, dbias_cols = grads[:3]
     if g > 1:  # grouped-query attention: a key head's gradient sums its query heads'
-        dk = dk.astype(_F32).reshape(b, tk, kh, g, plan.d).sum(3).astype(k.dtype)
-        dv = dv.astype(_F32).reshape(b, tk, kh, g, plan.dv).sum(3).astype(v.dtype)
+        dk = dk.reshape(b, tk, kh, g, plan.d).sum(3).astype(k.dtype)
+        dv = dv.reshape(b, tk, kh, g, plan.dv).sum(3).astype(v.dtype)
     deps = jnp.sum(dalpha_rows, axis=(0, 2))[:, None] if plan.kind == "entmax" else None
     dscale = jnp.sum(dscale_rows).reshape(1)
-    return dq, dk, dv, deps, dscale
+    if aq and ak:
+        dbias = grads[3]
+    elif ak:
+        dbias = dbias_cols[:, :, None, :]
+    elif aq:
+        dbias = dbias_rows[..., None]
+    else:
+        dbias = jnp.sum(dbias_rows, axis=-1)[..., None, None]
+    dbias = jnp.sum(dbias, axis=tuple(i for i in (0, 1) if not plan.bias_axes[i]), keepdims=True)
+    return dq, dk, dv, deps, dscale, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: _Plan, scale, lengths, eps, q, k, v):
-    return _forward(plan, scale, lengths, eps, q, k, v)[0]
+def _fused(plan: _Plan, scale, lengths, eps, q, k, v, bias):
+    return _forward(plan, scale, lengths, eps, q, k, v, bias)[0]
 
 
-def _fused_fwd(plan, scale, lengths, eps, q, k, v):
-    o, res = _forward(plan, scale, lengths, eps, q, k, v)
-    return o, (scale, lengths, eps, q, k, v, res)
+def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias):
+    o, res = _forward(plan, scale, lengths, eps, q, k, v, bias)
+    return o, (scale, lengths, eps, q, k, v, bias, res)
 
 
 def _fused_bwd(plan, residuals, do):
-    scale, lengths, eps, q, k, v, res = residuals
-    dq, dk, dv, deps, dscale = _backward(plan, scale, lengths, eps, q, k, v, res, do)
+    scale, lengths, eps, q, k, v, bias, res = residuals
+    dq, dk, dv, deps, dscale, dbias = _backward(plan, scale, lengths, eps, q, k, v, bias, res, do)
     deps = jnp.zeros_like(eps) if deps is None else deps
     no_lengths = np.zeros(lengths.shape, jax.dtypes.float0)  # integer input: no cotangent
-    return dscale.astype(scale.dtype), no_lengths, deps.astype(eps.dtype), dq, dk, dv
+    return (dscale.astype(scale.dtype), no_lengths, deps.astype(eps.dtype), dq, dk, dv,
+            dbias.astype(bias.dtype))  # fmt: skip
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -749,6 +796,7 @@ def pallas_attention(
     mask: Mask | None = None,
     normalizer: Any = "softmax",
     scale: float | jax.Array | None = None,
+    bias: jax.Array | None = None,
     interpret: bool | None = None,
     precision: Any = None,
 ) -> jax.Array:
@@ -768,6 +816,9 @@ def pallas_attention(
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
         float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
+      bias: optional float array broadcastable to ``[B, N, Tq, Tk]`` (rank <= 4), added to the
+        scaled scores (``-inf`` masks), read tile by tile; differentiable (its gradient is
+        reduced in the kernels over the axes it broadcasts along).
       interpret: run the kernels in Pallas' interpret mode; default: on CPU only.
       precision: of the tiles' products (``jax.lax.Precision``); default: full float32 for
         float32 inputs (Triton's default would be TF32), the inputs' own for half precision.
@@ -794,6 +845,7 @@ def pallas_attention(
     layout = check_layout(layout, tq, tk, n, caller)
     normalizer = check_normalizer(normalizer, n, caller)
     scale = check_scale(scale, d, caller)
+    bias = check_bias(bias, (b, n, tq, tk), caller)
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"{caller}: `interpret` must be None or a bool; got {interpret!r}")
     backend = "cpu" if interpret else jax.default_backend()
@@ -814,13 +866,20 @@ def pallas_attention(
 
     nq, nk = layout.num_q_blocks, layout.num_kv_blocks
     bq, bkv = layout.block_q, layout.block_kv
+    if bias is None:
+        bias = jnp.zeros((1, 1, 1, 1), _F32)
+    bias_axes = tuple(bool(size > 1) for size in bias.shape)
+    bias = jnp.pad(
+        jnp.asarray(bias, _F32),
+        ((0, 0), (0, 0), (0, (nq * bq - tq) * bias_axes[2]), (0, (nk * bkv - tk) * bias_axes[3])),
+    )
     d_p, dv_p = _next_pow2(d, _MIN_BLOCK), _next_pow2(dv, _MIN_BLOCK)
     plan = _Plan(
         kind=kind, sigma=sigma, b=b, n=n, g=n // kh, bq=bq, bkv=bkv, nq=nq, nk=nk, d=d_p,
         dv=dv_p, per_head=int(layout.kv_block_indices.shape[0] > 1), interpret=interpret,
         precision=precision if precision is not None or q.dtype != jnp.float32
         else jax.lax.Precision.HIGHEST,
-        arrays=_layout_arrays(layout),
+        bias_axes=bias_axes, arrays=_layout_arrays(layout),
     )  # fmt: skip
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     v, key_nan = nonfinite_values(v)  # a non-finite value vector makes its key's scores NaN
@@ -830,5 +889,5 @@ def pallas_attention(
     v = jnp.pad(v, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, dv_p - dv)))
     lengths = _kv_lengths(mask, layout, b, tk, caller)
     scale = jnp.asarray(scale, _F32).reshape(1)
-    out = _fused(plan, scale, lengths, eps, q, k, v)
+    out = _fused(plan, scale, lengths, eps, q, k, v, bias)
     return out[:, :tq, :, :dv]
