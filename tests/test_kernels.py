@@ -199,11 +199,13 @@ def _live_map(q, k, v, layout, norm):
     plan = pk._Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
-        interpret=True, precision=None, arrays=pk._layout_arrays(layout),
+        interpret=True, precision=None, bias_axes=(False,) * 4,
+        arrays=pk._layout_arrays(layout),
     )  # fmt: skip
     eps = jnp.zeros((n, 1), jnp.float32)
     lengths = jnp.full((b,), k.shape[1], jnp.int32)
-    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), lengths, eps, q, k, v)
+    no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
+    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), lengths, eps, q, k, v, no_bias)
     return np.asarray(res["live"])
 
 
