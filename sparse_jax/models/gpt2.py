@@ -430,11 +430,13 @@ class GPT2(nnx.Module):
 
     def _forward(self, ids, positions, caches, rngs):
         dtype = jnp.dtype(self.config.dtype)
-        # Ids outside [0, vocab_size) cannot be refused under jit (they are tracers there): a
-        # negative id is sent past the table too, so that every such id embeds as NaN (never a
-        # silent wrap-around to another token) and its logits, and those after it, are NaN.
-        ids = jnp.where(ids < 0, self.config.vocab_size, ids.astype(jnp.int32))
-        x = (self.wte(ids) + self.wpe(positions)[None]).astype(dtype)
+        # Ids outside [0, vocab_size) cannot be refused under jit (they are tracers there): each
+        # embeds as NaN (a negative id would otherwise wrap around to another token), so its
+        # logits, and those after it, are NaN. The lookup itself is left as it is (a select on
+        # its output), so that in-range ids compute exactly what they did without the guard.
+        outside = (ids < 0) | (ids >= self.config.vocab_size)
+        tokens = jnp.where(outside[..., None], jnp.nan, self.wte(ids))
+        x = (tokens + self.wpe(positions)[None]).astype(dtype)
         totals: dict[str, jax.Array] = {}
         new_caches = []
         for i, block in enumerate(self.h):
