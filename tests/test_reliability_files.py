@@ -234,6 +234,19 @@ def test_resume_of_a_folder_that_does_not_exist_fails_and_says_how_to_start(tmp_
     assert not parsed.resume and parsed == distill.parse(_args(tmp_path, "missing"))
 
 
+def test_resume_of_a_folder_without_a_run_and_a_file_as_run_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"holds no run to continue \(no config.json\)") as info:
+        distill.main(_args(tmp_path, "empty", "--resume"))
+    command = str(info.value).split("Start one with:")[1].strip()
+    assert distill.parse(shlex.split(command)[3:]) == distill.parse(_args(tmp_path, "empty"))
+    assert os.listdir(tmp_path / "empty") == []
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match=r"is a file; choose another --run.dir"):
+        distill.main(_args(tmp_path, "file"))
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_resume_of_a_missing_folder_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "experiments.distill", *_args(tmp_path, "missing"), "--resume"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
