@@ -205,7 +205,8 @@ def _live_map(q, k, v, layout, norm):
     eps = jnp.zeros((n, 1), jnp.float32)
     lengths = jnp.full((b,), k.shape[1], jnp.int32)
     no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
-    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), lengths, eps, q, k, v, no_bias)
+    key_nan = jnp.zeros((b, k.shape[2], k.shape[1]), jnp.float32)
+    _, res = pk._forward(plan, jnp.ones(1, jnp.float32), lengths, eps, q, k, v, no_bias, key_nan)
     return np.asarray(res["live"])
 
 
@@ -221,6 +222,25 @@ def test_non_finite_input_follows_the_attention_policy():
         finite = ~np.isnan(np.asarray(ref))
         np.testing.assert_allclose(np.asarray(out)[finite], np.asarray(ref)[finite], atol=1e-5)
         assert np.isnan(np.asarray(out)[0, 20]).all() and np.isnan(np.asarray(out)[0, 25:]).all()
+
+
+def test_a_non_finite_value_leaves_the_gradients_of_rows_that_mask_its_key_finite():
+    q, k, v, cot = _inputs((1, 32, 32, 1, 1, 16), jnp.float32)
+    v = v.at[0, 25, 0, 1].set(jnp.nan)  # key 25: only rows >= 25 allow it (causal)
+
+    def grads(impl):
+        def loss(q, k, v):
+            out = attention(q, k, v, mask=masks.causal(), normalizer="sparsemax", impl=impl,
+                            block_size=(16, 16))  # fmt: skip
+            return jnp.sum(out[:, :25] * cot[:, :25])
+
+        return jax.grad(loss, argnums=(0, 1))(q, k, v)
+
+    (dq, dk), (ref_dq, ref_dk) = grads("pallas"), grads("xla")
+    assert np.isfinite(np.asarray(dq)[:, :25]).all()  # rows 16..24 share key 25's block
+    # NaN where the reference has NaN (rows >= 25 are NaN rows: their terms in dk are NaN).
+    np.testing.assert_allclose(dq, ref_dq, atol=1e-5)
+    np.testing.assert_allclose(dk, ref_dk, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -254,14 +254,16 @@ def _dot(plan: _Plan, a, b, contract_a: int = 1, contract_b: int = 1):
     return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
-def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref):
+def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref):
     """Scaled, biased scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf
-    clipped), and the raw products q·k. ``bias_ref``: the query tile's bias rows."""
+    clipped), and the raw products q·k. ``bias_ref``: the query tile's bias rows;
+    ``key_nan_ref``: NaN at the keys whose value vector is not finite, 0 elsewhere."""
     start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
     k = k_ref[pl.ds(start, plan.bkv), :]
     raw = _dot(plan, q, k)
     bias = bias_ref[:, pl.ds(start, plan.bkv)] if plan.bias_axes[3] else bias_ref[...]
-    return raw, jnp.minimum(raw * scale + bias, _MAX)
+    key_nan = key_nan_ref[pl.ds(start, plan.bkv)][None, :]
+    return raw, jnp.minimum(raw * scale + bias + key_nan, _MAX)
 
 
 def _allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int):
@@ -329,8 +331,8 @@ def _eps_sigma(plan: _Plan, eps_ref, rows: int):
 # Forward kernels.
 
 
-def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, idx_ref,
-                            cnt_ref, full_ref, pmi_ref, masks_ref, o_ref, lse_ref, *,
+def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref,
+                            idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, o_ref, lse_ref, *,
                             plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
@@ -339,7 +341,7 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, i
     def body(j, carry):
         row_max, total, acc = carry
         kv_block = idx_ref[j]
-        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref)
+        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
         allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
         x = jnp.where(allowed, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
@@ -362,9 +364,10 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, i
     lse_ref[...] = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)[:, 0]
 
 
-def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, idx_ref,
-                           cnt_ref, full_ref, pmi_ref, masks_ref, o_ref, ubar_ref, max_ref,
-                           tau_ref, mass_ref, live_ref, *, plan: _Plan):  # fmt: skip
+def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref,
+                           key_nan_ref, idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, o_ref,
+                           ubar_ref, max_ref, tau_ref, mass_ref, live_ref, *,
+                           plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
@@ -373,7 +376,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
 
     def masked(j):
         kv_block = idx_ref[j]
-        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref)
+        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
         allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
         return jnp.where(allowed, s, -jnp.inf)
 
@@ -418,7 +421,9 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def out_pass(j, carry):
         acc, acc_u, mass, s_sum = carry
         p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
-        live = jnp.max(jnp.where(p > 0.0, 1, 0)) > 0  # (a NaN row must not hide the others)
+        # Live: some row gives the block weight, or is a NaN row (whose derivatives are NaN:
+        # the backward pass must visit it). A max over 0/1, not over p: NaN must not hide rows.
+        live = jnp.max(jnp.where((p > 0.0) | jnp.isnan(p), 1, 0)) > 0
         live_ref[j] = live.astype(live_ref.dtype)
         start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
 
@@ -461,10 +466,12 @@ def _recompute(plan: _Plan, x, rows: dict, eps, sigma):
     safe = jnp.where(mass > 0.0, mass, 1.0)
     p = p_hat / safe
     if plan.kind == "sparsemax":
-        return p, s_hat
-    if plan.kind == "entmax15":
-        return p, s_hat * jax.lax.rsqrt(safe)
-    return p, s_hat * jnp.exp((eps - 1.0) * jnp.log(safe))
+        g = s_hat
+    elif plan.kind == "entmax15":
+        g = s_hat * jax.lax.rsqrt(safe)
+    else:
+        g = s_hat * jnp.exp((eps - 1.0) * jnp.log(safe))
+    return p, jnp.where(jnp.isnan(p), jnp.nan, g)  # a NaN row's derivatives are NaN
 
 
 def _row_names(plan: _Plan) -> tuple[str, ...]:
@@ -474,12 +481,12 @@ def _row_names(plan: _Plan) -> tuple[str, ...]:
 
 def _dq_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, do_ref = refs[:8]
-    row_refs = dict(zip(names, refs[8 : 8 + len(names)], strict=True))
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref, do_ref = refs[:9]
+    row_refs = dict(zip(names, refs[9 : 9 + len(names)], strict=True))
     idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = refs[
-        8 + len(names) : 14 + len(names)
+        9 + len(names) : 15 + len(names)
     ]
-    dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[14 + len(names) :]
+    dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[15 + len(names) :]
     q, do = q_ref[...], do_ref[...]
     bq = q.shape[0]
     scale = scale_ref[0]
@@ -491,7 +498,7 @@ def _dq_kernel(*refs, plan: _Plan):
         def visit(carry):
             dq, t_sum, dp_t, ds_raw, ds_rows = carry
             kv_block = idx_ref[j]
-            raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref)
+            raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
             allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
@@ -501,7 +508,7 @@ def _dq_kernel(*refs, plan: _Plan):
             dp = _dot(plan, do, v)
             ds = g * (dp - delta)
             dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
-            ds = jnp.where(g > 0.0, ds, 0.0)
+            ds = jnp.where(g != 0.0, ds, 0.0)
             ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
             ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
             if plan.kind == "entmax":
@@ -525,9 +532,9 @@ def _dq_kernel(*refs, plan: _Plan):
 
 def _dkv_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, do_ref = refs[:8]
-    row_refs = dict(zip(names, refs[8 : 8 + len(names)], strict=True))
-    rest = refs[8 + len(names) :]
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref, do_ref = refs[:9]
+    row_refs = dict(zip(names, refs[9 : 9 + len(names)], strict=True))
+    rest = refs[9 + len(names) :]
     t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = rest[:7]
     dk_ref, dv_ref, dbias_cols_ref = rest[7:10]
     dense_bias_ref = rest[10] if len(rest) > 10 else None  # a bias with q and kv axes
@@ -549,7 +556,7 @@ def _dkv_kernel(*refs, plan: _Plan):
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
             bias = bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...]
-            s = jnp.minimum(_dot(plan, q, k) * scale + bias, _MAX)
+            s = jnp.minimum(_dot(plan, q, k) * scale + bias + key_nan_ref[...][None, :], _MAX)
             allowed = _allowed(
                 full_ref[row_block, slot],
                 pmi_ref[row_block, slot],
@@ -561,7 +568,7 @@ def _dkv_kernel(*refs, plan: _Plan):
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
             dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
-            ds = jnp.where(g > 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
+            ds = jnp.where(g != 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
             dk = dk + _dot(plan, ds.astype(q.dtype), q, 0, 0)
             if dense_bias_ref is not None:
                 dense_bias_ref[sl, :] = ds
@@ -625,7 +632,7 @@ def _bias_rows_spec(plan: _Plan, bias_shape):
     return pl.BlockSpec(block, lambda i, bb, h: (bb * ab, h * an, i * aq, 0))
 
 
-def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias):
+def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
     a = plan.arrays
     b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
     tq, tk = q.shape[1], k.shape[1]
@@ -649,12 +656,14 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias):
     stat_spec = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
     grid = (nq, b, n)
     bias_spec = _bias_rows_spec(plan, bias.shape)
+    key_nan_spec = pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0))
     if plan.kind == "softmax":
         o, lse = _call(
             _forward_softmax_kernel, plan, grid,
-            [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, bias_spec, *layout_specs],
+            [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, bias_spec, key_nan_spec,
+             *layout_specs],
             [o_spec, stat_spec], [o_shape, stat_shape], "sparse_jax_pallas_softmax_fwd",
-        )(scale, lengths, q, k, v, bias, *layout_in)  # fmt: skip
+        )(scale, lengths, q, k, v, bias, key_nan, *layout_in)  # fmt: skip
         return o, {"lse": lse, "ubar": o.astype(_F32), "live": None}
     live_shape = jax.ShapeDtypeStruct((b, n, nq, kp), jnp.int32)
     live_spec = pl.BlockSpec((None, None, None, kp), lambda i, bb, h: (bb, h, i, 0))
@@ -662,15 +671,15 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias):
     o, ubar, row_max, tau, mass, live = _call(
         _forward_sparse_kernel, plan, grid,
         [_scalar_spec(), _length_spec(), _eps_spec(2), q_spec, k_spec, v_spec, bias_spec,
-         *layout_specs],
+         key_nan_spec, *layout_specs],
         [o_spec, o_spec, stat_spec, stat_spec, stat_spec, live_spec],
         [o_shape, ubar_shape, stat_shape, stat_shape, stat_shape, live_shape],
         f"sparse_jax_pallas_{plan.kind}_fwd",
-    )(scale, lengths, eps, q, k, v, bias, *layout_in)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, bias, key_nan, *layout_in)  # fmt: skip
     return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
 
 
-def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, res, do):
+def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do):
     a = plan.arrays
     b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
@@ -695,7 +704,8 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, res, do):
     dq, dalpha_rows, dscale_rows, dbias_rows = _call(
         _dq_kernel, plan, (nq, b, n),
         [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
-         _bias_rows_spec(plan, bias.shape), do_blk,
+         _bias_rows_spec(plan, bias.shape),
+         pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)), do_blk,
          *[stat_blk] * len(row_values),
          row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
          row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
@@ -703,7 +713,7 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, res, do):
         [q_blk, stat_blk, stat_blk, stat_blk],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
         f"sparse_jax_pallas_{plan.kind}_dq",
-    )(scale, lengths, eps, q, k, v, bias, do, *row_values, *layout_in, live)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, bias, key_nan, do, *row_values, *layout_in, live)  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
     mp = a["t_rows"].shape[-1]
@@ -734,13 +744,14 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, res, do):
         out_shapes.append(jax.ShapeDtypeStruct((b, n, tq, tk), _F32))
     grads = _call(
         _dkv_kernel, plan, (nk, b, n),
-        [_scalar_spec(), _length_spec(), _eps_spec(2), q_all, k_blk, v_blk, bias_cols, do_all,
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_all, k_blk, v_blk, bias_cols,
+         pl.BlockSpec((None, None, bkv), lambda c, bb, h: (bb, h // g, c)), do_all,
          *[stat_all] * len(row_values),
          t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0))],
         out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv",
-    )(scale, lengths, eps, q, k, v, bias, do, *row_values,
+    )(scale, lengths, eps, q, k, v, bias, key_nan, do, *row_values,
       *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
       live)  # fmt: skip
     dk, dv, dbias_cols = grads[:3]
@@ -762,22 +773,25 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, res, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: _Plan, scale, lengths, eps, q, k, v, bias):
-    return _forward(plan, scale, lengths, eps, q, k, v, bias)[0]
+def _fused(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
+    return _forward(plan, scale, lengths, eps, q, k, v, bias, key_nan)[0]
 
 
-def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias):
-    o, res = _forward(plan, scale, lengths, eps, q, k, v, bias)
-    return o, (scale, lengths, eps, q, k, v, bias, res)
+def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan):
+    o, res = _forward(plan, scale, lengths, eps, q, k, v, bias, key_nan)
+    return o, (scale, lengths, eps, q, k, v, bias, key_nan, res)
 
 
 def _fused_bwd(plan, residuals, do):
-    scale, lengths, eps, q, k, v, bias, res = residuals
-    dq, dk, dv, deps, dscale, dbias = _backward(plan, scale, lengths, eps, q, k, v, bias, res, do)
+    scale, lengths, eps, q, k, v, bias, key_nan, res = residuals
+    dq, dk, dv, deps, dscale, dbias = _backward(
+        plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do
+    )
     deps = jnp.zeros_like(eps) if deps is None else deps
     no_lengths = np.zeros(lengths.shape, jax.dtypes.float0)  # integer input: no cotangent
+    # key_nan is NaN or 0 (a mark, not a value): its cotangent is zero.
     return (dscale.astype(scale.dtype), no_lengths, deps.astype(eps.dtype), dq, dk, dv,
-            dbias.astype(bias.dtype))  # fmt: skip
+            dbias.astype(bias.dtype), jnp.zeros_like(key_nan))  # fmt: skip
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -882,12 +896,16 @@ def pallas_attention(
         bias_axes=bias_axes, arrays=_layout_arrays(layout),
     )  # fmt: skip
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    v, key_nan = nonfinite_values(v)  # a non-finite value vector makes its key's scores NaN
-    k = jnp.where(jnp.isnan(key_nan)[..., None], jnp.asarray(jnp.nan, k.dtype), k)
+    # A non-finite value vector enters as a NaN score of its key (the attention policy), so
+    # that 0 * NaN in p @ v cannot reach rows whose mask excludes the key.
+    v, key_nan = nonfinite_values(v)
+    key_nan = jnp.pad(
+        jnp.transpose(key_nan.astype(_F32), (0, 2, 1)), ((0, 0), (0, 0), (0, nk * bkv - tk))
+    )
     q = jnp.pad(q, ((0, 0), (0, nq * bq - tq), (0, 0), (0, d_p - d)))
     k = jnp.pad(k, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, d_p - d)))
     v = jnp.pad(v, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, dv_p - dv)))
     lengths = _kv_lengths(mask, layout, b, tk, caller)
     scale = jnp.asarray(scale, _F32).reshape(1)
-    out = _fused(plan, scale, lengths, eps, q, k, v, bias)
+    out = _fused(plan, scale, lengths, eps, q, k, v, bias, jax.lax.stop_gradient(key_nan))
     return out[:, :tq, :, :dv]
