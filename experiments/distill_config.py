@@ -193,6 +193,13 @@ class StudentConfig(_Group):
     shrink all candidate weights together at no cost (see CandidateMaskAttention)."""
     granularity: Literal["layer", "head"] = "head"
     """Candidate weights per layer or per head."""
+    weighting: Literal["sigmoid", "sparsemax", "entmax15"] = "sigmoid"
+    """How candidate logits become weights: independent sigmoids (the published form), or a
+    distribution over each head's candidates with exact zeros (sparsemax/entmax15; hardening
+    then keeps each head's support)."""
+    serve_len_factor: int = 4
+    """The serving length, as a multiple of --data.seq-len, at which --loss.mask-expected-cost
+    prices each candidate by the key blocks the block-sparse kernel computes."""
     windows: tuple[int, ...] = (8, 16, 32)
     """Causal window sizes of the candidate bank (besides sink(4), strided and full causal)."""
     fixed_window: int = 32
@@ -205,6 +212,7 @@ class StudentConfig(_Group):
     def __post_init__(self):
         self.int_at_least("block_size", 1)
         self.int_at_least("fixed_window", 1)
+        self.int_at_least("serve_len_factor", 1)
         windows = self.windows
         if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
             raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {windows!r}")
@@ -254,12 +262,22 @@ class LossConfig(_Group):
     """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
     share_c with π = weights / their sum): only the weights' ratios count, as under softmax.
     It prices score entries, not kernel blocks: see docs/results.md before using it."""
+    mask_expected_cost: float = 0.0
+    """Weight of the block-priced penalty (per block, the mean over heads of Σ π_c x cost_c,
+    cost_c = the key blocks the kernel computes for candidate c at the serving length, causal
+    = 1; see --student.serve-len-factor)."""
     gate_l1: float = 0.0005
     """Weight of the head/FFN gate penalties."""
 
     def __post_init__(self):
         self.number("temperature", positive=True)
-        for name in ("mask_l1", "mask_density", "mask_expected_density", "gate_l1"):
+        for name in (
+            "mask_l1",
+            "mask_density",
+            "mask_expected_density",
+            "mask_expected_cost",
+            "gate_l1",
+        ):
             self.number(name, positive=False)
 
     def penalty_weights(self) -> dict[str, float]:
@@ -268,6 +286,7 @@ class LossConfig(_Group):
             "mask_l1": self.mask_l1,
             "mask_density": self.mask_density,
             "mask_expected_density": self.mask_expected_density,
+            "mask_expected_cost": self.mask_expected_cost,
             "head_gate": self.gate_l1,
             "ffn_gate": self.gate_l1,
         }
@@ -306,15 +325,16 @@ class HardenConfig(_Group):
     budget: float | None = 0.3
     """Mean attention density the hardened model may use (None: keep weights >=
     --harden.threshold)."""
-    threshold: float = 0.5
-    """Candidate weight kept by hardening when --harden.budget is None."""
+    threshold: float | None = None
+    """Candidate weight kept by hardening when --harden.budget is None (None: 0.5 for sigmoid
+    weights, each head's support for sparsemax/entmax15 weights)."""
     finetune_steps: int = 200
     """KL fine-tuning updates of the hardened model (0: none)."""
 
     def __post_init__(self):
         if self.budget is not None and not 0 < self.budget <= 1:
             raise ValueError(f"{self.flag('budget')} must be in (0, 1] or None; got {self.budget}")
-        if not 0 < self.threshold < 1:
+        if self.threshold is not None and not 0 < self.threshold < 1:
             raise ValueError(f"{self.flag('threshold')} must be in (0, 1); got {self.threshold}")
         self.int_at_least("finetune_steps", 0)
 

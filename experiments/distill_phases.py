@@ -180,6 +180,8 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
             granularity=s.granularity,
             combine=s.combine,
             anchor_self=s.anchor_self,
+            weighting=s.weighting,
+            price_len=s.serve_len_factor * config.data.seq_len,
             normalizer=norm,
             block_size=blocks,
         )

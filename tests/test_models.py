@@ -262,6 +262,7 @@ def test_aux_penalties_are_summed_over_blocks():
         "ffn_gate",
         "head_gate",
         "mask_density",
+        "mask_expected_cost",
         "mask_expected_density",
         "mask_l1",
     ]
@@ -273,6 +274,8 @@ def test_aux_penalties_are_summed_over_blocks():
     np.testing.assert_allclose(aux["mask_density"], 2 * sum(shares) * jax.nn.sigmoid(3.0), 1e-6)
     # equal weights: each block's expected density is the candidates' mean share
     np.testing.assert_allclose(aux["mask_expected_density"], 2 * np.mean(shares), rtol=1e-6)
+    # priced in blocks of 128 at the call's length 8: every candidate is the one block
+    np.testing.assert_allclose(aux["mask_expected_cost"], 2.0, rtol=1e-6)
     np.testing.assert_allclose(aux["ffn_gate"], 384 * jax.nn.sigmoid(3.0), rtol=1e-6)
 
 

@@ -192,6 +192,8 @@ class AttentionSpec:
     granularity: Literal["layer", "head"] = "layer"  # candidates: weights per layer or head
     combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"  # candidates
     anchor_self: bool = False  # candidates: each query keeps its own position at weight 1
+    weighting: str = "sigmoid"  # candidates: "sigmoid", or a distribution: "sparsemax"/"entmax15"
+    price_len: int | None = None  # candidates: the serving length expected_cost prices at
     head_gate: str | None = None  # gate kind per head, or None
     ffn_gate: str | None = None  # gate kind per FFN unit, or None
     gate_init: float = 3.0  # initial gate logit (open)
@@ -256,6 +258,9 @@ class SelfAttention(nnx.Module):
                 combine=spec.combine,
                 normalizer=spec.normalizer,
                 anchor_self=spec.anchor_self,
+                weighting=spec.weighting,
+                price_len=spec.price_len,
+                block_size=spec.block_size,
             )
         elif n:
             self.core = FixedAttention(
@@ -270,7 +275,7 @@ class SelfAttention(nnx.Module):
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
         )
 
-    def head_densities(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+    def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` with its learned choices made hard:
         the core's :meth:`~sparse_jax.models.layers.FixedAttention.head_densities` (candidate
         weights kept at ``threshold``), 0 for a head whose gate is closed (a
@@ -366,7 +371,8 @@ class GPT2(nnx.Module):
 
     Call: ``model(ids [B, T], *, rngs=None, return_aux=False)`` -> logits ``[B, T, V]``
     (float32), or ``(logits, aux)`` where ``aux`` sums each penalty over the blocks
-    (``mask_l1``, ``mask_density``, ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard
+    (``mask_l1``, ``mask_density``, ``mask_expected_density``, ``mask_expected_cost``,
+    ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard
     Concrete gates (training); without it gates are deterministic.
     """
 
@@ -463,7 +469,7 @@ class GPT2(nnx.Module):
             )
         return caches
 
-    def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+    def attention_density(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 scalar: the mean density at ``seq_len`` over every head of the model, with its
         learned choices made hard (:meth:`SelfAttention.head_densities`: candidate weights kept
         at ``threshold`` as :func:`~sparse_jax.models.harden` keeps them, a closed head gate

@@ -55,7 +55,7 @@ class HardenReport:
     kept_units: tuple[np.ndarray, ...]  # per block: indices of the FFN units that stay
     head_masks: tuple[tuple[masks_lib.Mask, ...] | None, ...]  # per block: kept heads' masks
     kept_candidates: tuple[np.ndarray | None, ...]  # per block: bool [N, C] kept candidates
-    threshold: float | None  # the candidate threshold used
+    threshold: float | None  # the candidate threshold used (None: each layer's default)
     density: float  # mean density of the kept heads' masks at the reference length
 
 
@@ -159,14 +159,14 @@ def harden_plan(
         density = float(np.mean(densities)) if densities else 0.0
         return heads, units, head_masks, list(kept_by_block), density
 
-    def kept_at(t: float):
+    def kept_at(t: float | None):
         def choose(w, block):  # weight >= t, and each head's strongest (never an empty head)
             return np.array(block.attn.core.kept_candidates(t))
 
         return _kept_per_block(blocks, weights_of, choose)
 
-    if budget is None:
-        t = 0.5 if threshold is None else float(threshold)
+    if budget is None:  # None: each layer's default (0.5 for sigmoid weights, else the support)
+        t = None if threshold is None else float(threshold)
         plan = assemble(kept_at(t))
     else:  # the lowest threshold (most candidates kept) whose density fits the budget
         weights = sorted(
@@ -204,8 +204,9 @@ def harden(
 
     Args:
       model: a trained :class:`~sparse_jax.models.gpt2.GPT2` student (any attention kinds).
-      threshold: keep candidate ``c`` of a head when its weight ``sigmoid(logit) >= threshold``
-        (default 0.5).
+      threshold: keep candidate ``c`` of a head when its weight is ``>= threshold``; default:
+        each layer's own (0.5 for sigmoid weights; the support, weight > 0, for sparsemax or
+        entmax15 weights: exact, since the others are exactly 0).
       budget: instead of a threshold, the largest mean attention density (over kept heads, at
         ``length``) allowed: the lowest threshold that meets it is used; when even each head's
         strongest candidate alone exceeds it, the densest heads move, one at a time, to their

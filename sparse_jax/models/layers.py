@@ -32,7 +32,11 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   (measured: docs/results.md, section "Why the candidate weights collapse").
 
   The penalties are ``aux["l1"] = Σ w``, ``aux["density"]`` and the scale-free
-  ``aux["expected_density"]`` (see ``__call__``; both are priced in causal shares). The
+  ``aux["expected_density"]`` (see ``__call__``; both are priced in causal shares), and
+  ``aux["expected_cost"]``, priced by the key blocks the kernel computes at a serving length
+  (:meth:`CandidateMaskAttention.block_costs`). ``weighting="sparsemax"`` (or ``"entmax15"``)
+  makes each head's weights a distribution over its candidates with exact zeros instead of
+  independent sigmoids. The
   default combine, ``soft_union``, is the one whose hardening is exact and was chosen by
   measurement (measured: docs/results.md, section "Which way to combine the candidates").
 * :class:`Gate`: one learnable gate per head or per FFN unit (``"sigmoid_ste"``,
@@ -59,7 +63,7 @@ Example:
   >>> q = jnp.ones((1, 16, 2, 8))  # [batch, seq, heads, head_dim]
   >>> out, aux = attn(q, q, q)
   >>> out.shape, sorted(aux)
-  ((1, 16, 2, 8), ['density', 'expected_density', 'l1'])
+  ((1, 16, 2, 8), ['density', 'expected_cost', 'expected_density', 'l1'])
 """
 
 from __future__ import annotations
@@ -76,9 +80,11 @@ from flax import nnx
 
 from sparse_jax import gates as gates_lib
 from sparse_jax import masks as masks_lib
+from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention
 from sparse_jax.models.flops import attention_scores, mask_density
-from sparse_jax.validation import check_bool, check_int
+from sparse_jax.normalizers import entmax15, sparsemax
+from sparse_jax.validation import check_block_size, check_bool, check_int
 
 __all__ = [
     "COMBINES",
@@ -91,6 +97,8 @@ __all__ = [
 ]
 
 COMBINES = ("soft_union", "soft_mask", "mixture")
+#: How CandidateMaskAttention turns logits into weights.
+WEIGHTINGS = ("sigmoid", "sparsemax", "entmax15")
 GATE_KINDS = ("sigmoid_ste", "sigmoid", "hard_concrete", "score_scaling")
 
 
@@ -225,7 +233,7 @@ class FixedAttention(nnx.Module):
         m = self.mask
         return tuple(m.for_head(h) if m.num_heads is not None else m for h in range(self.num_heads))
 
-    def head_densities(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+    def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` (:mod:`~sparse_jax.models.flops`).
 
         ``threshold`` is accepted for the common interface of the attention layers and unused:
@@ -237,14 +245,15 @@ class FixedAttention(nnx.Module):
         """
         caller = "FixedAttention.head_densities"
         seq_len = check_int(seq_len, "seq_len", caller)
-        _check_threshold(threshold, caller)
+        if threshold is not None:
+            _check_threshold(threshold, caller)
         if self.mask.num_heads is None:
             d = np.full(self.num_heads, mask_density(self.mask, seq_len))
         else:
             d = np.array([mask_density(m, seq_len) for m in self.head_masks()])
         return jnp.asarray(d, jnp.float32)
 
-    def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+    def attention_density(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 scalar: the mean of :meth:`head_densities` over the heads."""
         return jnp.mean(self.head_densities(seq_len, threshold=threshold))
 
@@ -296,6 +305,13 @@ class CandidateMaskAttention(nnx.Module):
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"`` or a float α.
       init_logit: initial logit of every weight (``sigmoid(3) = 0.95``: all candidates on).
       anchor_self: keep each query's own position at weight 1 (log-bias combines only).
+      weighting: how logits become weights: ``"sigmoid"`` (each candidate on its own, the
+        published form) or a distribution over each row of candidates, ``"sparsemax"`` or
+        ``"entmax15"`` (rows sum to 1 with exact zeros: shift-invariant, so a penalty cannot
+        lower all weights together, and hardening by support is exact).
+      price_len: the length at which :meth:`block_costs` prices the candidates for the
+        ``expected_cost`` penalty (a serving length); None: the call's own length.
+      block_size: ``(block_q, block_kv)`` of the block-sparse kernel whose blocks are priced.
       rngs: unused (weights start equal); accepted for the NNX constructor convention.
     """
 
@@ -309,9 +325,15 @@ class CandidateMaskAttention(nnx.Module):
         normalizer: str | float = "softmax",
         init_logit: float = 3.0,
         anchor_self: bool = False,
+        weighting: Literal["sigmoid", "sparsemax", "entmax15"] = "sigmoid",
+        price_len: int | None = None,
+        block_size: tuple[int, int] = (128, 128),
         rngs: nnx.Rngs | None = None,
     ):
         caller = "CandidateMaskAttention"
+        self.weighting = _check_choice(weighting, "weighting", WEIGHTINGS, caller)
+        self.price_len = None if price_len is None else check_int(price_len, "price_len", caller)
+        self.block_size = check_block_size(block_size, caller)
         anchor_self = check_bool(anchor_self, "anchor_self", caller)
         if anchor_self and combine == "mixture":
             raise ValueError(
@@ -336,7 +358,12 @@ class CandidateMaskAttention(nnx.Module):
         self.logits = nnx.Param(jnp.full(shape, float(init_logit), jnp.float32))
 
     def weights(self) -> jax.Array:
-        """``sigmoid(logits)`` in the parameters' shape: ``[C]`` or ``[N, C]``."""
+        """The weights in the parameters' shape, ``[C]`` or ``[N, C]``: ``sigmoid(logits)``, or
+        each row's ``sparsemax``/``entmax15`` (see ``weighting``)."""
+        if self.weighting == "sparsemax":
+            return sparsemax(self.logits[...], axis=-1)
+        if self.weighting == "entmax15":
+            return entmax15(self.logits[...], axis=-1)
         return jax.nn.sigmoid(self.logits[...])
 
     def candidate_weights(self, *, per_head: bool = False) -> jax.Array:
@@ -380,10 +407,11 @@ class CandidateMaskAttention(nnx.Module):
         seq_len = check_int(seq_len, "seq_len", "CandidateMaskAttention.candidate_densities")
         return np.array([mask_density(c, seq_len) for c in self.candidates])
 
-    def kept_candidates(self, threshold: float = 0.5) -> jax.Array:
+    def kept_candidates(self, threshold: float | None = None) -> jax.Array:
         """bool ``[N, C]``: the candidates each head keeps when its weights are made hard: those
         with weight ``>= threshold``, and always the head's strongest (the first on ties), so no
-        head is empty (``threshold=inf``: the strongest alone). Traceable.
+        head is empty (``threshold=inf``: the strongest alone). Default threshold: 0.5 for
+        sigmoid weights; the support (weight > 0) for sparsemax/entmax15 weights. Traceable.
 
         Example:
           >>> layer = CandidateMaskAttention(1, [masks_lib.causal()] * 3)
@@ -393,9 +421,12 @@ class CandidateMaskAttention(nnx.Module):
           >>> layer.kept_candidates(0.2).astype(int).tolist()  # weights 0.27, 0.12, 0.73
           [[1, 0, 1]]
         """
-        threshold = _check_threshold(threshold, "CandidateMaskAttention.kept_candidates")
+        caller = "CandidateMaskAttention.kept_candidates"
         w = self.candidate_weights(per_head=True)  # [N, C]
         strongest = jnp.arange(w.shape[1]) == jnp.argmax(w, axis=1)[:, None]
+        if threshold is None and self.weighting != "sigmoid":
+            return (w > 0.0) | strongest
+        threshold = _check_threshold(0.5 if threshold is None else threshold, caller)
         return (w >= threshold) | strongest
 
     def _union(self, kept_row) -> masks_lib.Mask:
@@ -443,9 +474,10 @@ class CandidateMaskAttention(nnx.Module):
             )
         return tuple(self._union(row) for row in kept)
 
-    def head_densities(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+    def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` with its weights made hard, i.e.
-        of its :meth:`head_masks` at ``threshold`` (see :meth:`kept_candidates`). Traceable (a
+        of its :meth:`head_masks` at ``threshold`` (see :meth:`kept_candidates`; None: its
+        default). Traceable (a
         training step can log it); not differentiable (it counts entries).
 
         Example:
@@ -464,7 +496,7 @@ class CandidateMaskAttention(nnx.Module):
             union = union + jnp.asarray(mask_at(SELF, seq_len, seq_len), jnp.float32)
         return jnp.mean(union > 0, axis=(1, 2))
 
-    def attention_density(self, seq_len: int, *, threshold: float = 0.5) -> jax.Array:
+    def attention_density(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 scalar: the mean of :meth:`head_densities` over the heads."""
         return jnp.mean(self.head_densities(seq_len, threshold=threshold))
 
@@ -491,15 +523,44 @@ class CandidateMaskAttention(nnx.Module):
             )
         return batch * self.num_heads * seq_len * seq_len
 
+    def block_costs(self, seq_len: int | None = None) -> np.ndarray:
+        """float64 ``[C]``: the key blocks the block-sparse kernel computes for each candidate
+        at ``seq_len`` (default ``price_len``) with this layer's ``block_size``, relative to
+        full causal attention's (row groups included, as
+        :func:`~sparse_jax.blocksparse.blocksparse_cost` counts them): what serving a head
+        under that candidate costs. A pattern that touches every block (a strided mask whose
+        stride is below the block size) costs what causal costs, whatever its density.
+
+        Example:
+          >>> from sparse_jax import masks
+          >>> layer = CandidateMaskAttention(1, [masks.causal() & masks.local(127, 0),
+          ...                                    masks.strided(64), masks.causal()])
+          >>> layer.block_costs(2048).round(3).tolist()  # window: 2 key blocks per query block
+          [0.213, 1.0, 1.0]
+        """
+        caller = "CandidateMaskAttention.block_costs"
+        n = self.price_len if seq_len is None else check_int(seq_len, "seq_len", caller)
+        if n is None:
+            raise ValueError(f"{caller}: pass `seq_len` (the layer has no `price_len`)")
+
+        def computed(mask):
+            layout = mask.blocks(n, n, *self.block_size)
+            return blocksparse_cost(layout, batch=1, num_heads=1, head_dim=1).computed_scores
+
+        causal = computed(masks_lib.causal())
+        return np.array([computed(c & masks_lib.causal()) / causal for c in self.candidates])
+
     def _penalties(self, tq: int, tk: int) -> dict[str, jax.Array]:
-        """The three penalties of ``__call__``'s ``aux`` (the shares computed once)."""
+        """The penalties of ``__call__``'s ``aux`` (shares and costs computed once)."""
         shares = jnp.asarray(self.causal_shares(tq, tk), jnp.float32)  # [C]
+        costs = jnp.asarray(self.block_costs(self.price_len or tk), jnp.float32)  # [C]
         w = self.candidate_weights(per_head=True)  # [N, C]
         pi = w / jnp.sum(w, axis=-1, keepdims=True)
         return {
             "l1": jnp.sum(self.weights()),
             "density": jnp.sum(self.weights() * shares),
             "expected_density": jnp.mean(pi @ shares),
+            "expected_cost": jnp.mean(pi @ costs),
         }
 
     def __call__(self, q, k, v, *, q_offset: Any = None, rngs: nnx.Rngs | None = None):
@@ -513,7 +574,8 @@ class CandidateMaskAttention(nnx.Module):
         about 0.12), and ``"expected_density"`` = the mean over heads of ``Σ_c π_c · share_c``
         with ``π = w / Σ w``: the causal share a head would have if it picked one candidate
         with probability ``π``, in ``[0, 1]``. (The names are the penalties'; the prices are
-        causal shares, not densities.)
+        causal shares, not densities.) ``"expected_cost"`` is the same expectation priced by
+        the kernel's blocks at the serving length, :meth:`block_costs` (causal = 1).
 
         Under softmax the log-bias of small weights changes only by a constant when every
         weight is scaled by one factor, so the first two can be lowered by shrinking all
@@ -549,7 +611,11 @@ class CandidateMaskAttention(nnx.Module):
             a = jnp.where(own, 1.0, a)
             allowed = allowed | own
         allowed = jnp.asarray(allowed)
-        bias = jnp.log(jnp.where(allowed, a, 1.0))[None]  # [1, N, T, S]
+        # An entry whose candidates all have weight exactly 0 (sparsemax/entmax15 weights, or a
+        # sigmoid that underflowed) is masked by a -inf bias, with a zero gradient rather than
+        # log's infinite one (which made the whole gradient NaN).
+        open_ = allowed & (a > 0.0)
+        bias = jnp.where(open_, jnp.log(jnp.where(open_, a, 1.0)), -jnp.inf)[None]  # [1,N,T,S]
         out = attention(
             q, k, v, mask=allowed, bias=bias.astype(jnp.float32), normalizer=self.normalizer
         )
