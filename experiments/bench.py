@@ -123,7 +123,7 @@ class NormalizersConfig:
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int) -> None:
-            if not isinstance(value, int) or value < 1:
+            if not timing.is_count(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         if not self.lengths:
@@ -408,9 +408,9 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "head_dim", "block", "repeats", "window"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not timing.is_count(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths):
+        if not self.lengths or any(not timing.is_count(n) for n in self.lengths):
             raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
         if not self.masks or any(m not in _ALL_MASKS for m in self.masks):
             raise ValueError(f"masks must be names from {_ALL_MASKS}, got {self.masks!r}")
@@ -615,9 +615,9 @@ class HardeningConfig:
     def __post_init__(self) -> None:
         for name in ("layers", "width", "heads", "vocab", "block", "repeats"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not timing.is_count(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths):
+        if not self.lengths or any(not timing.is_count(n) for n in self.lengths):
             raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
         if not 0 < self.density <= 0.5:
             raise ValueError(f"density must be in (0, 0.5] (causal), got {self.density!r}")

@@ -64,10 +64,10 @@ class KernelsConfig:
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "head_dim", "block", "repeats", "window", "dense_up_to"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not timing.is_count(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.lengths is not None and (
-            not self.lengths or any(not isinstance(n, int) or n < 1 for n in self.lengths)
+            not self.lengths or any(not timing.is_count(n) for n in self.lengths)
         ):
             raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
         for name in self.normalizers:

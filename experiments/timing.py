@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import numbers
 import os
 import platform
 import statistics
@@ -215,3 +216,8 @@ def format_ms(stats: TimingStats) -> str:
 def log(message: str) -> None:
     """Progress of a benchmark, to stderr (stdout holds its table)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def is_count(value: Any) -> bool:
+    """True for an integer >= 1 (python or numpy; not a bool): the benchmarks' sizes."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
