@@ -193,10 +193,11 @@ class StudentConfig(_Group):
     shrink all candidate weights together at no cost (see CandidateMaskAttention)."""
     granularity: Literal["layer", "head"] = "head"
     """Candidate weights per layer or per head."""
-    weighting: Literal["sigmoid", "sparsemax", "entmax15"] = "sigmoid"
-    """How candidate logits become weights: independent sigmoids (the published form), or a
-    distribution over each head's candidates with exact zeros (sparsemax/entmax15; hardening
-    then keeps each head's support)."""
+    weighting: Literal["sigmoid", "sparsemax", "entmax15"] = "sparsemax"
+    """How candidate logits become weights: a distribution over each head's candidates with
+    exact zeros (sparsemax/entmax15: no penalty can shrink every weight together, and hardening
+    keeps each head's support), or independent sigmoids (the published form, which collapses:
+    docs/results.md)."""
     serve_len_factor: int = 4
     """The serving length, as a multiple of --data.seq-len, at which --loss.mask-expected-cost
     prices each candidate by the key blocks the block-sparse kernel computes."""
@@ -253,8 +254,9 @@ class LossConfig(_Group):
     """Distillation temperature T (the loss is scaled by T^2)."""
     direction: Literal["forward", "reverse", "jsd"] = "forward"
     """forward = KL(teacher || student), reverse, or Jensen-Shannon."""
-    mask_l1: float = 0.02
-    """Weight of the L1 penalty on candidate weights (sum of sigmoid(logits), per block)."""
+    mask_l1: float = 0.0
+    """Weight of the L1 penalty on candidate weights (sum of the weights, per block; constant
+    for sparsemax/entmax15 weights: use it with --student.weighting sigmoid)."""
     mask_density: float = 0.0
     """Weight of the density-weighted penalty on candidate weights (Σ weight x the candidate's
     share of the causal entries, per block): prices each candidate by what it costs."""
@@ -262,7 +264,7 @@ class LossConfig(_Group):
     """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
     share_c with π = weights / their sum): only the weights' ratios count, as under softmax.
     It prices score entries, not kernel blocks: see docs/results.md before using it."""
-    mask_expected_cost: float = 0.0
+    mask_expected_cost: float = 0.003
     """Weight of the block-priced penalty (per block, the mean over heads of Σ π_c x cost_c,
     cost_c = the key blocks the kernel computes for candidate c at the serving length, causal
     = 1; see --student.serve-len-factor)."""
@@ -322,7 +324,7 @@ class HardenConfig(_Group):
 
     group: ClassVar[str] = "harden"
 
-    budget: float | None = 0.3
+    budget: float | None = None
     """Mean attention density the hardened model may use (None: keep weights >=
     --harden.threshold)."""
     threshold: float | None = None
@@ -480,6 +482,8 @@ OLD_FLAGS = {
     "combine": "student.combine",
     "anchor_self": "student.anchor_self",
     "granularity": "student.granularity",
+    "weighting": "student.weighting",
+    "serve_len_factor": "student.serve_len_factor",
     "windows": "student.windows",
     "fixed_window": "student.fixed_window",
     "block_size": "student.block_size",
@@ -489,6 +493,7 @@ OLD_FLAGS = {
     "mask_l1": "loss.mask_l1",
     "mask_density": "loss.mask_density",
     "mask_expected_density": "loss.mask_expected_density",
+    "mask_expected_cost": "loss.mask_expected_cost",
     "gate_l1": "loss.gate_l1",
     "steps": "train.steps",
     "learning_rate": "train.lr",

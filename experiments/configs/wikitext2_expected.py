@@ -20,5 +20,7 @@ def get_config() -> DistillConfig:
     return dataclasses.replace(
         wikitext2_study.get_config(),
         config="wikitext2_expected",
-        loss=LossConfig(mask_l1=0.0, mask_density=0.0, mask_expected_density=0.02),
+        loss=LossConfig(
+            mask_l1=0.0, mask_density=0.0, mask_expected_density=0.02, mask_expected_cost=0.0
+        ),
     )

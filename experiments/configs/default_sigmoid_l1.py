@@ -1,0 +1,20 @@
+"""python -m experiments.distill --config default_sigmoid_l1 --run.dir runs/default_sigmoid_l1
+
+The embedded default as it was before the candidate weights became a distribution: independent
+sigmoid weights, 0.02 x their L1, harden(budget=0.3). Kept to compare with the default.
+Should reach (docs/results.md, "The embedded default", 7 min 42 s from a fresh clone): perplexity
+per byte teacher 8.120, student 8.136, hardened 8.062; KL(teacher || .) student 0.0109,
+hardened 0.0316; hardened attention density 29.4% / 24.3% at n = 128 / 512; every head's six
+candidate weights nearly equal (the collapse).
+"""
+
+from experiments.distill_config import DistillConfig, HardenConfig, LossConfig, StudentConfig
+
+
+def get_config() -> DistillConfig:
+    return DistillConfig(
+        config="default_sigmoid_l1",
+        student=StudentConfig(weighting="sigmoid"),
+        loss=LossConfig(mask_l1=0.02, mask_expected_cost=0.0),
+        harden=HardenConfig(budget=0.3),
+    )
