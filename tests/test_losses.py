@@ -274,7 +274,10 @@ def _student_aux():
 
 def test_sparsity_penalty_on_a_gpt2_student():
     aux = _student_aux()
-    assert set(aux) == {"mask_l1", "mask_density", "mask_expected_density", "head_gate", "ffn_gate"}
+    assert set(aux) == {
+        "mask_l1", "mask_density", "mask_expected_density", "mask_expected_cost", "head_gate",
+        "ffn_gate",
+    }  # fmt: skip
     weights = {"mask_l1": 0.1, "mask_density": 0.2, "head_gate": 0.01, "ffn_gate": 0.0}
     total, metrics = sparsity_penalty(aux, weights)
     expected = sum(w * float(aux[k]) for k, w in weights.items())
