@@ -94,7 +94,7 @@ def test_bad_attention_flags_are_refused(capsys):
 def test_kernels_benchmark_times_every_engine_on_every_cell(capsys):
     bench.main(
         ["kernels", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
-         "--block", "16", "--window", "8", "--normalizers", "1.3", "--masks", "local_sink",
+         "--block", "16", "--window", "8", "--normalizers", "sparsemax", "--masks", "local_sink",
          "--dense-up-to", "16", "--repeats", "1"]
     )  # fmt: skip
     printed = capsys.readouterr().out

@@ -75,7 +75,7 @@ def test_zero_weights_mask_their_entries_with_finite_gradients():
         out, aux = layer(q, k, v)
         return jnp.sum(out**2) + aux["expected_cost"]
 
-    grads = nnx.grad(loss)(layer)
+    grads = nnx.jit(nnx.grad(loss))(layer)
     assert bool(jnp.isfinite(grads.logits[...]).all())
     out, _ = layer(q, k, v)
     sink = attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], mask=CANDIDATES[0])

@@ -38,16 +38,13 @@ CASES = {
     "alpha-2.5-window": (
         2.5, masks.causal() & masks.local(24, 0), (1, 64, 64, 2, 2, 8), jnp.float32, 16, None,
     ),
-    "softmax-window-bf16": (
-        "softmax", masks.causal() & masks.local(24, 0), (1, 64, 64, 2, 1, 16), jnp.bfloat16, 32,
-        None,
-    ),
     "sparsemax-padding": (
         "sparsemax", masks.causal() & masks.padding(np.array([40, 17])), (2, 64, 64, 2, 2, 8),
         jnp.float32, 16, None,
     ),
-    "sparsemax-causal-bf16": (
-        "sparsemax", masks.causal(), (1, 64, 64, 2, 2, 16), jnp.bfloat16, 32, None,
+    "sparsemax-window-gqa-bf16": (
+        "sparsemax", masks.causal() & masks.local(24, 0), (1, 64, 64, 2, 1, 16), jnp.bfloat16, 32,
+        None,
     ),
 }  # fmt: skip
 
@@ -133,7 +130,7 @@ def test_fully_masked_rows_give_zero_output_and_gradients():
     mask = masks.from_array(allowed)
     q, k, v, cot = _inputs((1, 32, 32, 2, 2, 8), jnp.float32)
     layout = mask.blocks(32, 32, 16, 16)
-    for norm in ("softmax", "sparsemax", 1.7):
+    for norm in ("softmax", 1.7):
 
         def loss(q, k, v, norm=norm):
             return jnp.sum(pallas_attention(q, k, v, layout, normalizer=norm) * cot)
@@ -154,7 +151,7 @@ def test_ties_at_the_threshold_match_the_reference():
     k = jnp.pad(k[None, :, None, :], ((0, 0), (0, 0), (0, 0), (0, 14)))
     v = jax.random.normal(jax.random.PRNGKey(1), (1, 32, 1, 16))
     mask = masks.causal()
-    for norm in ("sparsemax", "entmax15"):
+    for norm in ("entmax15",):
         out = attention(q, k, v, mask=mask, normalizer=norm, impl="pallas", block_size=(16, 16),
                         scale=1.0)  # fmt: skip
         ref = attention(q, k, v, mask=mask, normalizer=norm, impl="xla", scale=1.0)
