@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from sparse_jax.masks import causal, local, per_head, sink
+from sparse_jax.masks import causal, local, per_head, sink, strided
 from sparse_jax.models import (
     GPT2,
     AttentionSpec,
@@ -21,9 +21,11 @@ from sparse_jax.models import (
     from_pretrained,
     generate,
     harden,
+    harden_plan,
     save_pretrained,
     student_from_teacher,
 )
+from sparse_jax.models.flops import mask_block_cost
 from sparse_jax.models.layers import (
     SELF,
     CandidateMaskAttention,
@@ -519,8 +521,6 @@ def test_self_description_is_traceable_and_checks_its_arguments():
 def test_harden_keeps_what_the_layer_says_it_keeps():
     spec = AttentionSpec(kind="candidates", candidates=_CANDS, granularity="head")
     student = _random_logits(_tiny(spec), seed=5)
-    from sparse_jax.models import harden_plan
-
     for threshold in (0.3, 0.5, 0.7):
         plan = harden_plan(student, threshold=threshold, length=8)
         for i, block in enumerate(student.h):
@@ -641,8 +641,6 @@ def test_budget_picks_the_lowest_threshold_that_fits():
     # strongest cheaper candidate (the window) until the mean fits.
     for block in student.h:
         _set_logits(block.attn.core, [[0.0, 1.0, 2.0]] * 3)
-    from sparse_jax.models import harden_plan
-
     plan = harden_plan(student, budget=0.3)
     assert plan.density <= 0.3
     masks = [m for block in plan.head_masks for m in block]
@@ -651,3 +649,27 @@ def test_budget_picks_the_lowest_threshold_that_fits():
         harden(student, budget=0.0)
     with pytest.raises(ValueError, match="not both"):
         harden(student, budget=0.5, threshold=0.5)
+
+
+def test_budget_in_blocks_prices_what_the_kernel_computes():
+    """A strided head is cheap in density but touches every kernel block: priced in blocks it
+    costs what causal costs, so a block budget drops it where a density budget keeps it."""
+    cands = (causal() & local(7, 0), strided(4), causal())
+    spec = AttentionSpec(kind="candidates", candidates=cands, granularity="head", block_size=(8, 8))
+    student = _tiny(spec)
+    for block in student.h:
+        _set_logits(block.attn.core, [[1.0, 2.0, -3.0]] * 3)  # strided strongest, then window
+    window_cost = mask_block_cost(cands[0], 64, (8, 8))
+    assert mask_block_cost(cands[1], 64, (8, 8)) == 1.0 and window_cost < 0.5
+    dense_plan = harden_plan(student, budget=0.3, length=64)  # strided alone: density ~0.13
+    kept = [m for block in dense_plan.head_masks for m in block]
+    assert all(mask_block_cost(m, 64, (8, 8)) == 1.0 for m in kept)  # strided kept: every block
+    plan = harden_plan(student, budget=window_cost + 1e-6, length=64, price="blocks")
+    assert plan.price == "blocks" and plan.cost == pytest.approx(window_cost)
+    assert all(m == cands[0] for block in plan.head_masks for m in block)
+    hard = harden(student, budget=window_cost + 1e-6, length=64, price="blocks")
+    assert hard.h[0].attn.core.mask == cands[0]
+    with pytest.raises(ValueError, match="mean block cost"):
+        harden(student, budget=0.01, length=64, price="blocks")
+    with pytest.raises(ValueError, match="unknown `price`='flops'"):
+        harden(student, budget=0.5, price="flops")

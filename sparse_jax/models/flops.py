@@ -44,7 +44,14 @@ from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention_impl
 from sparse_jax.validation import check_int
 
-__all__ = ["LayerFlops", "ModelFlops", "attention_scores", "mask_density", "model_flops"]
+__all__ = [
+    "LayerFlops",
+    "ModelFlops",
+    "attention_scores",
+    "mask_block_cost",
+    "mask_density",
+    "model_flops",
+]
 
 
 def mask_density(mask: masks_lib.Mask, seq_len: int) -> float:
@@ -60,6 +67,29 @@ def mask_density(mask: masks_lib.Mask, seq_len: int) -> float:
     seq_len = check_int(seq_len, "seq_len", "mask_density")
     block = min(seq_len, 128)
     return float(mask.blocks(seq_len, seq_len, block, block).density)
+
+
+def mask_block_cost(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> float:
+    """The *block cost* of a static ``mask`` (intersected with causal) at ``seq_len``: the score
+    entries the block-sparse kernel forms for it with ``block_size`` blocks (its key blocks,
+    padded within row groups, as :func:`~sparse_jax.blocksparse.blocksparse_cost` counts them),
+    relative to full causal attention's: what serving a head under ``mask`` costs, causal = 1.
+    A pattern that touches every block costs what causal costs, whatever its density.
+
+    Example:
+      >>> from sparse_jax.masks import causal, local, strided
+      >>> round(mask_block_cost(causal() & local(127, 0), 2048, (128, 128)), 3)
+      0.213
+      >>> mask_block_cost(strided(64), 2048, (128, 128))
+      1.0
+    """
+    seq_len = check_int(seq_len, "seq_len", "mask_block_cost")
+
+    def formed(m):
+        layout = m.blocks(seq_len, seq_len, *block_size)
+        return blocksparse_cost(layout, batch=1, num_heads=1, head_dim=1).computed_scores
+
+    return formed(mask & masks_lib.causal()) / formed(masks_lib.causal())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.models.flops import mask_density
+from sparse_jax.models.flops import mask_block_cost, mask_density
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
 from sparse_jax.models.layers import CandidateMaskAttention, Gate
 
@@ -57,6 +57,8 @@ class HardenReport:
     kept_candidates: tuple[np.ndarray | None, ...]  # per block: bool [N, C] kept candidates
     threshold: float | None  # the candidate threshold used (None: each layer's default)
     density: float  # mean density of the kept heads' masks at the reference length
+    price: str = "density"  # what `budget` counted: "density" or "blocks"
+    cost: float = 0.0  # the kept heads' mean cost in `price` at the reference length
 
 
 def _gate_values(gate: Gate | None, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,25 +76,31 @@ def _kept_per_block(blocks, weights_of, choose):
     return [None if (w := weights_of(b)) is None else choose(w, b) for b in blocks]
 
 
-def _cheapest(blocks, weights_of, n_ref):
-    """Kept matrices with every head on its least dense candidate."""
+def _candidate_costs(block, n_ref: int, price: str) -> np.ndarray:
+    """float64 ``[C]``: each candidate's cost in ``price`` at ``n_ref``."""
+    core = block.attn.core
+    return core.block_costs(n_ref) if price == "blocks" else core.candidate_densities(n_ref)
+
+
+def _cheapest(blocks, weights_of, n_ref, price):
+    """Kept matrices with every head on its cheapest candidate."""
 
     def choose(w, block):
-        dens = block.attn.core.candidate_densities(n_ref)
+        cost = _candidate_costs(block, n_ref, price)
         kept = np.zeros(w.shape, bool)
-        kept[:, dens.argmin()] = True
+        kept[:, cost.argmin()] = True
         return kept
 
     return _kept_per_block(blocks, weights_of, choose)
 
 
-def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref):
+def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref, price):
     """Greedy fallback when no threshold meets ``budget``: starting from each head's strongest
-    candidate, repeatedly move the densest head to its strongest *cheaper* candidate until the
-    mean density fits (None if it never does)."""
+    candidate, repeatedly move the costliest head to its strongest *cheaper* candidate until the
+    mean cost fits (None if it never does)."""
     kept_by_block = [None if k is None else k.copy() for k in kept_by_block]
     cand_density = [
-        None if weights_of(b) is None else b.attn.core.candidate_densities(n_ref) for b in blocks
+        None if weights_of(b) is None else _candidate_costs(b, n_ref, price) for b in blocks
     ]
     while True:
         plan = assemble(kept_by_block)
@@ -116,10 +124,17 @@ def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref):
 
 
 def harden_plan(
-    model: GPT2, *, threshold: float | None = None, budget: float | None = None, length=None
+    model: GPT2,
+    *,
+    threshold: float | None = None,
+    budget: float | None = None,
+    length=None,
+    price: str = "density",
 ) -> HardenReport:
     """Decides what :func:`harden` keeps (see there for the arguments)."""
     caller = "harden"
+    if price not in ("density", "blocks"):
+        raise ValueError(f"{caller}: unknown `price`={price!r}; allowed: 'density', 'blocks'")
     if not isinstance(model, GPT2):
         raise TypeError(f"{caller}: `model` must be a sparse_jax GPT2; got {type(model).__name__}")
     if threshold is not None and budget is not None:
@@ -132,6 +147,7 @@ def harden_plan(
         )
     n_ref = length or model.config.n_positions
     blocks = list(model.h)
+    block_sizes = [spec.block_size for spec in model.specs]
 
     def weights_of(block) -> np.ndarray | None:
         core = block.attn.core if block.attn.num_heads else None
@@ -141,8 +157,8 @@ def harden_plan(
 
     def assemble(kept_by_block):
         """The plan for explicit kept-candidate matrices (None for blocks without them)."""
-        heads, units, head_masks, densities = [], [], [], []
-        for block, kept in zip(blocks, kept_by_block, strict=True):
+        heads, units, head_masks, densities, costs = [], [], [], [], []
+        for block, kept, block_size in zip(blocks, kept_by_block, block_sizes, strict=True):
             attn = block.attn
             n = attn.num_heads
             keep_h, _ = _gate_values(attn.head_gate, n)
@@ -156,8 +172,11 @@ def harden_plan(
             masks = attn.core.head_masks() if kept is None else attn.core.head_masks(kept)
             head_masks.append(tuple(masks[h] for h in heads[-1]))
             densities += [mask_density(masks[h], n_ref) for h in heads[-1]]
+            if price == "blocks":
+                costs += [mask_block_cost(masks[h], n_ref, block_size) for h in heads[-1]]
         density = float(np.mean(densities)) if densities else 0.0
-        return heads, units, head_masks, list(kept_by_block), density
+        cost = (float(np.mean(costs)) if costs else 0.0) if price == "blocks" else density
+        return heads, units, head_masks, list(kept_by_block), cost, density
 
     def kept_at(t: float | None):
         def choose(w, block):  # weight >= t, and each head's strongest (never an empty head)
@@ -179,16 +198,18 @@ def harden_plan(
                 t, plan = cand, trial
                 break
         if plan is None:
-            plan = _downgrade(blocks, kept_at(float("inf")), weights_of, assemble, budget, n_ref)
+            strongest = kept_at(float("inf"))
+            plan = _downgrade(blocks, strongest, weights_of, assemble, budget, n_ref, price)
         if plan is None:
-            floor = assemble(_cheapest(blocks, weights_of, n_ref))[4]
+            floor = assemble(_cheapest(blocks, weights_of, n_ref, price))[4]
+            what = "block cost" if price == "blocks" else "density"
             raise ValueError(
                 f"{caller}: `budget`={budget} cannot be met: every head on its cheapest "
-                f"candidate still gives mean density {floor:.3f}"
+                f"candidate still gives mean {what} {floor:.3f}"
             )
-    heads, units, head_masks, kept_cands, density = plan
+    heads, units, head_masks, kept_cands, cost, density = plan
     return HardenReport(
-        tuple(heads), tuple(units), tuple(head_masks), tuple(kept_cands), t, density
+        tuple(heads), tuple(units), tuple(head_masks), tuple(kept_cands), t, density, price, cost
     )
 
 
@@ -199,6 +220,7 @@ def harden(
     budget: float | None = None,
     length: int | None = None,
     impl: str = "auto",
+    price: str = "density",
 ) -> GPT2:
     """A fixed sparse GPT-2 that keeps what ``model`` learned (see the module docstring).
 
@@ -207,18 +229,25 @@ def harden(
       threshold: keep candidate ``c`` of a head when its weight is ``>= threshold``; default:
         each layer's own (0.5 for sigmoid weights; the support, weight > 0, for sparsemax or
         entmax15 weights: exact, since the others are exactly 0).
-      budget: instead of a threshold, the largest mean attention density (over kept heads, at
-        ``length``) allowed: the lowest threshold that meets it is used; when even each head's
-        strongest candidate alone exceeds it, the densest heads move, one at a time, to their
-        strongest cheaper candidate until it fits (ValueError if the cheapest cannot).
-      length: sequence length at which densities are measured (default ``n_positions``).
+      budget: instead of a threshold, the largest mean cost (over kept heads, at ``length``;
+        attention density, or block cost with ``price="blocks"``) allowed: the lowest threshold
+        that meets it is used; when even each head's strongest candidate alone exceeds it, the
+        costliest heads move, one at a time, to their strongest cheaper candidate until it fits
+        (ValueError if the cheapest cannot).
+      length: sequence length at which densities and costs are measured (default
+        ``n_positions``; the serving length).
       impl: attention implementation of the hardened blocks (``"auto"``: block-sparse when
         the mask leaves enough out).
+      price: what ``budget`` bounds: ``"density"`` (the mean density) or ``"blocks"`` (the
+        mean block cost: the score entries the block-sparse kernel forms with each block's
+        ``block_size``, relative to causal attention's; see
+        :func:`~sparse_jax.models.flops.mask_block_cost`), in which a pattern that touches every
+        block costs what causal costs.
 
     Returns:
       A new :class:`GPT2` with ``heads_per_layer``/``inner_per_layer`` set and fixed masks.
     """
-    plan = harden_plan(model, threshold=threshold, budget=budget, length=length)
+    plan = harden_plan(model, threshold=threshold, budget=budget, length=length, price=price)
     cfg = model.config
     config = dataclasses.replace(
         cfg,

@@ -299,9 +299,14 @@ def _assign(model, tensors: dict[str, np.ndarray], folder) -> None:
         _variable(model, name)[...] = np.asarray(value, np.float32)
 
 
-def save_pretrained(model: GPT2, path: str | os.PathLike) -> pathlib.Path:
+def save_pretrained(
+    model: GPT2, path: str | os.PathLike, *, dtype: str = "float32"
+) -> pathlib.Path:
     """Writes ``model`` as a Hugging Face GPT-2 folder ``path`` (``config.json``,
     ``model.safetensors``); returns the folder.
+
+    ``dtype`` is the tensors' type in the file: ``"float32"`` (exact) or ``"float16"`` (half the
+    size, each weight rounded; :func:`from_pretrained` reads either back as float32).
 
     A new folder is written under a temporary name beside it and renamed into place when
     complete, so a save killed midway never leaves a folder that looks saved (only a hidden
@@ -332,12 +337,16 @@ def save_pretrained(model: GPT2, path: str | os.PathLike) -> pathlib.Path:
             f"save_pretrained: the model has {n_params - len(expected)} parameters beyond GPT-2's "
             "(gates, candidate weights or α): the Hugging Face layout cannot hold them"
         )
+    if dtype not in ("float32", "float16"):
+        raise ValueError(
+            f"save_pretrained: `dtype`={dtype!r} is not allowed; allowed: 'float32', 'float16'"
+        )
     folder = pathlib.Path(path)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"save_pretrained: `path`={str(path)!r} is a file; pass a folder")
     tensors = {
         "transformer." + name: np.ascontiguousarray(
-            np.asarray(_variable(model, name)[...], np.float32)
+            np.asarray(_variable(model, name)[...], np.float32).astype(dtype)
         )
         for name in expected
     }

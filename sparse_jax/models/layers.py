@@ -80,9 +80,8 @@ from flax import nnx
 
 from sparse_jax import gates as gates_lib
 from sparse_jax import masks as masks_lib
-from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention
-from sparse_jax.models.flops import attention_scores, mask_density
+from sparse_jax.models.flops import attention_scores, mask_block_cost, mask_density
 from sparse_jax.normalizers import entmax15, sparsemax
 from sparse_jax.validation import check_block_size, check_bool, check_int
 
@@ -542,13 +541,7 @@ class CandidateMaskAttention(nnx.Module):
         n = self.price_len if seq_len is None else check_int(seq_len, "seq_len", caller)
         if n is None:
             raise ValueError(f"{caller}: pass `seq_len` (the layer has no `price_len`)")
-
-        def computed(mask):
-            layout = mask.blocks(n, n, *self.block_size)
-            return blocksparse_cost(layout, batch=1, num_heads=1, head_dim=1).computed_scores
-
-        causal = computed(masks_lib.causal())
-        return np.array([computed(c & masks_lib.causal()) / causal for c in self.candidates])
+        return np.array([mask_block_cost(c, n, self.block_size) for c in self.candidates])
 
     def _penalties(self, tq: int, tk: int) -> dict[str, jax.Array]:
         """The penalties of ``__call__``'s ``aux`` (shares and costs computed once)."""
