@@ -1,15 +1,18 @@
 """The main job: distil a dense GPT-2 teacher into a sparse student, harden it, measure both.
 
-    python -m experiments.distill                       # the embedded default, ~8 min on 2 cores
+    python -m experiments.distill                       # the embedded default, ~5 min on 2 cores
     python -m experiments.distill --config wikitext2_study   # a named study (experiments/configs)
+    python -m experiments.distill --teacher.source planted   # does the student find planted masks?
     python -m experiments.distill --data.source ../shared/data/wikitext-2 --data.seq-len 512
     python -m experiments.distill --teacher.source path/to/hf-gpt2 --data.tokenizer path/to/vocab
     python -m experiments.distill --resume              # continue the newest run (or --run.dir)
     python -m experiments.distill --help                # every flag, by group
 
 Phases (experiments.distill_phases; each checkpointed under ``<run.dir>/checkpoints/<phase>``
-and resumable): the teacher (a Hugging Face GPT-2, or by default a small GPT-2 trained here and
-cached under ``--run.cache-dir``), the student (the teacher's weights with learned candidate
+and resumable): the teacher (by default the small GPT-2 bundled with the package, trained by
+``python -m experiments.bundle_teacher``; or one trained here and cached under
+``--run.cache-dir``, densely or with a planted mask per head; or a Hugging Face GPT-2), the
+student (the teacher's weights with learned candidate
 masks, gates or a fixed sparse mask, trained on KL(teacher || student) plus the sparsity
 penalties), and the hardened student (fixed masks meeting ``--harden.budget``, fine-tuned).
 
@@ -17,7 +20,9 @@ The run folder (experiments.distill_run) gets ``config.json``, ``metrics.jsonl``
 step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.md`` with its plots
 (experiments.report): perplexity of teacher, student and hardened model on the evaluation split,
 KL, attention density, FLOPs per token, attention time and tokens/s of the dense teacher and the
-hardened student at the run's length and at 4x it, all measured in this run
+hardened student at the run's length and at the serving length (--student.serve-len-factor x
+it), the blocks each hardened head computes there, greedy and sampled continuations, and for a
+planted teacher the heads whose planted mask the student found, all measured in this run
 (experiments.measure).
 
 On several hosts the same command runs in every process (``jax.distributed`` is initialised from
@@ -63,13 +68,22 @@ def run(config: DistillConfig) -> dict:
     t_nll, _ = measure.evaluate_lm(teacher, r.eval_windows)
     s_nll, s_kl = measure.evaluate_lm(student, r.eval_windows, teacher)
     h_nll, h_kl = measure.evaluate_lm(hard, r.eval_windows, teacher)
-    # Cost: analytic FLOPs and measured speed at the run's length and 4x (if positions allow).
+    # Cost: analytic FLOPs and measured speed at the run's length and at the serving length
+    # (if the positions allow).
     n = config.data.seq_len
-    lengths = [n] + ([4 * n] if 4 * n <= teacher.config.n_positions else [])
+    serve_len = config.student.serve_len_factor * n
+    fits = n < serve_len <= teacher.config.n_positions
+    lengths = [n, serve_len] if fits else [n]
     speed = {length: measure.cost(teacher, hard, length) for length in lengths}
     lap("measure")
     samples = measure.sample_texts(
-        teacher, hard, r.eval_windows, config.data.tokenizer, n, config.measure.report_prompts
+        teacher,
+        hard,
+        r.eval_windows,
+        config.data.tokenizer,
+        n,
+        config.measure.report_prompts,
+        seed=config.run.seed,
     )
     lap("samples")
     summary = {
@@ -85,11 +99,17 @@ def run(config: DistillConfig) -> dict:
         "hardened_ffn_units": list(hard.config.inner_per_layer),
         "speed": speed,
         "candidate_weights": measure.candidate_weights(student),
+        "serve_len": serve_len,
+        "hardened_block_maps": measure.block_maps(hard, lengths[-1]),
         "samples": samples,
         "wall_time_s": time.perf_counter() - started,
         "phase_seconds": seconds,
         "device": f"{jax.default_backend()} x{jax.device_count()}",
     }
+    if config.teacher.source == "planted":
+        pattern = distill_phases.planted_pattern(config)
+        bank = spec.candidates
+        summary |= measure.planted_recovery(student, hard, pattern, bank, lengths[-1])
     if r.primary:
         text = json.dumps(summary, indent=2, default=float) + "\n"
         write_text_atomically(r.dir / "summary.json", text)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import tyro
 
-from experiments import configs
+from experiments import configs, teachers
 from sparse_jax.models.gpt2 import PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
@@ -122,16 +122,21 @@ class TeacherConfig(_Group):
 
     group: ClassVar[str] = "teacher"
 
-    source: str = "train"
-    """'train': a GPT-2 of --teacher.size trained here (cached in --run.cache-dir); a folder
-    holding a Hugging Face GPT-2 (config.json + model.safetensors); or a hub name such as
-    'gpt2' (network)."""
+    source: str = "bundled"
+    """'bundled': the teacher shipped with the package (experiments/teachers: what 'train'
+    gives with the default flags, trained by `python -m experiments.bundle_teacher`, weights
+    rounded to float16); 'train': a GPT-2 of --teacher.size trained here (cached in
+    --run.cache-dir); 'planted': the same trained with a known candidate mask per head (the
+    test of whether the student finds them); a folder holding a Hugging Face GPT-2
+    (config.json + model.safetensors); or a hub name such as 'gpt2' (network)."""
     size: PresetName = "cpu-small"
     """Size of the trained teacher: a GPT2Config.preset name (vocabulary from the tokenizer)."""
     steps: int = 800
     """Updates of the trained teacher."""
     lr: float = 3e-3
     """Peak learning rate of the trained teacher."""
+
+    TRAINED: ClassVar[tuple[str, ...]] = ("train", "planted")  # sources trained here
 
     def __post_init__(self):
         self.int_at_least("steps", 1)
@@ -140,16 +145,47 @@ class TeacherConfig(_Group):
             raise ValueError(
                 f"{self.flag('size')} {self.size!r} is not a preset; allowed: {list(PRESETS)}"
             )
-        if self.source != "train" and not pathlib.Path(self.source).is_dir():
+        if self.source == "bundled":
+            return  # checked with the data flags (DistillConfig), from the files shipped
+        if self.source not in self.TRAINED and not pathlib.Path(self.source).is_dir():
             if "/" in self.source or self.source.startswith("."):
                 raise ValueError(f"{self.flag('source')} folder {self.source!r} does not exist")
         self.hf_config()  # a local folder's files are checked now, before anything is written
 
+    def check_bundled(self, seq_len: int) -> None:
+        """For --teacher.source bundled: the files are there and readable, the teacher flags
+        are those it was trained with, and ``seq_len`` is no longer than its training windows."""
+        trained = teachers.record()["flags"]
+        for name in ("size", "steps", "lr"):
+            value, used = getattr(self, name), trained[f"teacher.{name}"]
+            if value != used:
+                raise ValueError(
+                    f"{self.flag(name)} {value!r} applies to a teacher trained here, but "
+                    f"--teacher.source is 'bundled' (trained with {self.flag(name)} {used!r}): "
+                    "add --teacher.source train"
+                )
+        if seq_len > trained["data.seq_len"]:
+            raise ValueError(
+                f"--data.seq-len {seq_len} is longer than the {trained['data.seq_len']} tokens "
+                "the bundled teacher was trained on: add --teacher.source train (trains a "
+                "teacher at this length)"
+            )
+        self.hf_config()
+
+    def folder(self) -> pathlib.Path | None:
+        """The local folder the teacher is loaded from (the bundled one, or --teacher.source
+        when it is a folder); None when it is trained here or fetched from the hub."""
+        if self.source == "bundled":
+            return teachers.BUNDLED
+        if self.source in self.TRAINED or not pathlib.Path(self.source).is_dir():
+            return None
+        return pathlib.Path(self.source)
+
     def hf_config(self) -> GPT2Config | None:
-        """The GPT2Config of a local --teacher.source folder (None: trained here, or a hub
-        name); a folder whose config.json or model.safetensors cannot be used is refused."""
-        folder = pathlib.Path(self.source)
-        if self.source == "train" or not folder.is_dir():
+        """The GPT2Config of the teacher's local folder (None: trained here, or a hub name);
+        a folder whose config.json or model.safetensors cannot be used is refused."""
+        folder = self.folder()
+        if folder is None:
             return None
         flag = f"{self.flag('source')} {self.source!r}"
         if not all((folder / name).is_file() for name in ("config.json", "model.safetensors")):
@@ -170,7 +206,7 @@ class TeacherConfig(_Group):
 
     def positions(self) -> int | None:
         """The teacher's n_positions, known before anything is built (None for a hub name)."""
-        if self.source == "train":
+        if self.source in self.TRAINED:
             return GPT2Config.preset(self.size).n_positions
         config = self.hf_config()
         return None if config is None else config.n_positions
@@ -325,8 +361,12 @@ class HardenConfig(_Group):
     group: ClassVar[str] = "harden"
 
     budget: float | None = None
-    """Mean attention density the hardened model may use (None: keep weights >=
+    """Mean cost per head the hardened model may have, in --harden.price (None: keep weights >=
     --harden.threshold)."""
+    price: Literal["blocks", "density"] = "blocks"
+    """What --harden.budget bounds: 'blocks', the kernel's key blocks at the serving length
+    relative to causal attention's (as --loss.mask-expected-cost prices them), or 'density',
+    the fraction of the score matrix at --data.seq-len (the WikiText-2 studies)."""
     threshold: float | None = None
     """Candidate weight kept by hardening when --harden.budget is None (None: 0.5 for sigmoid
     weights, each head's support for sparsemax/entmax15 weights)."""
@@ -408,11 +448,21 @@ class DistillConfig:
     def __post_init__(self):
         if self.config not in configs.NAMES:
             raise ValueError(f"--config {self.config!r} is unknown; allowed: {configs.NAMES}")
+        if self.teacher.source == "bundled":
+            self.teacher.check_bundled(self.data.seq_len)
         positions = self.teacher.positions()
         if positions is not None and self.data.seq_len > positions:
             raise ValueError(
                 f"--data.seq-len {self.data.seq_len} is longer than the teacher's {positions} "
                 "positions"
+            )
+        if self.teacher.source == "planted" and (
+            self.student.kind != "candidates" or self.student.granularity != "head"
+        ):
+            raise ValueError(
+                "--teacher.source planted plants one candidate mask per head: it needs "
+                "--student.kind candidates and --student.granularity head; got "
+                f"{self.student.kind!r} and {self.student.granularity!r}"
             )
 
     def flags(self) -> dict[str, Any]:
@@ -501,6 +551,7 @@ OLD_FLAGS = {
     "fast_params": "train.fast_params",
     "fast_lr_multiplier": "train.fast_lr_multiplier",
     "budget": "harden.budget",
+    "price": "harden.price",
     "threshold": "harden.threshold",
     "finetune_steps": "harden.finetune_steps",
     "eval_batches": "measure.eval_batches",

@@ -1,8 +1,10 @@
 """The three phases of the distillation job, each checkpointed and resumable through
 :class:`~experiments.distill_run.Run`:
 
-1. ``teacher``: a Hugging Face GPT-2 loaded from a folder or the hub, or a GPT-2 of a preset
-   size trained here with cross-entropy and cached (Hugging Face layout) under the cache folder;
+1. ``teacher``: the bundled teacher (:mod:`experiments.teachers`), a Hugging Face GPT-2 loaded
+   from a folder or the hub, or a GPT-2 of a preset size trained here with cross-entropy and
+   cached (Hugging Face layout) under the cache folder, densely or with a planted candidate
+   mask per head (:func:`planted_pattern`);
 2. ``student``: the teacher's weights with learnable sparse attention, trained on
    KL(teacher || student) plus the sparsity penalties;
 3. ``hardened``: ``harden()`` turns the learned weights into fixed masks and pruned heads/units,
@@ -28,9 +30,10 @@ import shlex
 import shutil
 
 import jax
+import numpy as np
 from flax import nnx
 
-from experiments import measure
+from experiments import measure, teachers
 from experiments.distill_config import DistillConfig
 from experiments.distill_run import Run, log
 from sparse_jax import masks
@@ -50,9 +53,12 @@ from sparse_jax.training.losses import cross_entropy_loss, distillation_loss, sp
 
 __all__ = [
     "cached_teacher",
+    "candidate_bank",
     "hardened",
     "load_cached_teacher",
     "objective",
+    "planted_pattern",
+    "planted_specs",
     "student",
     "student_spec",
     "teacher",
@@ -65,42 +71,83 @@ __all__ = [
 
 
 def teacher_key(config: DistillConfig, data) -> str:
-    """The cache key of a trained teacher: what its training depends on."""
+    """The cache key of a teacher trained here: what its training depends on (a planted
+    teacher adds its pattern and candidates)."""
     t = config.teacher
     parts = [t.size, data.dataset_name, t.steps, t.lr, config.data.batch_size, config.run.seed, 1]
+    if t.source == "planted":
+        pattern = planted_pattern(config)
+        parts += ["planted", pattern.tolist(), [repr(m) for m in candidate_bank(config)]]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
+def candidate_bank(config: DistillConfig) -> tuple[masks.Mask, ...]:
+    """The student's candidate masks: sink(4), causal windows of --student.windows, the Sparse
+    Transformer's strided(round(sqrt(--data.seq-len))) and full causal attention."""
+    bank = default_candidates(4, config.student.windows)
+    stride = max(2, round(math.sqrt(config.data.seq_len)))
+    return (*bank[:-2], masks.strided(stride), bank[-1])
+
+
+def planted_pattern(config: DistillConfig) -> np.ndarray:
+    """int ``[n_layer, n_head]``: the candidate (index into :func:`candidate_bank`) each head of
+    the planted teacher is trained with: every candidate equally often (as far as the heads
+    divide), placed by --run.seed so that heads and blocks differ.
+
+    Example::
+
+        planted_pattern(distill_config.parse(["--teacher.source", "planted"]))  # [4, 4]
+    """
+    size = GPT2Config.preset(config.teacher.size)
+    heads = size.n_layer * size.n_head
+    order = np.resize(np.arange(len(candidate_bank(config))), heads)
+    rng = np.random.default_rng(config.run.seed)
+    return rng.permutation(order).reshape(size.n_layer, size.n_head)
+
+
+def planted_specs(config: DistillConfig) -> list[AttentionSpec]:
+    """The planted teacher's attention, one spec per block: each head under its planted mask."""
+    bank = candidate_bank(config)
+    return [
+        AttentionSpec(mask=masks.per_head([bank[c] for c in row]))
+        for row in planted_pattern(config)
+    ]
+
+
 def teacher(run: Run) -> GPT2:
-    """The dense teacher: loaded, cached, or trained here (and cached)."""
+    """The dense teacher: bundled, loaded, cached, or trained here (and cached)."""
     c = run.config
-    if c.teacher.source != "train":
+    source = c.teacher.source
+    if source == "bundled":
+        model = from_pretrained(teachers.BUNDLED)
+        log(f"teacher: the bundled one ({teachers.BUNDLED}; {teachers.record()['command']})")
+    elif source not in c.teacher.TRAINED:
         try:
-            model = from_pretrained(c.teacher.source)
+            model = from_pretrained(source)
         except PretrainedFileError as err:
             raise PretrainedFileError(
                 err.path,
                 err.problem,
-                f"--teacher.source {c.teacher.source!r}: download the folder again, or pass "
+                f"--teacher.source {source!r}: download the folder again, or pass "
                 "another folder holding a Hugging Face GPT-2.",
             ) from err
-        if model.config.vocab_size < run.data.vocab_size:
-            raise ValueError(
-                f"--teacher.source has a vocabulary of {model.config.vocab_size} but "
-                f"--data.tokenizer {c.data.tokenizer!r} produces ids up to "
-                f"{run.data.vocab_size - 1}"
-            )
     else:
+        attention = planted_specs(c) if source == "planted" else None
         folder = run.cache / "teachers" / teacher_key(c, run.data)
         if cached_teacher(folder) is not None:
             log(f"teacher: reusing {folder}")
-            model = load_cached_teacher(folder)
+            model = load_cached_teacher(folder, attention)
         else:
-            model = _train_teacher(run)
+            model = _train_teacher(run, attention)
             if run.primary:  # written whole or not at all (save_pretrained renames a new folder)
                 save_pretrained(model, folder)
             sharding.sync_processes("distill_teacher_cached")
             log(f"teacher: cached in {folder}")
+    if model.config.vocab_size < run.data.vocab_size:
+        raise ValueError(
+            f"--teacher.source {source!r} has a vocabulary of {model.config.vocab_size} but "
+            f"--data.tokenizer {c.data.tokenizer!r} produces ids up to {run.data.vocab_size - 1}"
+        )
     if model.config.n_positions < c.data.seq_len:
         raise ValueError(
             f"--data.seq-len {c.data.seq_len} is longer than the teacher's "
@@ -124,11 +171,12 @@ def cached_teacher(folder: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def load_cached_teacher(folder: pathlib.Path) -> GPT2:
-    """The cached teacher of ``folder``; an unreadable cache names its file and says to delete
-    the folder (the teacher is then trained again)."""
+def load_cached_teacher(folder: pathlib.Path, attention=None) -> GPT2:
+    """The cached teacher of ``folder`` (with ``attention``: its specs, which the cache does not
+    hold; None: dense causal); an unreadable cache names its file and says to delete the folder
+    (the teacher is then trained again)."""
     try:
-        return from_pretrained(folder)
+        return from_pretrained(folder, attention)
     except PretrainedFileError as err:
         raise PretrainedFileError(
             err.path,
@@ -142,10 +190,10 @@ def _lm_loss(model, batch, rng):
     return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
 
 
-def _train_teacher(run: Run) -> GPT2:
+def _train_teacher(run: Run, attention=None) -> GPT2:
     c = run.config
     config = GPT2Config.preset(c.teacher.size, vocab_size=run.data.vocab_size)
-    model = GPT2(config, rngs=nnx.Rngs(c.run.seed))
+    model = GPT2(config, attention or AttentionSpec(), rngs=nnx.Rngs(c.run.seed))
     tc = loop.TrainConfig(
         steps=c.teacher.steps,
         batch_size=c.data.batch_size,
@@ -171,12 +219,9 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
     norm = s.normalizer_value()
     blocks = (s.block_size, s.block_size)
     if s.kind == "candidates":
-        bank = default_candidates(4, s.windows)
-        stride = max(2, round(math.sqrt(config.data.seq_len)))
-        bank = (*bank[:-2], masks.strided(stride), bank[-1])
         return AttentionSpec(
             kind="candidates",
-            candidates=bank,
+            candidates=candidate_bank(config),
             granularity=s.granularity,
             combine=s.combine,
             anchor_self=s.anchor_self,
@@ -257,12 +302,16 @@ def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
 
 
 def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
-    """``harden()`` by the budget (or the threshold), then the fine-tune (if any steps)."""
+    """``harden()`` by the budget (in kernel blocks at the serving length, or in density at the
+    training length: --harden.price) or by the threshold, then the fine-tune (if any steps)."""
     c = run.config
-    if c.harden.budget is not None:
-        hard = harden(student, budget=c.harden.budget, length=c.data.seq_len)
-    else:
+    if c.harden.budget is None:
         hard = harden(student, threshold=c.harden.threshold, length=c.data.seq_len)
+    elif c.harden.price == "blocks":
+        serve_len = c.student.serve_len_factor * c.data.seq_len
+        hard = harden(student, budget=c.harden.budget, length=serve_len, price="blocks")
+    else:
+        hard = harden(student, budget=c.harden.budget, length=c.data.seq_len)
     if c.harden.finetune_steps:
         ft = dataclasses.replace(
             _train_config(c), steps=c.harden.finetune_steps, warmup_steps=0, trainable=".*"

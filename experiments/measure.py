@@ -1,6 +1,7 @@
 """What the distillation job measures: quality on the evaluation split, speed, attention time,
-the candidate weights a model keeps (as the log and the summary record them), and greedy
-samples.
+the candidate weights a model keeps (as the log and the summary record them), the blocks its
+masks make the kernel compute, how well a student found a planted teacher's masks, and samples
+(greedy and by temperature).
 
 Example::
 
@@ -27,10 +28,12 @@ from sparse_jax.training.sharding import local_model
 
 __all__ = [
     "attention_time",
+    "block_maps",
     "candidate_weights",
     "cost",
     "evaluate_lm",
     "layer_density",
+    "planted_recovery",
     "sample_texts",
     "speed",
     "weight_metrics",
@@ -68,23 +71,32 @@ def evaluate_lm(model, windows: np.ndarray, teacher=None, batch: int = 8):
     return nll, (float(np.average(kls, weights=sizes)) if teacher is not None else None)
 
 
-def sample_texts(teacher, hard, windows: np.ndarray, tokenizer: str, seq_len: int, prompts: int):
-    """Greedy continuations of the first ``prompts`` evaluation windows by the teacher and the
-    hardened model, decoded: ``[{"prompt", "teacher", "hardened"}]``."""
+#: The temperature of the sampled continuations (besides the greedy ones).
+SAMPLE_TEMPERATURE = 0.8
+
+
+def sample_texts(
+    teacher, hard, windows: np.ndarray, tokenizer: str, seq_len: int, prompts: int, seed: int = 0
+):
+    """Continuations of the first ``prompts`` evaluation windows by the teacher and the
+    hardened model, decoded: greedy, and sampled at :data:`SAMPLE_TEMPERATURE` with the same key
+    for both models (``jax.random.key(seed + i)`` for prompt ``i``):
+    ``[{"prompt", "teacher", "hardened", "teacher_sampled", "hardened_sampled",
+    "temperature"}]``."""
     tok = get_tokenizer(tokenizer)
     prompt_len, new = min(32, seq_len // 2), min(48, seq_len // 2)
     out = []
     for i in range(min(prompts, len(windows))):
         prompt = jnp.asarray(windows[i : i + 1, :prompt_len])
-        t = generate(teacher, prompt, new, temperature=0.0)[0, prompt_len:]
-        h = generate(hard, prompt, new, temperature=0.0)[0, prompt_len:]
-        out.append(
-            {
-                "prompt": tok.decode(np.asarray(prompt[0]).tolist()),
-                "teacher": tok.decode(np.asarray(t).tolist()),
-                "hardened": tok.decode(np.asarray(h).tolist()),
-            }
-        )
+        texts = {"prompt": tok.decode(np.asarray(prompt[0]).tolist())}
+        texts["temperature"] = SAMPLE_TEMPERATURE
+        key = jax.random.key(seed + i)
+        for name, model in (("teacher", teacher), ("hardened", hard)):
+            greedy = generate(model, prompt, new, temperature=0.0)[0, prompt_len:]
+            sampled = generate(model, prompt, new, temperature=SAMPLE_TEMPERATURE, rng=key)
+            texts[name] = tok.decode(np.asarray(greedy).tolist())
+            texts[f"{name}_sampled"] = tok.decode(np.asarray(sampled[0, prompt_len:]).tolist())
+        out.append(texts)
     return out
 
 
@@ -170,6 +182,58 @@ def weight_metrics(model) -> dict[str, jax.Array]:
             w = w.mean(axis=0)
             out |= {f"w/block{i}/c{j}": w[j] for j in range(w.shape[0])}
     return out
+
+
+def block_maps(model, seq_len: int) -> dict:
+    """What the kernel computes in each head at ``seq_len``: per block, per head, the block map
+    of the head's mask (``[nq, nk]``, 0 = skipped, 1 = partial, 2 = full; see
+    :meth:`~sparse_jax.masks.BlockLayout.block_mask`) at the block's block size, with the
+    mask's repr: ``{"seq_len", "blocks": [[{"mask", "block_size", "map"}] per head]}``."""
+    blocks = []
+    for block, spec in zip(model.h, model.specs, strict=True):
+        heads = []
+        if block.attn.num_heads:
+            bq, bk = spec.block_size
+            for mask in block.attn.core.head_masks():
+                layout = mask.blocks(seq_len, seq_len, bq, bk)
+                heads.append(
+                    {
+                        "mask": repr(mask),
+                        "block_size": [bq, bk],
+                        "map": layout.block_mask()[0].tolist(),
+                    }
+                )
+        blocks.append(heads)
+    return {"seq_len": seq_len, "blocks": blocks}
+
+
+def planted_recovery(student, hard, pattern: np.ndarray, bank, seq_len: int) -> dict:
+    """How well the student found the planted teacher's masks: per block and head the planted
+    candidate, the student's strongest (``argmax`` of its weights) and whether the hardened head
+    runs exactly the planted mask at ``seq_len``; ``planted_recovered`` (the fraction of heads
+    whose strongest candidate is the planted one) and ``planted_hardened`` (the fraction whose
+    hardened mask is the planted one).
+
+    ``pattern`` is int ``[n_layer, n_head]`` (indices into ``bank``, the student's candidates)."""
+    planted, picked_right, hardened_right = {}, [], []
+    for i, w in enumerate(student.candidate_weights()):
+        w = np.broadcast_to(np.asarray(w), (pattern.shape[1], len(bank)))
+        hard_masks = hard.h[i].attn.core.head_masks() if hard.h[i].attn.num_heads else ()
+        rows = []
+        for h, want in enumerate(pattern[i]):
+            picked = int(np.argmax(w[h]))
+            same = h < len(hard_masks) and np.array_equal(
+                hard_masks[h].dense(seq_len, seq_len), bank[want].dense(seq_len, seq_len)
+            )
+            rows.append([int(want), picked])
+            picked_right.append(picked == want)
+            hardened_right.append(bool(same))
+        planted[f"block{i}"] = rows
+    return {
+        "planted_recovered": float(np.mean(picked_right)),
+        "planted_hardened": float(np.mean(hardened_right)),
+        "planted": planted,
+    }
 
 
 def candidate_weights(model) -> dict[str, list[list[float]]]:

@@ -7,9 +7,11 @@ import collections
 import json
 import os
 import pathlib
+import re
 import sys
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+from matplotlib.patches import Rectangle
 
 __all__ = ["write_report"]
 
@@ -85,17 +87,126 @@ def _plot_weights(phases, candidates, out: pathlib.Path) -> bool:
             (k for k in rows[0] if k.startswith(f"w/{block}/")), key=lambda k: int(k[-1:])
         )
         for j, key in enumerate(keys):
-            label = candidates[j] if j < len(candidates) else key
+            label = _short(candidates[j]) if j < len(candidates) else key
             ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=label, lw=1)
         ax.set_title(block)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("update")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("sigmoid(logit), mean over heads")
+    axes[0][0].set_ylabel("candidate weight, mean over heads")
     axes[0][-1].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
+
+
+def _short(mask: str) -> str:
+    """A mask's repr shortened for a label: causal windows as ``window(w)`` (w keys), causal
+    sinks as ``sink(n)``, unions with ``|``.
+
+    Example: ``_short("((Sink(n=4) & Causal()) | (Causal() & Local(left=7, right=0)))")`` is
+    ``"sink(4) | window(8)"``."""
+    text = re.sub(r"\(Sink\(n=(\d+)\) & Causal\(\)\)", r"sink<\1>", mask)
+    text = re.sub(
+        r"\(Causal\(\) & Local\(left=(\d+), right=0\)\)",
+        lambda m: f"window<{int(m.group(1)) + 1}>",
+        text,
+    )
+    text = re.sub(r"Strided\(stride=(\d+)\)", r"strided<\1>", text)
+    text = text.replace("Causal()", "causal")
+    if re.fullmatch(r"[()a-z<>\d |]+", text):  # a union of the names above: drop its grouping
+        text = text.replace("(", "").replace(")", "")
+    return text.replace("<", "(").replace(">", ")")
+
+
+def _plot_head_weights(summary, out: pathlib.Path) -> bool:
+    """The student's final candidate weights, one row per head (all blocks), one column per
+    candidate; a planted teacher's candidates are outlined."""
+    weights = summary.get("candidate_weights") or {}
+    rows, labels, planted = [], [], []
+    for block, per_head in weights.items():
+        for h, w in enumerate(per_head):
+            rows.append(w)
+            labels.append(f"{block} h{h}" if len(per_head) > 1 else block)
+            pairs = (summary.get("planted") or {}).get(block)
+            planted.append(pairs[h][0] if pairs and h < len(pairs) else None)
+    if not rows:
+        return False
+    candidates = summary.get("candidates") or [f"c{j}" for j in range(len(rows[0]))]
+    fig = Figure(figsize=(1.1 * len(candidates) + 2.5, 0.28 * len(rows) + 1.6))
+    ax = fig.subplots()
+    image = ax.imshow(rows, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for r, c in enumerate(planted):
+        if c is not None:
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="red", lw=1.5))
+    ax.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax.set_xticks(range(len(candidates)), [_short(c) for c in candidates], fontsize=6)
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.colorbar(image, ax=ax, label="weight")
+    fig.tight_layout()
+    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    return True
+
+
+def _plot_block_maps(summary, out: pathlib.Path) -> bool:
+    """Each hardened head's block map at the serving length: the key blocks (columns) the
+    kernel computes for each query block (rows); dark = skipped."""
+    maps = summary.get("hardened_block_maps") or {}
+    blocks = maps.get("blocks") or []
+    width = max((len(heads) for heads in blocks), default=0)
+    if not width:
+        return False
+    fig = Figure(figsize=(1.7 * width, 1.8 * len(blocks)))
+    axes = fig.subplots(len(blocks), width, squeeze=False)
+    for i, heads in enumerate(blocks):
+        for h in range(width):
+            ax = axes[i][h]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if h >= len(heads):
+                ax.axis("off")
+                continue
+            ax.imshow(heads[h]["map"], vmin=0, vmax=2, cmap="Greys")
+            computed = sum(v > 0 for row in heads[h]["map"] for v in row)
+            ax.set_title(f"{_short(heads[h]['mask'])}\n{computed} blocks", fontsize=6)
+            if h == 0:
+                ax.set_ylabel(f"block {i}", fontsize=7)
+    fig.suptitle(
+        f"kept blocks per head at n = {maps['seq_len']} (grey: partial, black: full)", fontsize=8
+    )
+    fig.tight_layout()
+    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    return True
+
+
+def _planted_lines(summary) -> list[str]:
+    """The planted-teacher section: per head the planted and the picked candidate."""
+    if "planted" not in summary:
+        return []
+    names = summary.get("candidates") or []
+
+    def name(j):
+        return f"`{_short(names[j])}`" if j < len(names) else str(j)
+
+    lines = ["## Planted masks: did the student find them?", ""]
+    lines += [
+        f"The teacher was trained with one candidate mask per head; the student, starting from "
+        f"its weights with every candidate open, picked the planted one (largest weight) in "
+        f"**{summary['planted_recovered']:.0%}** of the heads, and hardening by threshold gave "
+        f"exactly the planted mask in {summary['planted_hardened']:.0%}.",
+        "",
+        "| block | head | planted | picked (largest weight) | weight of the planted |",
+        "|:--|--:|:--|:--|--:|",
+    ]
+    weights = summary.get("candidate_weights") or {}
+    for block, pairs in summary["planted"].items():
+        for h, (want, got) in enumerate(pairs):
+            w = weights.get(block, [[]])
+            w = w[h] if h < len(w) else w[0]
+            share = f"{w[want]:.3f}" if want < len(w) else "?"
+            mark = "" if want == got else " ✗"
+            lines.append(f"| {block} | {h} | {name(want)} | {name(got)}{mark} | {share} |")
+    return [*lines, ""]
 
 
 def _plot_density(summary, out: pathlib.Path) -> bool:
@@ -118,7 +229,8 @@ def _plot_density(summary, out: pathlib.Path) -> bool:
 
 
 def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
-    """Writes ``report.md`` (+ ``curves.png``, ``weights.png``, ``density.png``) in
+    """Writes ``report.md`` (+ ``curves.png``, ``weights.png``, ``head_weights.png``,
+    ``block_maps.png``, ``density.png``) in
     ``run_dir`` from its ``config.json``, ``metrics.jsonl`` and ``summary.json``."""
     run_dir = pathlib.Path(run_dir)
     config = json.loads((run_dir / "config.json").read_text())
@@ -182,15 +294,27 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
     if _plot_weights(phases, summary.get("candidates", []), run_dir / "weights.png"):
         lines += ["## Candidate weights (one line per candidate, per block)", ""]
         lines += ["![candidate weights](weights.png)", ""]
+    if _plot_head_weights(summary, run_dir / "head_weights.png"):
+        lines += ["## Candidate weights per head at the end of the student phase", ""]
+        lines += ["![weights per head](head_weights.png)", ""]
+    lines += _planted_lines(summary)
+    if _plot_block_maps(summary, run_dir / "block_maps.png"):
+        lines += ["## What the hardened heads compute (kernel blocks)", ""]
+        lines += ["![kept blocks per head](block_maps.png)", ""]
     if _plot_density(summary, run_dir / "density.png"):
         lines += ["## Attention density per block", "", "![density](density.png)", ""]
     if summary.get("samples"):
-        lines += ["## Teacher vs hardened student (greedy, evaluation prompts)", ""]
+        lines += ["## Teacher vs hardened student (evaluation prompts)", ""]
         for i, sample in enumerate(summary["samples"]):
             cell = {k: repr(v).replace("|", "\\|") for k, v in sample.items()}
             lines += [f"**Prompt {i + 1}:** `{cell['prompt']}`", ""]
-            lines += ["| teacher | hardened student |", "|:--|:--|"]
-            lines.append(f"| `{cell['teacher']}` | `{cell['hardened']}` |")
+            lines += ["| | teacher | hardened student |", "|:--|:--|:--|"]
+            lines.append(f"| greedy | `{cell['teacher']}` | `{cell['hardened']}` |")
+            if "teacher_sampled" in cell:
+                lines.append(
+                    f"| sampled (T = {sample['temperature']}, same key) | "
+                    f"`{cell['teacher_sampled']}` | `{cell['hardened_sampled']}` |"
+                )
             lines.append("")
     path = run_dir / "report.md"
     _replace(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))

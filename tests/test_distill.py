@@ -27,7 +27,8 @@ from sparse_jax.training.checkpoint import Checkpointer
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = [
-    "--teacher.size", "tiny", "--teacher.steps", "6", "--data.seq-len", "16",
+    "--teacher.source", "train", "--teacher.size", "tiny", "--teacher.steps", "6",
+    "--data.seq-len", "16",
     "--data.batch-size", "4", "--train.steps", "8", "--harden.finetune-steps", "3",
     "--measure.eval-batches", "1", "--run.checkpoint-every", "2", "--student.windows", "4", "8",
     "--measure.report-prompts", "1",

@@ -189,7 +189,7 @@ def test_teacher_cache_survives_an_interrupted_write(shared_run, monkeypatch):
     run = shared_run
     trained = []
 
-    def train_teacher(run):  # a stub: the cache logic, not a teacher's training, is tested
+    def train_teacher(run, attention=None):  # a stub: the cache logic, not training, is tested
         trained.append(1)
         return _teacher()
 

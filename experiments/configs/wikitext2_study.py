@@ -31,12 +31,12 @@ def get_config() -> DistillConfig:
     return DistillConfig(
         config="wikitext2_study",
         data=DataConfig(source="../shared/data/wikitext-2", seq_len=512),
-        teacher=TeacherConfig(size="cpu-long", steps=1200),
+        teacher=TeacherConfig(source="train", size="cpu-long", steps=1200),
         student=StudentConfig(windows=(16, 32, 64, 128), weighting="sigmoid"),
         loss=LossConfig(
             mask_l1=0.0, mask_density=0.02, mask_expected_density=0.0, mask_expected_cost=0.0
         ),
         train=TrainConfig(steps=500),
-        harden=HardenConfig(budget=0.15, finetune_steps=200),
+        harden=HardenConfig(budget=0.15, price="density", finetune_steps=200),
         measure=MeasureConfig(eval_batches=16),
     )

@@ -1,0 +1,58 @@
+"""The teacher shipped with the package (experiments/teachers): it is what its record says it is,
+and the main job's default uses it only with the flags it was trained with."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments import bundle_teacher, distill_config, distill_phases, measure, teachers
+from sparse_jax.data import text
+from sparse_jax.models import from_pretrained
+
+
+def test_bundled_teacher_reproduces_its_recorded_evaluation_loss(tmp_path):
+    record = teachers.record()
+    flags = record["flags"]
+    data = text.prepare(
+        flags["data.source"], flags["data.tokenizer"], flags["data.seq_len"], data_dir=tmp_path
+    )
+    if data.dataset_name != record["dataset"]:
+        pytest.skip(
+            f"this Python's embedded corpus ({data.dataset_name}) is not the one the teacher was "
+            f"recorded on ({record['dataset']}, Python {record['python']})"
+        )
+    windows = np.asarray(data.eval[list(range(record["eval_windows"]))], np.int32)
+    nll, _ = measure.evaluate_lm(from_pretrained(teachers.BUNDLED), windows)
+    assert nll == pytest.approx(record["eval_nll"], abs=1e-4)
+    # ... and it is the cache entry `--teacher.source train` makes with these flags.
+    config = distill_config.parse(["--teacher.source", "train"])
+    assert distill_phases.teacher_key(config, data) == record["teacher_key"]
+
+
+def test_bundled_teacher_is_the_default_with_the_default_teacher_flags():
+    assert distill_config.DistillConfig().teacher.source == "bundled"
+    trained = distill_config.parse(["--teacher.source", "train"]).flags()
+    assert {key: trained[key] for key in bundle_teacher.RECORDED} == teachers.record()["flags"]
+    assert teachers.record()["command"] == "python -m experiments.bundle_teacher"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--teacher.steps", "50"], "--teacher.steps 50 applies to a teacher trained here"),
+        (["--teacher.size", "tiny", "--data.seq-len", "16"], "--teacher.size 'tiny' applies to"),
+        (["--data.seq-len", "256"], "--data.seq-len 256 is longer than the 128 tokens"),
+    ],
+)
+def test_flags_the_bundled_teacher_was_not_trained_with_are_refused(args, message, capsys):
+    with pytest.raises(SystemExit):  # tyro prints the ValueError and exits
+        distill_config.parse(args)
+    printed = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert message in printed and "add --teacher.source train" in printed
+    distill_config.parse([*args, "--teacher.source", "train"])  # what the message says works
+
+
+def test_bundle_teacher_refuses_flags_that_change_the_teacher():
+    with pytest.raises(ValueError, match="would change it"):
+        bundle_teacher.main(["--teacher.steps", "5"])
