@@ -25,9 +25,10 @@ on the support (``p`` for softmax, ``1[p > 0]`` for sparsemax, ``√p`` for 1.5-
 normalizers' Jacobian gives ``ds = g ⊙ (dp - δ)`` with ``δ = Σ g dp / Σ g = do · ū`` and
 ``ū = Σ g v / Σ g``, which the forward pass accumulates beside the output (``ū = o`` for
 softmax). One kernel walks the kept key blocks of each query block for ``dq`` (and the α and
-scale derivatives, ``δ Σ t - Σ dp t`` per row with the ``t`` of
-:func:`~sparse_jax.normalizers.entmax_alpha_terms`); the other walks, for each key block, the
-query blocks that keep it (the transposed layout) for ``dk`` and ``dv``.
+scale derivatives, ``δ Σ c - Σ dp c`` per row, plus ``(Σ dp s' - δ Σ s') / ε²`` for α >= 1.5,
+with the ``c`` and ``s'`` of :func:`~sparse_jax.normalizers.entmax_alpha_terms`); the other
+walks, for each key block, the query blocks that keep it (the transposed layout) for ``dk``
+and ``dv``.
 
 Numerics follow :func:`sparse_jax.attention`: scores, normalizer and accumulation in float32,
 ``p`` cast to ``v``'s dtype for its product, output in ``q``'s dtype; fully masked rows give
@@ -57,6 +58,7 @@ from jax.experimental import pallas as pl
 from sparse_jax.blocksparse import nonfinite_values
 from sparse_jax.masks import SENTINEL, And, BlockLayout, Mask, Padding, check_layout
 from sparse_jax.normalizers import (
+    LIFT_FROM_EPS,
     SIGMA_MAX_EPS,
     entmax15_polish,
     entmax15_polish_terms,
@@ -496,7 +498,7 @@ def _dq_kernel(*refs, plan: _Plan):
 
     def body(j, carry):
         def visit(carry):
-            dq, t_sum, dp_t, ds_raw, ds_rows = carry
+            dq, alpha_sums, ds_raw, ds_rows = carry
             kv_block = idx_ref[j]
             raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
             allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
@@ -511,21 +513,31 @@ def _dq_kernel(*refs, plan: _Plan):
             ds = jnp.where(g != 0.0, ds, 0.0)
             ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
             ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
-            if plan.kind == "entmax":
-                _, t = entmax_alpha_terms(p, eps)
-                t_sum = t_sum + jnp.sum(t, axis=-1, keepdims=True)
-                dp_t = dp_t + jnp.sum(jnp.where(t != 0.0, dp * t, 0.0), axis=-1, keepdims=True)
-            return dq, t_sum, dp_t, ds_raw, ds_rows
+            if plan.kind == "entmax":  # Σ c, Σ dp c, Σ s_rest, Σ dp s_rest
+                _, c, s_rest = entmax_alpha_terms(p, eps)
+                terms = (c, jnp.where(c != 0.0, dp * c, 0.0), s_rest)
+                terms += (jnp.where(s_rest != 0.0, dp * s_rest, 0.0),)
+                alpha_sums = tuple(
+                    a + jnp.sum(t, axis=-1, keepdims=True)
+                    for a, t in zip(alpha_sums, terms, strict=True)
+                )
+            return dq, alpha_sums, ds_raw, ds_rows
 
         if plan.kind == "softmax":
             return visit(carry)
         return jax.lax.cond(live_ref[j] != 0, visit, lambda c: c, carry)
 
     zeros_r = jnp.zeros((bq, 1), _F32)
-    init = (jnp.zeros((bq, plan.d), _F32), zeros_r, zeros_r, zeros_r, zeros_r)
-    dq, t_sum, dp_t, ds_raw, ds_rows = jax.lax.fori_loop(0, cnt_ref[0], body, init)
+    init = (jnp.zeros((bq, plan.d), _F32), (zeros_r,) * 4, zeros_r, zeros_r)
+    dq, alpha_sums, ds_raw, ds_rows = jax.lax.fori_loop(0, cnt_ref[0], body, init)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-    dalpha_ref[...] = (delta * t_sum - dp_t)[:, 0]
+    # dα = δ Σ c - Σ dp c (+ (Σ dp s_rest - δ Σ s_rest) / ε² when lifted; see
+    # normalizers.entmax_alpha_terms)
+    c_sum, dp_c, rest_sum, dp_rest = alpha_sums
+    lifted = 0.0
+    if plan.kind == "entmax":
+        lifted = jnp.where(eps >= LIFT_FROM_EPS, (dp_rest - delta * rest_sum) / (eps * eps), 0.0)
+    dalpha_ref[...] = (delta * c_sum - dp_c + lifted)[:, 0]
     dscale_ref[...] = ds_raw[:, 0]
     dbias_ref[...] = ds_rows[:, 0]
 
