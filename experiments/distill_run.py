@@ -81,16 +81,18 @@ _RESUME_FREE = (
 
 def _flags_of_record(record: dict) -> dict:
     """A config.json as dotted flag names; a run written before the flags were grouped (no
-    group holds a dict) is read through OLD_FLAGS."""
+    group holds a dict) is read through OLD_FLAGS. A run written before --harden.price
+    budgeted in density, and is read so."""
     if not any(isinstance(v, dict) for v in record.values()):
-        return {OLD_FLAGS.get(key, key): value for key, value in record.items()}
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            out |= {f"{key}.{name}": v for name, v in value.items()}
-        else:
-            out[key] = value
-    return out
+        out = {OLD_FLAGS.get(key, key): value for key, value in record.items()}
+    else:
+        out = {}
+        for key, value in record.items():
+            if isinstance(value, dict):
+                out |= {f"{key}.{name}": v for name, v in value.items()}
+            else:
+                out[key] = value
+    return {"harden.price": "density", **out}
 
 
 def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = None) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from experiments import configs, distill, distill_config, distill_phases, measure
-from experiments.distill_run import Run
+from experiments.distill_run import Run, check_same_config
 from sparse_jax.training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -303,6 +303,15 @@ def test_resume_refuses_flags_that_change_the_run(tmp_path):
     distill.Run(distill.parse(same))
     with pytest.raises(ValueError, match=r"--train.steps \(run: 8, now: 9\)"):
         distill.Run(distill.parse([*same, "--train.steps", "9"]))
+
+
+def test_a_run_from_before_the_block_price_resumes_with_its_density_budget():
+    saved = json.loads(json.dumps(distill_config.DistillConfig().flags()))
+    del saved["harden.price"]  # written before --harden.price existed
+    given = distill_config.DistillConfig().flags()
+    with pytest.raises(ValueError, match=r"--harden.price \(run: 'density', now: 'blocks'\)"):
+        check_same_config(saved, given)
+    check_same_config(saved, {**given, "harden.price": "density"})
 
 
 def test_old_flags_name_every_field():
