@@ -115,7 +115,7 @@ def planted_specs(config: DistillConfig) -> list[AttentionSpec]:
 
 
 def teacher(run: Run) -> GPT2:
-    """The dense teacher: bundled, loaded, cached, or trained here (and cached)."""
+    """The teacher: bundled, loaded, cached, or trained here (and cached), dense or planted."""
     c = run.config
     source = c.teacher.source
     if source == "bundled":
