@@ -366,7 +366,7 @@ class HardenConfig(_Group):
     price: Literal["blocks", "density"] = "blocks"
     """What --harden.budget bounds: 'blocks', the kernel's key blocks at the serving length
     relative to causal attention's (as --loss.mask-expected-cost prices them), or 'density',
-    the fraction of the score matrix at --data.seq-len (the WikiText-2 studies)."""
+    the fraction of the score matrix at --data.seq-len (the sigmoid studies)."""
     threshold: float | None = None
     """Candidate weight kept by hardening when --harden.budget is None (None: 0.5 for sigmoid
     weights, each head's support for sparsemax/entmax15 weights)."""
