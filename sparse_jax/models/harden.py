@@ -99,21 +99,21 @@ def _downgrade(blocks, kept_by_block, weights_of, assemble, budget, n_ref, price
     candidate, repeatedly move the costliest head to its strongest *cheaper* candidate until the
     mean cost fits (None if it never does)."""
     kept_by_block = [None if k is None else k.copy() for k in kept_by_block]
-    cand_density = [
+    cand_cost = [
         None if weights_of(b) is None else _candidate_costs(b, n_ref, price) for b in blocks
     ]
     while True:
         plan = assemble(kept_by_block)
         if plan[4] <= budget:
             return plan
-        best = None  # (density, block, head, new candidate)
-        for i, (kept, dens) in enumerate(zip(kept_by_block, cand_density, strict=True)):
+        best = None  # (cost, block, head, new candidate)
+        for i, (kept, cost) in enumerate(zip(kept_by_block, cand_cost, strict=True)):
             if kept is None:
                 continue
             w = weights_of(blocks[i])
             for h in range(kept.shape[0]):
-                current = dens[kept[h]].max()
-                cheaper = np.flatnonzero(dens < current)
+                current = cost[kept[h]].max()
+                cheaper = np.flatnonzero(cost < current)
                 if cheaper.size and (best is None or current > best[0]):
                     best = (current, i, h, cheaper[np.argmax(w[h, cheaper])])
         if best is None:
