@@ -106,16 +106,35 @@ def run(config: DistillConfig) -> dict:
         "phase_seconds": seconds,
         "device": f"{jax.default_backend()} x{jax.device_count()}",
     }
+    if config.harden.budget is not None:
+        summary["hardening"] = _threshold_against_budget(r, student, teacher, serve_len)
     if config.teacher.source == "planted":
         pattern = distill_phases.planted_pattern(config)
         bank = spec.candidates
-        summary |= measure.planted_recovery(student, hard, pattern, bank, lengths[-1])
+        swaps = distill_phases.planted_swaps(r, teacher, student)
+        summary |= measure.planted_recovery(
+            student, hard, pattern, bank, lengths[-1], swaps, config.measure.planted_tolerance
+        )
     if r.primary:
         text = json.dumps(summary, indent=2, default=float) + "\n"
         write_text_atomically(r.dir / "summary.json", text)
         write_report(r.dir)
     log(f"done in {summary['wall_time_s']:.0f} s: {r.dir / 'report.md'}")
     return summary
+
+
+def _threshold_against_budget(r, student, teacher, serve_len: int) -> dict:
+    """The student hardened by --harden.budget and by threshold (no budget), both before any
+    fine-tune: KL to the teacher on the evaluation windows and attention FLOPs per sequence
+    at the serving length (does the learned ranking alone give the budget's quality?)."""
+    out = {}
+    for name, by_budget in (("budget", True), ("threshold", False)):
+        hard = distill_phases.harden_student(r.config, student, by_budget=by_budget)
+        out[name] = {
+            "kl": measure.evaluate_lm(hard, r.eval_windows, teacher)[1],
+            "attention_flops": hard.flops(serve_len).attention,
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

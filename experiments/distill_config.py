@@ -229,11 +229,12 @@ class StudentConfig(_Group):
     shrink all candidate weights together at no cost (see CandidateMaskAttention)."""
     granularity: Literal["layer", "head"] = "head"
     """Candidate weights per layer or per head."""
-    weighting: Literal["sigmoid", "sparsemax", "entmax15"] = "sparsemax"
+    weighting: Literal["sigmoid", "sparsemax", "entmax15", "softmax"] = "sparsemax"
     """How candidate logits become weights: a distribution over each head's candidates with
     exact zeros (sparsemax/entmax15: no penalty can shrink every weight together, and hardening
-    keeps each head's support), or independent sigmoids (the published form, which collapses:
-    docs/results.md)."""
+    keeps each head's support), softmax (no zeros: a dropped candidate keeps its gradient;
+    hardening keeps each head's strongest), or independent sigmoids (the published form, which
+    collapses: docs/results.md)."""
     serve_len_factor: int = 4
     """The serving length, as a multiple of --data.seq-len, at which --loss.mask-expected-cost
     prices each candidate by the key blocks the block-sparse kernel computes."""
@@ -347,11 +348,15 @@ class TrainConfig(_Group):
     gates)."""
     fast_lr_multiplier: float = 10.0
     """Learning-rate multiplier of --train.fast-params."""
+    fast_eps: float = 1e-8
+    """Adam's epsilon for --train.fast-params: above the size of their gradients (e.g. 1e-3)
+    the step follows the gradient's size instead of moving every logit at the full rate."""
 
     def __post_init__(self):
         self.int_at_least("steps", 1)
         self.number("lr", positive=True)
         self.number("fast_lr_multiplier", positive=True)
+        self.number("fast_eps", positive=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,10 +396,19 @@ class MeasureConfig(_Group):
     """Evaluation batches (of --data.batch-size windows of the evaluation split)."""
     report_prompts: int = 3
     """Evaluation prompts continued by teacher and hardened student for the report."""
+    planted_tolerance: float = 0.002
+    """--teacher.source planted: a head that picked another candidate than its planted one
+    counts as equivalent when that candidate costs no more kernel blocks and swapping it into
+    the teacher changes the teacher's output by at most this KL (nats/token)."""
 
     def __post_init__(self):
         self.int_at_least("eval_batches", 1)
         self.int_at_least("report_prompts", 0)
+        if not (math.isfinite(self.planted_tolerance) and self.planted_tolerance >= 0):
+            raise ValueError(
+                f"{self.flag('planted_tolerance')} must be a finite KL >= 0; "
+                f"got {self.planted_tolerance}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,11 +564,13 @@ OLD_FLAGS = {
     "trainable": "train.trainable",
     "fast_params": "train.fast_params",
     "fast_lr_multiplier": "train.fast_lr_multiplier",
+    "fast_eps": "train.fast_eps",
     "budget": "harden.budget",
     "price": "harden.price",
     "threshold": "harden.threshold",
     "finetune_steps": "harden.finetune_steps",
     "eval_batches": "measure.eval_batches",
+    "planted_tolerance": "measure.planted_tolerance",
     "report_prompts": "measure.report_prompts",
     "run_dir": "run.dir",
     "cache_dir": "run.cache_dir",

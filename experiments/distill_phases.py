@@ -54,11 +54,13 @@ from sparse_jax.training.losses import cross_entropy_loss, distillation_loss, sp
 __all__ = [
     "cached_teacher",
     "candidate_bank",
+    "harden_student",
     "hardened",
     "load_cached_teacher",
     "objective",
     "planted_pattern",
     "planted_specs",
+    "planted_swaps",
     "student",
     "student_spec",
     "teacher",
@@ -112,6 +114,22 @@ def planted_specs(config: DistillConfig) -> list[AttentionSpec]:
         AttentionSpec(mask=masks.per_head([bank[c] for c in row]))
         for row in planted_pattern(config)
     ]
+
+
+def planted_swaps(run: Run, teacher: GPT2, student: GPT2) -> np.ndarray:
+    """:func:`measure.planted_swaps` for the run's planted teacher on its evaluation windows,
+    cached beside the cached teacher (it depends only on the teacher and the windows)."""
+    c = run.config
+    folder = run.cache / "teachers" / teacher_key(c, run.data)
+    path = folder / f"planted_swaps_{len(run.eval_windows)}.npy"
+    if path.is_file():
+        return np.load(path)
+    swaps = measure.planted_swaps(teacher, student, planted_pattern(c), run.eval_windows)
+    if run.primary and folder.is_dir():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.npy")
+        np.save(tmp, swaps)
+        os.replace(tmp, path)
+    return swaps
 
 
 def teacher(run: Run) -> GPT2:
@@ -270,6 +288,7 @@ def _train_config(config: DistillConfig) -> loop.TrainConfig:
         trainable=t.trainable,
         fast_params=t.fast_params,
         fast_lr_multiplier=t.fast_lr_multiplier,
+        fast_eps=t.fast_eps,
         seed=config.run.seed,
     )
 
@@ -301,17 +320,24 @@ def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
 # 3. The hardened student.
 
 
+def harden_student(config: DistillConfig, student: GPT2, *, by_budget: bool = True) -> GPT2:
+    """``harden(student)`` as --harden.* say, without the fine-tune: by --harden.budget (in
+    kernel blocks at the serving length, or in density at the training length: --harden.price)
+    when it is set and ``by_budget``, else by --harden.threshold."""
+    c = config
+    if c.harden.budget is None or not by_budget:
+        return harden(student, threshold=c.harden.threshold, length=c.data.seq_len)
+    if c.harden.price == "blocks":
+        serve_len = c.student.serve_len_factor * c.data.seq_len
+        return harden(student, budget=c.harden.budget, length=serve_len, price="blocks")
+    return harden(student, budget=c.harden.budget, length=c.data.seq_len)
+
+
 def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
     """``harden()`` by the budget (in kernel blocks at the serving length, or in density at the
     training length: --harden.price) or by the threshold, then the fine-tune (if any steps)."""
     c = run.config
-    if c.harden.budget is None:
-        hard = harden(student, threshold=c.harden.threshold, length=c.data.seq_len)
-    elif c.harden.price == "blocks":
-        serve_len = c.student.serve_len_factor * c.data.seq_len
-        hard = harden(student, budget=c.harden.budget, length=serve_len, price="blocks")
-    else:
-        hard = harden(student, budget=c.harden.budget, length=c.data.seq_len)
+    hard = harden_student(c, student)
     if c.harden.finetune_steps:
         ft = dataclasses.replace(
             _train_config(c), steps=c.harden.finetune_steps, warmup_steps=0, trainable=".*"

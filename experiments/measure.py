@@ -22,7 +22,7 @@ from flax import nnx
 
 from experiments import timing
 from sparse_jax.data.tokenizers import get_tokenizer
-from sparse_jax.models import generate
+from sparse_jax.models import AttentionSpec, generate, student_from_teacher
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss
 from sparse_jax.training.sharding import local_model
 
@@ -34,6 +34,7 @@ __all__ = [
     "evaluate_lm",
     "layer_density",
     "planted_recovery",
+    "planted_swaps",
     "sample_texts",
     "speed",
     "weight_metrics",
@@ -207,19 +208,78 @@ def block_maps(model, seq_len: int) -> dict:
     return {"seq_len": seq_len, "blocks": blocks}
 
 
-def planted_recovery(student, hard, pattern: np.ndarray, bank, seq_len: int) -> dict:
+def planted_swaps(teacher, student, pattern: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """float64 ``[n_layer, n_head, C]``: KL(planted teacher ‖ the teacher with one head's
+    planted mask swapped for candidate ``c``), nats/token on ``windows``; 0 where ``c`` is the
+    planted candidate. It says which candidates are *as good on the data* as the planted one:
+    a head whose output nothing downstream uses, or a window the data never needs to be wider,
+    gives near-zero KL for several candidates, and no objective can tell them apart there.
+
+    ``student`` is any model of the teacher's shape with candidate attention per head (its
+    ``logits`` and weights are overwritten): the teacher's weights are copied into it and each
+    head's weights set one-hot, so every swap reuses one compiled program."""
+    spec = [b.attn.core for b in student.h]
+    model = student_from_teacher(teacher, [_one_hot_spec(core) for core in spec])
+    n_cand = len(spec[0].candidates)
+
+    def set_choice(choice):  # choice [L, H] -> one-hot logits (sparsemax/softmax: weight 1)
+        for block, row in zip(model.h, choice, strict=True):
+            logits = np.full((len(row), n_cand), -30.0, np.float32)
+            logits[np.arange(len(row)), row] = 0.0
+            block.attn.core.logits[...] = jnp.asarray(logits)
+
+    out = np.zeros((*pattern.shape, n_cand))
+    for i in range(pattern.shape[0]):
+        for h in range(pattern.shape[1]):
+            for c in range(n_cand):
+                if c == pattern[i, h]:
+                    continue
+                choice = pattern.copy()
+                choice[i, h] = c
+                set_choice(choice)
+                out[i, h, c] = max(evaluate_lm(model, windows, teacher)[1], 0.0)
+    return out
+
+
+def _one_hot_spec(core):
+    """An AttentionSpec whose candidate weights can be set exactly one-hot: the candidates of
+    ``core`` per head, sparsemax weights (exact zeros), noisy-OR combine (a single weight-1
+    candidate *is* its mask)."""
+    return AttentionSpec(
+        kind="candidates",
+        candidates=tuple(core.candidates),
+        granularity="head",
+        combine="soft_union",
+        weighting="sparsemax",
+        normalizer=core.normalizer,
+        block_size=core.block_size,
+    )
+
+
+def planted_recovery(
+    student, hard, pattern: np.ndarray, bank, seq_len: int, swaps=None, tolerance: float = 0.0
+) -> dict:
     """How well the student found the planted teacher's masks: per block and head the planted
     candidate, the student's strongest (``argmax`` of its weights) and whether the hardened head
     runs exactly the planted mask at ``seq_len``; ``planted_recovered`` (the fraction of heads
     whose strongest candidate is the planted one) and ``planted_hardened`` (the fraction whose
     hardened mask is the planted one).
 
+    With ``swaps`` (:func:`planted_swaps`), a head that picked another candidate counts as
+    *equivalent* when that candidate costs no more kernel blocks at ``seq_len`` than the planted
+    one and swapping it into the teacher changes the teacher's output by at most ``tolerance``
+    nats/token: ``planted_equivalent`` is the fraction of heads that picked the planted
+    candidate or an equivalent one, and ``planted_swap_kl`` the picked candidate's swap KL per
+    block and head.
+
     ``pattern`` is int ``[n_layer, n_head]`` (indices into ``bank``, the student's candidates)."""
-    planted, picked_right, hardened_right = {}, [], []
+    planted, picked_right, hardened_right, equivalent, swap_kl = {}, [], [], [], {}
     for i, w in enumerate(student.candidate_weights()):
         w = np.broadcast_to(np.asarray(w), (pattern.shape[1], len(bank)))
+        core = student.h[i].attn.core
+        costs = core.block_costs(seq_len)
         hard_masks = hard.h[i].attn.core.head_masks() if hard.h[i].attn.num_heads else ()
-        rows = []
+        rows, kls = [], []
         for h, want in enumerate(pattern[i]):
             picked = int(np.argmax(w[h]))
             same = h < len(hard_masks) and np.array_equal(
@@ -228,12 +288,27 @@ def planted_recovery(student, hard, pattern: np.ndarray, bank, seq_len: int) -> 
             rows.append([int(want), picked])
             picked_right.append(picked == want)
             hardened_right.append(bool(same))
+            if swaps is not None:
+                kl = float(swaps[i, h, picked])
+                kls.append(kl)
+                cheaper = costs[picked] <= costs[want] + 1e-12
+                equivalent.append(picked == want or (cheaper and kl <= tolerance))
         planted[f"block{i}"] = rows
-    return {
+        if swaps is not None:
+            swap_kl[f"block{i}"] = kls
+    out = {
         "planted_recovered": float(np.mean(picked_right)),
         "planted_hardened": float(np.mean(hardened_right)),
         "planted": planted,
     }
+    if swaps is not None:
+        out |= {
+            "planted_equivalent": float(np.mean(equivalent)),
+            "planted_tolerance": float(tolerance),
+            "planted_swap_kl": swap_kl,
+            "planted_swaps": np.asarray(swaps).round(5).tolist(),
+        }
+    return out
 
 
 def candidate_weights(model) -> dict[str, list[list[float]]]:

@@ -195,18 +195,65 @@ def _planted_lines(summary) -> list[str]:
         f"**{summary['planted_recovered']:.0%}** of the heads, and hardening by threshold gave "
         f"exactly the planted mask in {summary['planted_hardened']:.0%}.",
         "",
-        "| block | head | planted | picked (largest weight) | weight of the planted |",
-        "|:--|--:|:--|:--|--:|",
     ]
+    swap_kl = summary.get("planted_swap_kl")
+    if swap_kl is not None:
+        tol = summary["planted_tolerance"]
+        lines += [
+            f"Counting as equivalent a picked candidate that costs no more kernel blocks than "
+            f"the planted one and, swapped into the teacher in place of the planted mask, "
+            f"changes the teacher's output by at most {tol:g} nats/token (the *swap KL*): "
+            f"**{summary['planted_equivalent']:.0%}** of the heads picked the planted candidate "
+            f"or an equivalent one. *Nearest* is the smallest swap KL of any other candidate: "
+            f"where it is below the tolerance, the data cannot tell the planted mask apart.",
+            "",
+            "| block | head | planted | picked (largest weight) | weight of the planted "
+            "| swap KL of the picked | nearest other |",
+            "|:--|--:|:--|:--|--:|--:|--:|",
+        ]
+    else:
+        lines += [
+            "| block | head | planted | picked (largest weight) | weight of the planted |",
+            "|:--|--:|:--|:--|--:|",
+        ]
     weights = summary.get("candidate_weights") or {}
-    for block, pairs in summary["planted"].items():
+    swaps = summary.get("planted_swaps")
+    for i, (block, pairs) in enumerate(summary["planted"].items()):
         for h, (want, got) in enumerate(pairs):
             w = weights.get(block, [[]])
             w = w[h] if h < len(w) else w[0]
             share = f"{w[want]:.3f}" if want < len(w) else "?"
             mark = "" if want == got else " ✗"
-            lines.append(f"| {block} | {h} | {name(want)} | {name(got)}{mark} | {share} |")
+            row = f"| {block} | {h} | {name(want)} | {name(got)}{mark} | {share} |"
+            if swap_kl is not None:
+                others = [kl for c, kl in enumerate(swaps[i][h]) if c != want]
+                row += f" {swap_kl[block][h]:.4f} | {min(others):.4f} |"
+            lines.append(row)
     return [*lines, ""]
+
+
+def _hardening_lines(summary) -> list[str]:
+    """Threshold against budget hardening (a run with --harden.budget), before fine-tuning."""
+    h = summary.get("hardening")
+    if not h:
+        return []
+    b, t = h["budget"], h["threshold"]
+    ratio = t["kl"] / b["kl"] if b["kl"] > 0 else float("inf")
+    n = summary.get("serve_len", "?")
+    return [
+        "### Hardening by threshold against hardening by the budget",
+        "",
+        "The same student hardened both ways, before any fine-tune: does its learned ranking "
+        "alone (threshold, no budget) give the budget's quality?",
+        "",
+        f"| hardened by | KL(teacher ‖ ·), nats/token | attention FLOPs at n={n} |",
+        "|:--|--:|--:|",
+        f"| --harden.budget | {b['kl']:.4f} | {_flops(b['attention_flops'])} |",
+        f"| threshold (no budget) | {t['kl']:.4f} | {_flops(t['attention_flops'])} |",
+        "",
+        f"Threshold KL / budget KL: {ratio:.2f}.",
+        "",
+    ]
 
 
 def _plot_density(summary, out: pathlib.Path) -> bool:
@@ -285,6 +332,7 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
         "implementation forms).",
         "",
     ]
+    lines += _hardening_lines(summary)
     if summary.get("hardened_masks"):
         lines += ["Hardened masks per block:", ""]
         lines += [f"- block {i}: `{m}`" for i, m in enumerate(summary["hardened_masks"])]

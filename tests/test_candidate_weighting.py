@@ -38,6 +38,23 @@ def test_weights_are_a_distribution_per_head_that_a_shift_cannot_change(weightin
     np.testing.assert_array_equal(layer.kept_candidates(), np.asarray(before) > 0)
 
 
+def test_softmax_weights_keep_every_candidates_gradient_and_harden_to_the_strongest():
+    layer = CandidateMaskAttention(2, CANDIDATES, granularity="head", weighting="softmax")
+    layer.logits[...] = jnp.array([[4.0, 0.0, -1.0, 0.5], [0.0, 1.0, 0.9, -30.0]])
+    w = np.asarray(layer.candidate_weights())
+    np.testing.assert_allclose(w.sum(axis=1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(w, np.asarray(jax.nn.softmax(layer.logits[...], axis=-1)))
+    assert (w > 0).all()  # no exact zeros: a weak candidate still gets a gradient (below)
+    np.testing.assert_array_equal(  # default: weight >= 0.5 or the strongest
+        layer.kept_candidates(), [[True, False, False, False], [False, True, False, False]]
+    )
+    q = jax.random.normal(jax.random.key(0), (1, 12, 2, 4))
+
+    layer.logits[...] = jnp.array([[4.0, 0.0, -1.0, 0.5], [0.0, 1.0, 0.9, -3.0]])
+    grad = nnx.grad(lambda layer: jnp.sum(layer(q, q, q)[0] ** 2))(layer).logits[...]
+    assert (np.abs(np.asarray(grad)) > 0).all()
+
+
 def test_block_costs_price_the_kernels_blocks_at_the_serving_length():
     layer = CandidateMaskAttention(
         1,

@@ -476,3 +476,37 @@ def test_two_processes_follow_the_one_process_run(whole_run):
     np.testing.assert_allclose(two_summary["hardened_kl"], summary["hardened_kl"], atol=2e-3)
     np.testing.assert_allclose(two_summary["hardened_ppl"], summary["hardened_ppl"], rtol=0.05)
     assert (run_dir / "report.md").exists()
+
+
+def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
+    """The summary's `hardening` figures are those of harden() by the budget and by threshold,
+    recomputed here; the report prints them with their ratio."""
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from experiments.report import _hardening_lines
+    from sparse_jax.models import GPT2, GPT2Config, harden
+
+    config = distill.parse(
+        _args(tmp_path, "run", "--harden.budget", "0.5", "--student.block-size", "4")
+    )
+    spec = distill_phases.student_spec(config)
+    student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+    teacher = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for block in student.h:  # supports of 2-3 candidates: threshold keeps them all
+        logits = rng.normal(size=block.attn.core.logits[...].shape).astype(np.float32)
+        block.attn.core.logits[...] = logits
+    windows = rng.integers(0, 101, (4, 17)).astype(np.int32)
+    run = SimpleNamespace(config=config, eval_windows=windows)
+    out = distill._threshold_against_budget(run, student, teacher, 64)
+    by_budget = harden(student, budget=0.5, length=64, price="blocks")
+    by_threshold = harden(student, length=16)
+    for name, model in (("budget", by_budget), ("threshold", by_threshold)):
+        assert out[name]["kl"] == pytest.approx(measure.evaluate_lm(model, windows, teacher)[1])
+        assert out[name]["attention_flops"] == model.flops(64).attention
+    assert out["budget"]["attention_flops"] < out["threshold"]["attention_flops"]
+    text = "\n".join(_hardening_lines({"hardening": out, "serve_len": 64}))
+    assert f"{out['threshold']['kl'] / out['budget']['kl']:.2f}" in text
+    assert f"| --harden.budget | {out['budget']['kl']:.4f} |" in text

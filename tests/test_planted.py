@@ -11,8 +11,10 @@ from flax import nnx
 
 from experiments import distill, distill_config, distill_phases, measure
 from experiments.distill_phases import candidate_bank, planted_pattern
+from sparse_jax import masks
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
+from sparse_jax.models.flops import mask_block_cost
 
 # Tiny, but long enough for the teacher's heads to depend on their masks and for the student's
 # weights to settle: a 2-block, 3-head GPT-2 on 16-token windows, candidates sink(4),
@@ -95,6 +97,30 @@ def test_planted_teacher_runs_its_masks_and_the_student_finds_them(planted_run):
     # chance would give about 1.2 of the 6.
     assert summary["planted_recovered"] >= 5 / 6, summary["planted"]
     assert summary["planted_hardened"] >= 1 / 2, summary["hardened_masks"]
+    # The swap table: one entry recomputed with a teacher whose head runs the other candidate
+    # as a fixed mask (not the one-hot candidate layer the job uses), the planted entries 0.
+    swaps = np.asarray(summary["planted_swaps"])
+    assert swaps.shape == (*pattern.shape, len(bank))
+    assert all(swaps[i, h, c] == 0 for (i, h), c in np.ndenumerate(pattern))
+    specs = distill_phases.planted_specs(config)
+    swapped_row = [bank[c] for c in pattern[1]]
+    other = (pattern[1, 0] + 1) % len(bank)
+    swapped_row[0] = bank[other]
+    specs[1] = AttentionSpec(mask=masks.per_head(swapped_row))
+    swapped = distill_phases.load_cached_teacher(folder, specs)
+    _, kl = measure.evaluate_lm(swapped, windows, teacher)
+    assert swaps[1, 0, other] == pytest.approx(max(kl, 0.0), rel=1e-3, abs=1e-5)
+    assert swaps.max() > 1e-3  # some swaps change the teacher (measured: up to 0.008 here)
+    # planted_equivalent recomputed from the pairs, the swap table and the kernel's block costs.
+    costs = [mask_block_cost(m, 64, (4, 4)) for m in bank]
+    tol = summary["planted_tolerance"]
+    flat = pattern.reshape(-1)
+    eq = [
+        want == got or (costs[got] <= costs[want] and swaps.reshape(-1, len(bank))[k, got] <= tol)
+        for k, (want, got) in enumerate(pairs)
+    ]
+    assert flat.tolist() == [p[0] for p in pairs]
+    assert summary["planted_equivalent"] == pytest.approx(np.mean(eq))
     saved = json.loads((root / "run" / "summary.json").read_text())
     assert saved["planted"] == summary["planted"] and saved["serve_len"] == 64
     report = (root / "run" / "report.md").read_text()
@@ -129,3 +155,19 @@ def test_planted_recovery_counts_heads_and_compares_hardened_masks():
     }
     assert out["planted_recovered"] == pytest.approx(5 / 6)
     assert out["planted_hardened"] == pytest.approx(5 / 6)
+    # With a swap table: a head that picked a cheaper candidate the teacher cannot tell apart
+    # counts as equivalent; one that picked a dearer candidate never does, however small its KL.
+    swaps = np.full((2, 3, len(bank)), 0.5)
+    swaps[1, 2, 4] = 0.0  # causal for the planted sink(4): no KL, but dearer
+    out = measure.planted_recovery(student, harden(student), pattern, bank, 16, swaps, 0.01)
+    assert out["planted_equivalent"] == pytest.approx(5 / 6)
+    assert out["planted_swap_kl"]["block1"] == [0.5, 0.5, 0.0]
+    logits[0, 2] = -5.0
+    logits[0, 2, 1] = 5.0  # window(4) for the planted window(8): as cheap, swap KL 0.005
+    student.h[0].attn.core.logits[...] = logits[0]
+    swaps[0, 2, 1] = 0.005
+    out = measure.planted_recovery(student, harden(student), pattern, bank, 16, swaps, 0.01)
+    assert out["planted_recovered"] == pytest.approx(4 / 6)
+    assert out["planted_equivalent"] == pytest.approx(5 / 6)
+    out = measure.planted_recovery(student, harden(student), pattern, bank, 16, swaps, 0.001)
+    assert out["planted_equivalent"] == pytest.approx(4 / 6)

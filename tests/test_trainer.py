@@ -203,10 +203,10 @@ def test_eight_devices_follow_the_one_device_loss_curve():
 # The optimiser's options, against a hand-written AdamW (numpy, float64).
 
 
-def _adamw_reference(grads, params, lrs, *, weight_decay=0.0, clip=0.0):
+def _adamw_reference(grads, params, lrs, *, weight_decay=0.0, clip=0.0, eps=None):
     """Optax's AdamW (b1 0.9, b2 0.999, eps 1e-8, decoupled decay), written out: ``grads`` a
     list of {name: gradient} per update, ``lrs`` {name: [rate per update]}. Global-norm
-    clipping (over all names) first, when ``clip`` > 0."""
+    clipping (over all names) first, when ``clip`` > 0; ``eps`` {name: ε} (default 1e-8)."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     m = {k: np.zeros_like(v) for k, v in p.items()}
     v = {k: np.zeros_like(x) for k, x in p.items()}
@@ -218,7 +218,8 @@ def _adamw_reference(grads, params, lrs, *, weight_decay=0.0, clip=0.0):
         for k in p:
             m[k] = 0.9 * m[k] + 0.1 * g[k]
             v[k] = 0.999 * v[k] + 0.001 * g[k] ** 2
-            direction = (m[k] / (1 - 0.9**t)) / (np.sqrt(v[k] / (1 - 0.999**t)) + 1e-8)
+            e = (eps or {}).get(k, 1e-8)
+            direction = (m[k] / (1 - 0.9**t)) / (np.sqrt(v[k] / (1 - 0.999**t)) + e)
             p[k] = p[k] - lrs[k][t - 1] * (direction + weight_decay * p[k])
     return p
 
@@ -277,6 +278,12 @@ def test_fast_parameters_weight_decay_and_clipping_follow_adamw():
         ({"clip_norm": 1.0}, {"clip": 1.0}, 1),
         ({"clip_norm": 0, "weight_decay": 0.5}, {"weight_decay": 0.5}, 1),
         ({"clip_norm": 0, "fast_params": "core/logits", "fast_lr_multiplier": 10.0}, {}, 10),
+        # A large ε for the fast group only: its steps follow the gradients' size.
+        (
+            {"clip_norm": 0, "fast_params": "core/logits", "fast_eps": 2.0},
+            {"eps": {"core/logits": 2.0}},
+            10,
+        ),
     ]
     outcomes = []
     for options, reference, fast in cases:
@@ -288,6 +295,10 @@ def test_fast_parameters_weight_decay_and_clipping_follow_adamw():
         outcomes.append(got)
     for got in outcomes[1:]:  # every option changed the outcome: the comparison can fail
         assert not np.allclose(got["core/logits"], outcomes[0]["core/logits"], atol=1e-4)
+    assert not np.allclose(outcomes[4]["core/logits"], outcomes[3]["core/logits"], atol=1e-4)
+    np.testing.assert_array_equal(outcomes[4]["c_fc/kernel"], outcomes[3]["c_fc/kernel"])
+    with pytest.raises(ValueError, match=r"`fast_eps` must be a finite ε > 0; got 0"):
+        TrainConfig(fast_eps=0)
 
 
 def test_fast_parameters_move_at_their_own_rate_in_a_model():

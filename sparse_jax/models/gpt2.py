@@ -192,7 +192,7 @@ class AttentionSpec:
     granularity: Literal["layer", "head"] = "layer"  # candidates: weights per layer or head
     combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"  # candidates
     anchor_self: bool = False  # candidates: each query keeps its own position at weight 1
-    weighting: str = "sigmoid"  # candidates: "sigmoid", or a distribution: "sparsemax"/"entmax15"
+    weighting: str = "sigmoid"  # candidates: "sigmoid", or a row distribution (sparsemax, ...)
     price_len: int | None = None  # candidates: the serving length expected_cost prices at
     head_gate: str | None = None  # gate kind per head, or None
     ffn_gate: str | None = None  # gate kind per FFN unit, or None

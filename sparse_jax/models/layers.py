@@ -97,7 +97,7 @@ __all__ = [
 
 COMBINES = ("soft_union", "soft_mask", "mixture")
 #: How CandidateMaskAttention turns logits into weights.
-WEIGHTINGS = ("sigmoid", "sparsemax", "entmax15")
+WEIGHTINGS = ("sigmoid", "sparsemax", "entmax15", "softmax")
 GATE_KINDS = ("sigmoid_ste", "sigmoid", "hard_concrete", "score_scaling")
 
 
@@ -307,7 +307,9 @@ class CandidateMaskAttention(nnx.Module):
       weighting: how logits become weights: ``"sigmoid"`` (each candidate on its own, the
         published form) or a distribution over each row of candidates, ``"sparsemax"`` or
         ``"entmax15"`` (rows sum to 1 with exact zeros: shift-invariant, so a penalty cannot
-        lower all weights together, and hardening by support is exact).
+        lower all weights together, and hardening by support is exact), or ``"softmax"``
+        (a distribution without zeros: no candidate ever loses its gradient; hardened at
+        weight 0.5, i.e. each head's strongest).
       price_len: the length at which :meth:`block_costs` prices the candidates for the
         ``expected_cost`` penalty (a serving length); None: the call's own length.
       block_size: ``(block_q, block_kv)`` of the block-sparse kernel whose blocks are priced.
@@ -324,7 +326,7 @@ class CandidateMaskAttention(nnx.Module):
         normalizer: str | float = "softmax",
         init_logit: float = 3.0,
         anchor_self: bool = False,
-        weighting: Literal["sigmoid", "sparsemax", "entmax15"] = "sigmoid",
+        weighting: Literal["sigmoid", "sparsemax", "entmax15", "softmax"] = "sigmoid",
         price_len: int | None = None,
         block_size: tuple[int, int] = (128, 128),
         rngs: nnx.Rngs | None = None,
@@ -358,11 +360,13 @@ class CandidateMaskAttention(nnx.Module):
 
     def weights(self) -> jax.Array:
         """The weights in the parameters' shape, ``[C]`` or ``[N, C]``: ``sigmoid(logits)``, or
-        each row's ``sparsemax``/``entmax15`` (see ``weighting``)."""
+        each row's ``sparsemax``/``entmax15``/``softmax`` (see ``weighting``)."""
         if self.weighting == "sparsemax":
             return sparsemax(self.logits[...], axis=-1)
         if self.weighting == "entmax15":
             return entmax15(self.logits[...], axis=-1)
+        if self.weighting == "softmax":
+            return jax.nn.softmax(self.logits[...], axis=-1)
         return jax.nn.sigmoid(self.logits[...])
 
     def candidate_weights(self, *, per_head: bool = False) -> jax.Array:
@@ -410,7 +414,8 @@ class CandidateMaskAttention(nnx.Module):
         """bool ``[N, C]``: the candidates each head keeps when its weights are made hard: those
         with weight ``>= threshold``, and always the head's strongest (the first on ties), so no
         head is empty (``threshold=inf``: the strongest alone). Default threshold: 0.5 for
-        sigmoid weights; the support (weight > 0) for sparsemax/entmax15 weights. Traceable.
+        sigmoid and softmax weights; the support (weight > 0) for sparsemax/entmax15 weights.
+        Traceable.
 
         Example:
           >>> layer = CandidateMaskAttention(1, [masks_lib.causal()] * 3)
@@ -423,7 +428,7 @@ class CandidateMaskAttention(nnx.Module):
         caller = "CandidateMaskAttention.kept_candidates"
         w = self.candidate_weights(per_head=True)  # [N, C]
         strongest = jnp.arange(w.shape[1]) == jnp.argmax(w, axis=1)[:, None]
-        if threshold is None and self.weighting != "sigmoid":
+        if threshold is None and self.weighting in ("sparsemax", "entmax15"):
             return (w > 0.0) | strongest
         threshold = _check_threshold(0.5 if threshold is None else threshold, caller)
         return (w >= threshold) | strongest

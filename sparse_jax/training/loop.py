@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -66,6 +67,11 @@ class TrainConfig:
     trainable: str = ".*"  # regex on '/'-joined parameter paths that are trained
     fast_params: str = ""  # regex of parameters trained at `fast_lr_multiplier` x the rate
     fast_lr_multiplier: float = 10.0  # e.g. mask weights and gates, which start far from 0
+    # Adam's ε for `fast_params`. Adam moves every parameter at about the full rate whatever
+    # its gradient's size, so a tiny but steady gradient (a small price) and batch noise move
+    # mask logits as fast as the KL does; an ε above the gradients' size (e.g. 1e-3 for
+    # gradients of 1e-4) makes the step proportional to the gradient there (SGD-like).
+    fast_eps: float = 1e-8
     seed: int = 0  # RNG seed of the step keys (Hard Concrete sampling, ...)
 
     def __post_init__(self):
@@ -91,6 +97,8 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig: `fast_lr_multiplier` must be > 0; got {self.fast_lr_multiplier}"
             )
+        if not (self.fast_eps > 0 and math.isfinite(self.fast_eps)):
+            raise ValueError(f"TrainConfig: `fast_eps` must be a finite ε > 0; got {self.fast_eps}")
 
 
 def trainable_filter(pattern: str) -> Callable[[Any, Any], bool]:
@@ -124,11 +132,11 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
     rate); gradients are accumulated in the step, not here."""
     total = max(config.steps, config.warmup_steps + 1)
 
-    def adamw(peak):
+    def adamw(peak, eps=1e-8):
         schedule = optax.warmup_cosine_decay_schedule(
             0.0, peak, config.warmup_steps, total, end_value=0.1 * peak
         )
-        return optax.adamw(schedule, weight_decay=config.weight_decay)
+        return optax.adamw(schedule, eps=eps, weight_decay=config.weight_decay)
 
     if config.fast_params:
         rx = re.compile(config.fast_params)
@@ -140,7 +148,7 @@ def _optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
         fast = config.learning_rate * config.fast_lr_multiplier
         update = optax.multi_transform(
-            {"base": adamw(config.learning_rate), "fast": adamw(fast)}, labels
+            {"base": adamw(config.learning_rate), "fast": adamw(fast, config.fast_eps)}, labels
         )
     else:
         update = adamw(config.learning_rate)
