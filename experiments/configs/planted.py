@@ -7,9 +7,10 @@ candidate logits (sparsemax weights per head) on the KL alone, with Adam's epsil
 the logits' gradients so that each step follows the KL's gradient instead of moving every logit
 at the full rate (--train.fast-eps 1e-4, --train.fast-lr-multiplier 50). 133 s on 2 cores with
 the planted teacher and its swap table cached (the first run makes both). Should reach
-(docs/results.md, "Planted masks"): the planted candidate has the largest weight in 15 of 16 heads (`planted_recovered`
-0.94; the 16th, a sink(4) head that causal replaces within 0.0018 nats/token, picked causal),
-14 of 16 hardened by support to exactly the planted mask, KL 0.0023 nats/token.
+(docs/results.md, "Planted masks"): the planted candidate has the largest weight in 15 of 16
+heads (`planted_recovered` 0.94; the 16th, a sink(4) head that causal replaces within 0.0018
+nats/token, picked causal), 14 of 16 hardened by support to exactly the planted mask, KL
+0.0023 nats/token.
 """
 
 from experiments.distill_config import (
