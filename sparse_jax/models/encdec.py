@@ -1,0 +1,526 @@
+"""A sparse encoder–decoder for chain-of-thought reasoning (the "GiantRabbit" study's design).
+
+Shapes: ``B`` batch, ``S`` source (question) length, ``T`` target (chain of thought and answer)
+length, ``D`` model width, ``N`` heads, ``V`` vocabulary.
+
+The architecture, each part a switch of :class:`EncDecConfig` (all switches off: a plain dense
+softmax encoder–decoder of the same size, the baseline):
+
+* ``SparseEmbed(x) = E[x] ⊙ M`` (``embed_keep < 1``): ``M`` keeps a fraction ``embed_keep`` of
+  the embedding dimensions, either a fixed random set drawn once (``embed_mask="random"``, the
+  default: every token uses the same dimensions, so the embedding table really shrinks to
+  ``V x round(keep·D)``, and nothing in the mask depends on the data) or each token's largest
+  entries by magnitude (``"magnitude"``, :func:`sparse_jax.topk_mask`; it keeps more of each
+  row's information but saves no parameters). Sinusoidal positions are added after the mask.
+* Encoder layers (post-norm, "Add & Norm"): self-attention ``normalizer(QKᵀ/√d + M) V``
+  (``normalizer="sparsemax"``; ``M`` is ``-inf`` outside the source's padding and, with
+  ``encoder_window``, outside a window of that many keys either side), then an FFN.
+* A chain-of-thought module (``cot_steps = T_c > 0``): ``C_0`` is the encoder output and
+  ``R_t = f_t(SparseEmbed(x), C_{t-1})``: the embedded question is added to ``C_{t-1}``, then a
+  self-attention and an FFN (each with Add & Norm); ``C_t = R_t ⊙ M_t`` with ``M_t`` each
+  position's ``round(cot_keep·D)`` largest features by magnitude, chosen at that step. The
+  decoder reads ``C_{T_c}``.
+* Decoder layers: masked self-attention (causal; with ``decoder_window`` only that many recent
+  tokens plus the first ``decoder_sinks``: the mask algebra's ``causal() & (local(w - 1, 0) |
+  sink(s))``) and cross-attention to the reasoning context, combined as in the study,
+  ``H_d = FFN(A_self·V + A_cross·C) ⊙ M_d`` (``M_d``: each position's ``round(decoder_keep·D)``
+  largest FFN outputs), with Add & Norm around the attention sum and the FFN.
+* A final linear layer and the output distribution: ``output="sparsemax"`` trains with the
+  sparsemax Fenchel–Young loss (:func:`sparse_jax.sparsemax_loss`), ``"softmax"`` with cross
+  entropy. Greedy decoding takes the argmax either way.
+
+:func:`greedy_decode` decodes with a key/value cache (the cross-attention keys and values are
+computed once per question); its logits equal the full forward pass's (a test).
+
+Example:
+  >>> from flax import nnx
+  >>> cfg = EncDecConfig(vocab_size=11, d_model=16, num_heads=2, d_ff=32, cot_steps=1)
+  >>> model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+  >>> src = jnp.ones((2, 5), jnp.int32); tgt = jnp.ones((2, 4), jnp.int32)
+  >>> model(src, jnp.array([5, 3]), tgt).shape  # [batch, target, vocab]
+  (2, 4, 11)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_jax import masks as masks_lib
+from sparse_jax.dispatch import attention
+from sparse_jax.dynamic import topk_mask
+from sparse_jax.normalizers import sparsemax_loss
+from sparse_jax.validation import check_int
+
+__all__ = ["EncDecConfig", "EncoderDecoder", "describe", "greedy_decode", "sequence_loss"]
+
+NORMALIZERS = ("softmax", "sparsemax", "entmax15")
+OUTPUTS = ("softmax", "sparsemax")
+EMBED_MASKS = ("random", "magnitude")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncDecConfig:
+    """Sizes and switches of :class:`EncoderDecoder` (defaults: the sparse model; see
+    :meth:`dense` for its baseline)."""
+
+    vocab_size: int = 260  # token ids in [0, vocab_size)
+    d_model: int = 128  # D, the width of every layer
+    num_heads: int = 4  # N, heads of every attention (D must divide by it)
+    encoder_layers: int = 2  # encoder self-attention + FFN layers
+    decoder_layers: int = 2  # decoder layers
+    d_ff: int = 512  # FFN inner width
+    normalizer: str = "sparsemax"  # every attention's normalizer: softmax/sparsemax/entmax15
+    output: Literal["softmax", "sparsemax"] = "sparsemax"  # output distribution and its loss
+    embed_keep: float = 0.5  # SparseEmbed: kept fraction of embedding dims, (0, 1] (1: off)
+    embed_mask: Literal["random", "magnitude"] = "random"  # which dims SparseEmbed keeps
+    encoder_window: int | None = None  # encoder keys within this distance either side (None: all)
+    cot_steps: int = 2  # chain-of-thought steps T_c (0: the decoder reads the encoder output)
+    cot_keep: float = 0.5  # kept fraction of features at each CoT step, (0, 1] (1: off)
+    decoder_keep: float = 1.0  # kept fraction of each decoder FFN output, (0, 1] (1: off)
+    decoder_window: int | None = None  # decoder self-attention: recent keys kept (None: causal)
+    decoder_sinks: int = 0  # with decoder_window: the first tokens every query also sees
+    seed: int = 0  # draws the fixed random SparseEmbed dimensions
+
+    def __post_init__(self):
+        caller = "EncDecConfig"
+        for name in ("vocab_size", "d_model", "num_heads", "encoder_layers", "decoder_layers"):
+            check_int(getattr(self, name), name, caller)
+        check_int(self.d_ff, "d_ff", caller)
+        for name in ("cot_steps", "decoder_sinks", "seed"):
+            check_int(getattr(self, name), name, caller, low=0)
+        for name in ("encoder_window", "decoder_window"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, caller)
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"{caller}: `num_heads`={self.num_heads} must divide `d_model`={self.d_model}"
+            )
+        if self.normalizer not in NORMALIZERS:
+            raise ValueError(
+                f"{caller}: unknown `normalizer`={self.normalizer!r}; allowed: {NORMALIZERS}"
+            )
+        if self.output not in OUTPUTS:
+            raise ValueError(f"{caller}: unknown `output`={self.output!r}; allowed: {OUTPUTS}")
+        if self.embed_mask not in EMBED_MASKS:
+            raise ValueError(
+                f"{caller}: unknown `embed_mask`={self.embed_mask!r}; allowed: {EMBED_MASKS}"
+            )
+        for name in ("embed_keep", "cot_keep", "decoder_keep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{caller}: `{name}` must be in (0, 1] (1: off); got {value!r}")
+        if self.decoder_sinks and self.decoder_window is None:
+            raise ValueError(
+                f"{caller}: `decoder_sinks`={self.decoder_sinks} needs a `decoder_window` (without "
+                "one every query already sees the first tokens)"
+            )
+
+    def dense(self) -> EncDecConfig:
+        """The baseline of the same size: every switch off (softmax attention and outputs, no
+        feature masks, no windows). The chain-of-thought steps stay (they are layers, not a
+        sparsity switch), so both models have the same parameters and depth."""
+        return dataclasses.replace(
+            self,
+            normalizer="softmax",
+            output="softmax",
+            embed_keep=1.0,
+            encoder_window=None,
+            cot_keep=1.0,
+            decoder_keep=1.0,
+            decoder_window=None,
+            decoder_sinks=0,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def decoder_mask(self) -> masks_lib.Mask:
+        """The decoder self-attention's static mask (the mask algebra)."""
+        if self.decoder_window is None:
+            return masks_lib.causal()
+        keep = masks_lib.local(self.decoder_window - 1, 0)
+        if self.decoder_sinks:
+            keep = keep | masks_lib.sink(self.decoder_sinks)
+        return masks_lib.causal() & keep
+
+    def encoder_mask(self) -> masks_lib.Mask | None:
+        """The encoder's static mask (None: every source position)."""
+        if self.encoder_window is None:
+            return None
+        return masks_lib.local(self.encoder_window, self.encoder_window)
+
+
+def sinusoid(positions: jax.Array, d_model: int) -> jax.Array:
+    """Sinusoidal position encodings ``[..., D]`` of integer ``positions [...]``."""
+    half = d_model // 2
+    freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / max(half, 1))
+    angle = positions.astype(jnp.float32)[..., None] * freq
+    enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
+    return jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, d_model - 2 * half)])
+
+
+def keep_largest(x: jax.Array, keep: float) -> jax.Array:
+    """``x ⊙ M`` with ``M`` each row's ``round(keep·D)`` largest ``|x|`` (last axis); ``x``
+    itself when ``keep == 1``. The mask is not differentiated (gradients reach kept entries).
+
+    Example:
+      >>> keep_largest(jnp.array([[1.0, -3.0, 2.0, 0.5]]), 0.5).tolist()
+      [[0.0, -3.0, 2.0, 0.0]]
+    """
+    if keep >= 1:
+        return x
+    k = max(1, round(keep * x.shape[-1]))
+    m = topk_mask(jax.lax.stop_gradient(jnp.abs(x)).astype(jnp.float32), k)
+    return jnp.where(m, x, jnp.zeros((), x.dtype))
+
+
+class Attention(nnx.Module):
+    """Multi-head attention ``[B, Tq, D]`` x ``[B, Tk, D]`` -> ``[B, Tq, D]`` under the
+    configured normalizer and a bool mask broadcastable to ``[B, N, Tq, Tk]`` (True = may
+    attend), through :func:`sparse_jax.attention`."""
+
+    def __init__(self, cfg: EncDecConfig, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.num_heads, self.head_dim, self.normalizer = cfg.num_heads, cfg.head_dim, cfg.normalizer
+        self.q = nnx.Linear(d, d, rngs=rngs)
+        self.k = nnx.Linear(d, d, rngs=rngs)
+        self.v = nnx.Linear(d, d, rngs=rngs)
+        self.o = nnx.Linear(d, d, rngs=rngs)
+
+    def heads(self, x: jax.Array) -> jax.Array:
+        return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+
+    def keys_values(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``k, v [B, Tk, N, H]`` of ``memory [B, Tk, D]``."""
+        return self.heads(self.k(memory)), self.heads(self.v(memory))
+
+    def __call__(self, x, k, v, mask, *, weights: bool = False):
+        """``x [B, Tq, D]`` queries against precomputed ``k, v [B, Tk, N, H]``; with
+        ``weights``, also the attention weights ``[B, N, Tq, Tk]``."""
+        q = self.heads(self.q(x))
+        out = attention(q, k, v, mask=mask, normalizer=self.normalizer, return_weights=weights)
+        out, w = out if weights else (out, None)
+        out = self.o(out.reshape(*x.shape[:-1], -1))
+        return (out, w) if weights else out
+
+
+class FeedForward(nnx.Module):
+    """Position-wise FFN ``[..., D] -> [..., D]`` (GELU)."""
+
+    def __init__(self, cfg: EncDecConfig, rngs: nnx.Rngs):
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, rngs=rngs)
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class SelfAttentionLayer(nnx.Module):
+    """``x = LN(x + Attn(x)); x = LN(x + FFN(x))``: an encoder layer, and each CoT step."""
+
+    def __init__(self, cfg: EncDecConfig, rngs: nnx.Rngs):
+        self.attn = Attention(cfg, rngs)
+        self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ffn = FeedForward(cfg, rngs)
+        self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+
+    def __call__(self, x, mask, stats: list | None = None):
+        k, v = self.attn.keys_values(x)
+        a = self.attn(x, k, v, mask, weights=stats is not None)
+        if stats is not None:
+            a, w = a
+            stats.append(("encoder", w, mask))
+        x = self.ln1(x + a)
+        return self.ln2(x + self.ffn(x))
+
+
+class DecoderLayer(nnx.Module):
+    """``h = LN(y + A_self(y) + A_cross(y, C)); out = LN(h + FFN(h) ⊙ M_d)``."""
+
+    def __init__(self, cfg: EncDecConfig, rngs: nnx.Rngs):
+        self.keep = cfg.decoder_keep
+        self.self_attn = Attention(cfg, rngs)
+        self.cross_attn = Attention(cfg, rngs)
+        self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ffn = FeedForward(cfg, rngs)
+        self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+
+    def __call__(self, y, self_kv, self_mask, cross_kv, cross_mask, stats=None):
+        want = stats is not None
+        a = self.self_attn(y, *self_kv, self_mask, weights=want)
+        c = self.cross_attn(y, *cross_kv, cross_mask, weights=want)
+        if want:
+            (a, wa), (c, wc) = a, c
+            stats += [("decoder_self", wa, self_mask), ("decoder_cross", wc, cross_mask)]
+        h = self.ln1(y + a + c)
+        return self.ln2(h + keep_largest(self.ffn(h), self.keep))
+
+
+class EncoderDecoder(nnx.Module):
+    """The sparse encoder–decoder (see the module docstring); ``config.dense()`` builds its
+    dense baseline with the same parameter shapes."""
+
+    def __init__(self, config: EncDecConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, EncDecConfig):
+            raise TypeError(f"EncoderDecoder: `config` must be an EncDecConfig; got {config!r}")
+        cfg = self.config = config
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        dims = np.random.default_rng(cfg.seed).permutation(cfg.d_model)
+        kept = np.zeros(cfg.d_model, bool)
+        kept[dims[: max(1, round(cfg.embed_keep * cfg.d_model))]] = True
+        self.embed_dims = nnx.Variable(jnp.asarray(kept))  # SparseEmbed's fixed random set
+        self.encoder = nnx.List([SelfAttentionLayer(cfg, rngs) for _ in range(cfg.encoder_layers)])
+        self.cot = nnx.List([SelfAttentionLayer(cfg, rngs) for _ in range(cfg.cot_steps)])
+        self.decoder = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.decoder_layers)])
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, rngs=rngs)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def sparse_embed(self, ids: jax.Array) -> jax.Array:
+        """``SparseEmbed(ids) [..., D]``: ``E[ids] ⊙ M`` (no positions)."""
+        e = self.embed(ids)
+        cfg = self.config
+        if cfg.embed_keep >= 1:
+            return e
+        if cfg.embed_mask == "magnitude":
+            return keep_largest(e, cfg.embed_keep)
+        return jnp.where(self.embed_dims[...], e, 0.0)
+
+    def _source_masks(self, source_lengths, s: int):
+        """(self-attention mask ``[B, 1, S, S]``: real positions among real positions, under
+        the encoder's static mask; cross-attention key mask ``[B, 1, 1, S]``)."""
+        valid = jnp.arange(s)[None, :] < source_lengths[:, None]  # [B, S]
+        pairs = valid[:, None, :, None] & valid[:, None, None, :]  # padding rows: all masked
+        static = self.config.encoder_mask()
+        if static is not None:
+            pairs = pairs & jnp.asarray(static.dense(s, s))[None, None]
+        return pairs, valid[:, None, None, :]
+
+    def encode(self, source: jax.Array, source_lengths: jax.Array, stats=None) -> jax.Array:
+        """The reasoning context ``C [B, S, D]``: the encoder's output after the CoT steps."""
+        s = source.shape[1]
+        self_mask, _ = self._source_masks(source_lengths, s)
+        emb = self.sparse_embed(source)
+        x = emb + sinusoid(jnp.arange(s), self.config.d_model)
+        for layer in self.encoder:
+            x = layer(x, self_mask, stats)
+        for step in self.cot:
+            x = keep_largest(step(x + emb, self_mask, stats), self.config.cot_keep)
+        return x
+
+    def _check(self, source, source_lengths, target=None):
+        caller = "EncoderDecoder"
+        for name, ids in (("source", source), ("target", target)):
+            if ids is None:
+                continue
+            if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(
+                    f"{caller}: `{name}` must be an int array [batch, len]; got {ids!r}"
+                )
+            if ids.ndim != 2:
+                raise ValueError(f"{caller}: `{name}` must be [batch, len]; got {ids.shape}")
+        if jnp.shape(source_lengths) != (source.shape[0],):
+            raise ValueError(
+                f"{caller}: `source_lengths` must be [batch] = ({source.shape[0]},); got "
+                f"{jnp.shape(source_lengths)}"
+            )
+
+    def __call__(self, source, source_lengths, target, *, return_stats: bool = False):
+        """Teacher-forced logits ``[B, T, V]`` for ``target [B, T]`` (the decoder input: the
+        shifted target) given ``source [B, S]`` with ``source_lengths [B]``.
+
+        With ``return_stats``, also a dict of attention statistics: for each kind
+        (``encoder``, ``decoder_self``, ``decoder_cross``) the mean fraction of allowed keys
+        that get a non-zero weight in valid query rows (sparsemax's own sparsity times the
+        mask's), and the mean allowed fraction of the mask.
+        """
+        self._check(source, source_lengths, target)
+        stats = [] if return_stats else None
+        memory = self.encode(source, source_lengths, stats)
+        t = target.shape[1]
+        y = self.sparse_embed(target) + sinusoid(jnp.arange(t), self.config.d_model)
+        self_mask = jnp.asarray(self.config.decoder_mask().dense(t, t))
+        _, cross_mask = self._source_masks(source_lengths, source.shape[1])
+        for layer in self.decoder:
+            self_kv = layer.self_attn.keys_values(y)
+            cross_kv = layer.cross_attn.keys_values(memory)
+            y = layer(y, self_kv, self_mask, cross_kv, cross_mask, stats)
+        logits = self.head(y)
+        if not return_stats:
+            return logits
+        return logits, _summarise(stats, source_lengths)
+
+    # -- decoding with a cache ---------------------------------------------------------------
+
+    def init_cache(self, memory: jax.Array, source_lengths: jax.Array, max_len: int) -> dict:
+        """The decoding state for ``max_len`` target tokens: per decoder layer the self-attention
+        key/value cache ``[B, max_len, N, H]`` (zeros) and the cross-attention keys/values of
+        ``memory`` (computed once), the cross mask and the next position."""
+        b = memory.shape[0]
+        n, h = self.config.num_heads, self.config.head_dim
+        _, cross_mask = self._source_masks(source_lengths, memory.shape[1])
+        layers = []
+        for layer in self.decoder:
+            ck, cv = layer.cross_attn.keys_values(memory)
+            zeros = jnp.zeros((b, max_len, n, h), memory.dtype)
+            layers.append({"k": zeros, "v": zeros, "ck": ck, "cv": cv})
+        return {"layers": layers, "cross_mask": cross_mask, "index": jnp.int32(0)}
+
+    def decode_step(self, token: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+        """Logits ``[B, V]`` for the next position after feeding ``token [B]`` at
+        ``cache["index"]``, and the updated cache."""
+        index = cache["index"]
+        max_len = cache["layers"][0]["k"].shape[1]
+        y = self.sparse_embed(token[:, None]) + sinusoid(index[None], self.config.d_model)
+        pos = index + jnp.arange(1)
+        keys = jnp.arange(max_len)
+        allowed = self.config.decoder_mask().predicate(pos[:, None], keys[None, :])
+        self_mask = allowed & (keys[None, :] <= index)
+        new_layers = []
+        for layer, c in zip(self.decoder, cache["layers"], strict=True):
+            k, v = layer.self_attn.keys_values(y)
+            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, index, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, index, 0, 0))
+            y = layer(y, (k_all, v_all), self_mask, (c["ck"], c["cv"]), cache["cross_mask"])
+            new_layers.append({**c, "k": k_all, "v": v_all})
+        logits = self.head(y)[:, 0]
+        return logits, {"layers": new_layers, "cross_mask": cache["cross_mask"], "index": index + 1}
+
+    # -- what the model is -------------------------------------------------------------------
+
+    def flops(self, source_len: int, target_len: int) -> dict[str, int]:
+        """Analytic matmul FLOPs (2 per multiply-add) of one teacher-forced forward pass of one
+        question: ``attention_scores`` counts ``QKᵀ`` and ``PV`` over the entries each mask
+        allows (dense masks: all), ``projections`` the q/k/v/o linears, ``ffn`` the FFNs and
+        ``output`` the final layer; ``total`` their sum.
+
+        Example:
+          >>> cfg = EncDecConfig(vocab_size=10, d_model=8, num_heads=2, d_ff=16,
+          ...                    encoder_layers=1, decoder_layers=1, cot_steps=0)
+          >>> EncoderDecoder(cfg, rngs=nnx.Rngs(0)).flops(4, 3)["ffn"]  # 2 x 2 x 8 x 16 x 7
+          3584
+        """
+        cfg = self.config
+        s = check_int(source_len, "source_len", "EncoderDecoder.flops")
+        t = check_int(target_len, "target_len", "EncoderDecoder.flops")
+        d = cfg.d_model
+        enc_static = cfg.encoder_mask()
+        enc_pairs = s * s if enc_static is None else int(enc_static.dense(s, s).sum())
+        dec_pairs = int(cfg.decoder_mask().dense(t, t).sum())
+        source_layers = cfg.encoder_layers + cfg.cot_steps
+        scores = 2 * 2 * d * (source_layers * enc_pairs + cfg.decoder_layers * (dec_pairs + t * s))
+        # q, k, v, o of every source layer; per decoder layer self q, k, v, o and cross q, o
+        # over the T targets, cross k, v over the S sources.
+        proj = 2 * d * d * (4 * source_layers * s + cfg.decoder_layers * (6 * t + 2 * s))
+        ffn = 2 * 2 * d * cfg.d_ff * (source_layers * s + cfg.decoder_layers * t)
+        output = 2 * d * cfg.vocab_size * t
+        return {
+            "attention_scores": scores,
+            "projections": proj,
+            "ffn": ffn,
+            "output": output,
+            "total": scores + proj + ffn + output,
+        }
+
+
+def _summarise(stats, source_lengths) -> dict[str, jax.Array]:
+    """Mean non-zero and allowed fractions of the attention weights per kind (valid rows)."""
+    out: dict[str, list] = {}
+    for kind, w, mask in stats:
+        allowed = jnp.broadcast_to(mask, w.shape)
+        rows = jnp.any(allowed, axis=-1)  # a row with any allowed key
+        nonzero = jnp.sum((w > 0) & allowed, axis=-1) / jnp.maximum(w.shape[-1], 1)
+        share = jnp.sum(allowed, axis=-1) / w.shape[-1]
+        n = jnp.maximum(jnp.sum(rows), 1)
+        out.setdefault(f"{kind}_nonzero", []).append(jnp.sum(jnp.where(rows, nonzero, 0)) / n)
+        out.setdefault(f"{kind}_allowed", []).append(jnp.sum(jnp.where(rows, share, 0)) / n)
+    return {k: jnp.mean(jnp.stack(v)) for k, v in out.items()}
+
+
+def sequence_loss(model: EncoderDecoder, source, source_lengths, target_in, target_out, where):
+    """Mean per-token loss of the teacher-forced targets ``target_out [B, T]`` over ``where``
+    (bool ``[B, T]``, False on padding): the sparsemax Fenchel–Young loss for
+    ``output="sparsemax"``, cross entropy for ``"softmax"``.
+
+    Example:
+      >>> cfg = EncDecConfig(vocab_size=7, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> m = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+      >>> ids = jnp.ones((1, 3), jnp.int32)
+      >>> float(sequence_loss(m, ids, jnp.array([3]), ids, ids, ids > 0)) > 0
+      True
+    """
+    logits = model(source, source_lengths, target_in).astype(jnp.float32)
+    if model.config.output == "sparsemax":
+        per_token = sparsemax_loss(logits, target_out, where=where)
+    else:
+        logp = jax.nn.log_softmax(logits)
+        per_token = -jnp.take_along_axis(logp, target_out[..., None], axis=-1)[..., 0]
+        per_token = jnp.where(where, per_token, 0.0)
+    return jnp.sum(per_token) / jnp.maximum(jnp.sum(where), 1)
+
+
+def greedy_decode(
+    model: EncoderDecoder,
+    source: jax.Array,
+    source_lengths: jax.Array,
+    *,
+    bos: int,
+    eos: int,
+    max_len: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Greedy decoding with a key/value cache: ``(tokens [B, max_len], logits [B, max_len,
+    V])``, starting from ``bos``; after a row emits ``eos`` it emits ``eos`` again (its logits
+    are still returned). One jitted ``lax.scan`` over the positions.
+
+    Example:
+      >>> cfg = EncDecConfig(vocab_size=7, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> m = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+      >>> tokens, _ = greedy_decode(m, jnp.ones((2, 3), jnp.int32), jnp.array([3, 2]),
+      ...                           bos=1, eos=2, max_len=5)
+      >>> tokens.shape
+      (2, 5)
+    """
+    caller = "greedy_decode"
+    max_len = check_int(max_len, "max_len", caller)
+    for name, value in (("bos", bos), ("eos", eos)):
+        check_int(value, name, caller, low=0, high=model.config.vocab_size - 1)
+    model._check(source, source_lengths)
+    graphdef, state = nnx.split(model)
+    return _greedy(graphdef, state, source, jnp.asarray(source_lengths), bos, eos, max_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "bos", "eos", "max_len"))
+def _greedy(graphdef, state, source, source_lengths, bos, eos, max_len):
+    model = nnx.merge(graphdef, state)
+    memory = model.encode(source, source_lengths)
+    cache = model.init_cache(memory, source_lengths, max_len)
+    b = source.shape[0]
+
+    def step(carry, _):
+        token, cache, done = carry
+        logits, cache = model.decode_step(token, cache)
+        nxt = jnp.where(done, eos, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return (nxt, cache, done | (nxt == eos)), (nxt, logits)
+
+    start = (jnp.full((b,), bos, jnp.int32), cache, jnp.zeros((b,), bool))
+    _, (tokens, logits) = jax.lax.scan(step, start, None, length=max_len)
+    return tokens.T, logits.swapaxes(0, 1)
+
+
+def describe(config: EncDecConfig) -> dict[str, Any]:
+    """The switches of ``config`` that differ from its dense baseline (empty: dense)."""
+    dense = config.dense()
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(dense, f.name)
+    }

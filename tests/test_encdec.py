@@ -1,0 +1,214 @@
+"""The sparse encoder–decoder: each switch changes only what it names (all off: a plain dense
+softmax encoder–decoder), cached greedy decoding equals the full forward pass, padding is
+ignored, FLOPs by hand, and bad configurations rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_jax import sparsemax, sparsemax_loss
+from sparse_jax.models.encdec import (
+    EncDecConfig,
+    EncoderDecoder,
+    describe,
+    greedy_decode,
+    sequence_loss,
+)
+
+SMALL = dict(vocab_size=13, d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=2)
+SPARSE = EncDecConfig(**SMALL, cot_steps=2, decoder_keep=0.5, decoder_window=3, decoder_sinks=1)
+DENSE = SPARSE.dense()
+
+
+def _model(cfg):
+    return EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+
+
+def _batch(seed=0, b=2, s=7, t=6):
+    rng = np.random.default_rng(seed)
+    src = jnp.asarray(rng.integers(3, 13, (b, s)), jnp.int32)
+    tgt = jnp.asarray(rng.integers(3, 13, (b, t)), jnp.int32)
+    return src, jnp.array([s, s - 3])[:b], tgt
+
+
+def test_dense_baseline_has_every_switch_off_and_the_same_parameters():
+    assert describe(DENSE) == {}
+    assert set(describe(SPARSE)) == {
+        "normalizer", "output", "embed_keep", "cot_keep", "decoder_keep", "decoder_window",
+        "decoder_sinks",
+    }  # fmt: skip
+    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
+    assert shapes(_model(SPARSE)) == shapes(_model(DENSE))
+    # The dense baseline is a plain encoder-decoder: softmax attention everywhere (no zero
+    # weight in any allowed entry), full causal decoder attention.
+    src, lengths, tgt = _batch()
+    _, stats = _model(DENSE)(src, lengths, tgt, return_stats=True)
+    for kind in ("encoder", "decoder_self", "decoder_cross"):
+        assert float(stats[f"{kind}_nonzero"]) == pytest.approx(float(stats[f"{kind}_allowed"]))
+    causal_share = np.mean([(i + 1) / 6 for i in range(6)])
+    assert float(stats["decoder_self_allowed"]) == pytest.approx(causal_share)
+
+
+@pytest.mark.parametrize(
+    "switch, value",
+    [
+        ("normalizer", "sparsemax"),
+        ("embed_keep", 0.5),
+        ("encoder_window", 1),
+        ("cot_keep", 0.25),
+        ("decoder_keep", 0.5),
+        ("decoder_window", 2),
+    ],
+)
+def test_each_switch_changes_the_forward_pass_and_only_what_it_names(switch, value):
+    base = dataclasses.replace(DENSE, cot_steps=1)
+    cfg = dataclasses.replace(base, **{switch: value})
+    assert describe(cfg) == {switch: value}
+    src, lengths, tgt = _batch()
+    dense_model, model = _model(base), _model(cfg)
+    dense_logits, dense_stats = dense_model(src, lengths, tgt, return_stats=True)
+    logits, stats = model(src, lengths, tgt, return_stats=True)
+    assert not np.allclose(logits, dense_logits, atol=1e-5)
+    kinds = ("encoder", "decoder_self", "decoder_cross")
+    if switch == "normalizer":  # sparsemax leaves allowed keys at exactly zero weight
+        for kind in kinds:
+            assert float(stats[f"{kind}_nonzero"]) < float(stats[f"{kind}_allowed"])
+    elif switch == "encoder_window":  # keys within 1 either side, inside the source's length
+        s = src.shape[1]
+        shares = [
+            np.mean([min(i + 2, n) - max(i - 1, 0) for i in range(n)]) / s for n in (s, s - 3)
+        ]
+        assert float(stats["encoder_allowed"]) == pytest.approx(
+            (shares[0] * s + shares[1] * (s - 3)) / (2 * s - 3)
+        )
+    elif switch == "decoder_window":
+        t = tgt.shape[1]
+        assert float(stats["decoder_self_allowed"]) == pytest.approx(
+            np.mean([min(i + 1, 2) / t for i in range(t)])
+        )
+    else:  # a feature mask: the masks of attention are untouched
+        for kind in kinds:
+            assert float(stats[f"{kind}_allowed"]) == pytest.approx(
+                float(dense_stats[f"{kind}_allowed"])
+            )
+    if switch == "embed_keep":  # one fixed set of half the dimensions for every token
+        e = np.asarray(model.sparse_embed(src))
+        kept = np.abs(e).sum(axis=(0, 1)) > 0
+        assert kept.sum() == 8 and ((e != 0) == kept).all()
+    if switch == "cot_keep":  # each position keeps its 4 largest features
+        memory = np.asarray(model.encode(src, lengths))
+        np.testing.assert_array_equal((memory != 0).sum(-1), 4)
+
+
+def test_magnitude_embedding_keeps_each_tokens_largest_entries():
+    cfg = dataclasses.replace(DENSE, embed_keep=0.25, embed_mask="magnitude")
+    model = _model(cfg)
+    ids = jnp.arange(13, dtype=jnp.int32)[None]
+    full = np.asarray(model.embed(ids))[0]
+    kept = np.asarray(model.sparse_embed(ids))[0]
+    for row, out in zip(full, kept, strict=True):
+        top = np.argsort(-np.abs(row))[:4]
+        np.testing.assert_array_equal(np.nonzero(out)[0], np.sort(top))
+        np.testing.assert_array_equal(out[top], row[top])
+
+
+def test_output_switch_changes_only_the_loss():
+    src, lengths, tgt = _batch()
+    sparse_out = dataclasses.replace(DENSE, output="sparsemax")
+    np.testing.assert_array_equal(
+        _model(sparse_out)(src, lengths, tgt), _model(DENSE)(src, lengths, tgt)
+    )
+    where = jnp.ones(tgt.shape, bool).at[1, 4:].set(False)
+    logits = _model(sparse_out)(src, lengths, tgt)
+    want = jnp.sum(sparsemax_loss(logits, tgt, where=where)) / jnp.sum(where)
+    got = sequence_loss(_model(sparse_out), src, lengths, tgt, tgt, where)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    ce = -jax.nn.log_softmax(logits)[jnp.arange(2)[:, None], jnp.arange(6)[None], tgt]
+    want_ce = jnp.sum(jnp.where(where, ce, 0)) / jnp.sum(where)
+    got_ce = sequence_loss(_model(DENSE), src, lengths, tgt, tgt, where)
+    assert float(got_ce) == pytest.approx(float(want_ce), rel=1e-6)
+    assert float(got) != pytest.approx(float(got_ce))
+    # The sparse output distribution has exact zeros.
+    assert float(jnp.mean(sparsemax(logits, axis=-1) == 0)) > 0
+
+
+@pytest.mark.parametrize("cfg", [SPARSE, DENSE], ids=["sparse", "dense"])
+def test_cached_greedy_decoding_equals_the_full_forward_pass(cfg):
+    model = _model(cfg)
+    src, lengths, _ = _batch(1)
+    tokens, logits = greedy_decode(model, src, lengths, bos=1, eos=2, max_len=8)
+    assert tokens.shape == (2, 8) and logits.shape == (2, 8, 13)
+    target_in = jnp.concatenate([jnp.ones((2, 1), jnp.int32), tokens[:, :-1]], axis=1)
+    full = model(src, lengths, target_in)
+    np.testing.assert_allclose(logits, full, atol=2e-5, rtol=1e-5)
+    done = np.cumsum(np.asarray(tokens) == 2, axis=1) > 0
+    want = np.where(done, 2, np.argmax(np.asarray(full), -1))
+    first_eos = np.argmax(np.asarray(tokens) == 2, axis=1)
+    for b in range(2):  # up to and including the first EOS the tokens are the argmax
+        stop = first_eos[b] if done[b].any() else 8
+        np.testing.assert_array_equal(tokens[b, :stop], np.argmax(full[b, :stop], -1))
+        np.testing.assert_array_equal(tokens[b, stop:], want[b, stop:])
+
+
+def test_source_padding_changes_nothing_and_gradients_are_finite():
+    model = _model(SPARSE)
+    src, lengths, tgt = _batch()
+    other = src.at[1, 4:].set(5)  # row 1 is 4 tokens long: its padding changes
+    np.testing.assert_allclose(
+        model(src, lengths, tgt)[1], model(other, lengths, tgt)[1], atol=1e-6
+    )
+    grads = nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, tgt > 0))(model)
+    leaves = jax.tree.leaves(grads)
+    assert all(bool(jnp.isfinite(g).all()) for g in leaves)
+    assert sum(float(jnp.abs(g).sum()) > 0 for g in leaves) > 0.9 * len(leaves)
+
+
+def test_flops_by_hand():
+    cfg = EncDecConfig(
+        vocab_size=10, d_model=8, num_heads=2, d_ff=16, encoder_layers=1, decoder_layers=1,
+        cot_steps=1, decoder_window=2,
+    )  # fmt: skip
+    f = _model(cfg).flops(4, 3)
+    d, s, t = 8, 4, 3
+    dec_pairs = 1 + 2 + 2  # window of 2 keys, causal
+    scores = 2 * 2 * d * (2 * s * s + dec_pairs + t * s)
+    proj = 2 * d * d * (4 * 2 * s + 6 * t + 2 * s)
+    ffn = 2 * 2 * d * 16 * (2 * s + t)
+    assert f == {
+        "attention_scores": scores, "projections": proj, "ffn": ffn, "output": 2 * d * 10 * t,
+        "total": scores + proj + ffn + 2 * d * 10 * t,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"d_model": 10, "num_heads": 3}, "`num_heads`=3 must divide `d_model`=10"),
+        ({"normalizer": "relu"}, "unknown `normalizer`='relu'"),
+        ({"embed_keep": 0.0}, r"`embed_keep` must be in \(0, 1\] \(1: off\); got 0.0"),
+        ({"cot_keep": 1.5}, r"`cot_keep` must be in \(0, 1\]"),
+        ({"decoder_sinks": 2}, "`decoder_sinks`=2 needs a `decoder_window`"),
+        ({"output": "entmax"}, "unknown `output`='entmax'"),
+        ({"embed_mask": "top"}, "unknown `embed_mask`='top'"),
+    ],
+)
+def test_bad_configurations_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EncDecConfig(**{**SMALL, **kwargs})
+
+
+def test_bad_inputs_are_rejected():
+    model = _model(DENSE)
+    src, lengths, tgt = _batch()
+    with pytest.raises(TypeError, match="`source` must be an int array"):
+        model(src.astype(jnp.float32), lengths, tgt)
+    with pytest.raises(ValueError, match=r"`source_lengths` must be \[batch\]"):
+        model(src, jnp.array([3]), tgt)
+    with pytest.raises(ValueError, match="`eos` must be"):
+        greedy_decode(model, src, lengths, bos=1, eos=99, max_len=4)
