@@ -76,7 +76,7 @@ class Model:
 
 @dataclasses.dataclass(frozen=True)
 class Train:
-    steps: int = 600
+    steps: int = 400
     """Updates of each model."""
     lr: float = 3e-3
     """Peak learning rate (warm-up, cosine decay)."""
