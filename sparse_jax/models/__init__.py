@@ -1,5 +1,7 @@
-"""Flax NNX models: GPT-2 (teacher and sparse students) and the layers they are built from."""
+"""Flax NNX models: GPT-2 (teacher and sparse students), the CANDS cascade, and the layers they
+are built from."""
 
+from sparse_jax.models.cascade import CascadeConfig, CascadeLM, PrunedCascadeLM
 from sparse_jax.models.gpt2 import (
     GPT2,
     AttentionSpec,
@@ -15,10 +17,13 @@ __all__ = [
     "GPT2",
     "AttentionSpec",
     "CandidateMaskAttention",
+    "CascadeConfig",
+    "CascadeLM",
     "FixedAttention",
     "GPT2Config",
     "Gate",
     "HardenReport",
+    "PrunedCascadeLM",
     "from_pretrained",
     "generate",
     "harden",

@@ -1,36 +1,43 @@
 """Cascade attention with differentiable sparsity (CANDS), built so that what it prunes is not
 computed: a GPT-2-shaped causal LM whose later blocks see fewer heads, FFN units and tokens.
 
-Shapes: ``B`` batch, ``T`` tokens, ``D`` width, ``N`` heads, ``H`` head dim, ``U`` FFN units.
+Shapes: ``B`` batch, ``T`` tokens, ``D`` width, ``N`` heads, ``H`` head dim, ``U`` FFN units,
+``L`` blocks, ``C`` token slots of a pruned block.
 
 Block 1 is dense. Each later block ``l`` has
 
-* a gate per head and per FFN unit (:class:`~sparse_jax.models.layers.Gate`: Hard Concrete L0
-  gates by default, or the published sigmoid with a straight-through estimator), multiplying the
-  head's output and the unit's activation, so a closed gate removes the unit's whole work;
+* a gate per head and per FFN unit (Hard Concrete L0 gates by default, or the published
+  sigmoid with a straight-through estimator), multiplying the head's output and the unit's
+  activation, so a closed gate removes the unit's whole work. Heads are *nested* by default
+  (SpAtten's cascade head pruning): head ``i``'s keep value in block ``l`` is the product of
+  its gates ``i`` in blocks ``2..l``, so a head closed in block ``l`` is absent from every
+  later block (``nested_heads=False`` gates each block's heads on their own);
 * a gate per *token*, computed from that token's own hidden state (a linear map of the block's
-  layer-normalised input to one logit: causal, no look-ahead), *nested*: the token's keep value
-  in block ``l`` is the product of its gates in blocks ``2..l``, so a token closed in block
-  ``l`` stays closed in every later block. A closed token passes through the block untouched
-  (the block's update is multiplied by the keep value) and is **not** a key or value there:
-  kept tokens attend only to kept tokens (as SpAtten and Mixture-of-Depths drop them). That is
-  what lets the pruned model run each block on the kept tokens alone, gathered into a shorter
-  sequence, and compute exactly what the gated model computes; keeping closed tokens as keys
-  would leave every block's keys and values (and the projections that make them) at full
-  length, saving a fraction of the attention only.
+  layer-normalised input to one logit: causal, no look-ahead), nested the same way: the token's
+  keep value in block ``l`` is the product of its gates in blocks ``2..l``. A closed token
+  passes through the block untouched (the block's update is multiplied by the keep value) and
+  is **not** a key or value there: kept tokens attend only to kept tokens (as SpAtten and
+  Mixture-of-Depths drop them). That is what lets the pruned model run each block on the kept
+  tokens alone, gathered into a shorter sequence, and compute exactly what the gated model
+  computes; keeping closed tokens as keys would leave every block's key and value projections
+  at full length and save a fraction of the attention only.
 
 Training samples the gates (Hard Concrete, ``rngs`` given) or uses the straight-through
-sigmoid; evaluation (``rngs=None``) uses *hard* gates: a head, unit or token is kept when its
-logit is > 0 (for Hard Concrete: when the test-time gate is above 1/2, i.e. ``P(gate > 1/2) >
-1/2``). With hard gates the model equals :meth:`CascadeLM.prune`'s model (a test).
+sigmoid; evaluation (``rngs=None``) uses *hard* decisions: a token is kept when its gate's logit
+is > 0 (for Hard Concrete: ``P(sample > 1/2) > 1/2``); a head or unit when its logit is > 0
+(sigmoid + STE), or, for Hard Concrete, when it is among the expected number of the family's
+gates with the largest keep probability, at its test-time value
+(:func:`deterministic_gates`). With these decisions the model equals
+:meth:`CascadeLM.prune`'s model (a test).
 
 The sparsity targets: ``keep_ratios`` ``r_1 = 1 >= r_2 >= ...``, the expected kept fraction of
-tokens in each block (and, unless given separately, of heads and units), enforced with CoFi's
-Lagrangian (:func:`sparse_jax.gates.lagrangian_sparsity`, multipliers trained by gradient ascent
-through a gradient-reversing identity, so one minimising optimizer trains everything), or the
-published penalty ``λ Σ sigmoid(z)`` (``penalty="l1"``). ``score_scaling=True`` is the CANDS
-code's module instead: heads multiply the attention *scores* by ``sigmoid(z)`` (a temperature),
-no token or unit gates: it prunes nothing, and is here to show that.
+tokens in each block (and, unless given separately, of heads and units), optionally warmed up
+from 1 (:meth:`CascadeConfig.targets`, :func:`sparse_jax.gates.sparsity_schedule`), enforced
+with CoFi's Lagrangian (:func:`cascade_penalty`, multipliers trained by gradient ascent through
+a gradient-reversing identity, so one minimising optimizer trains everything), or the published
+penalty ``λ Σ sigmoid(z)`` (``penalty="l1"``). ``score_scaling=True`` is the CANDS code's module
+instead: heads multiply the attention *scores* by ``sigmoid(z)`` (a temperature), no token or
+unit gates: it prunes nothing, and is here to show that.
 
 Example:
   >>> from flax import nnx
@@ -38,13 +45,14 @@ Example:
   >>> model = CascadeLM(cfg, rngs=nnx.Rngs(0))
   >>> ids = jnp.zeros((2, 8), jnp.int32)
   >>> logits, aux = model(ids, return_aux=True)
-  >>> logits.shape, sorted(aux)[:2]
-  ((2, 8, 101), ['expected_keep', 'kept_tokens'])
+  >>> logits.shape, aux["kept_tokens"].shape, aux["expected_keep"].shape
+  ((2, 8, 101), (2, 2, 8), (2, 3))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -57,14 +65,25 @@ from flax import nnx
 
 from sparse_jax import gates as gates_lib
 from sparse_jax.dispatch import attention
+from sparse_jax.models.flops import ModelFlops, kept_flops
 from sparse_jax.models.gpt2 import GPT2Config, _activation, _linear
 from sparse_jax.models.layers import Gate
-from sparse_jax.validation import check_int
+from sparse_jax.validation import check_bool, check_int, check_token_ids
 
-__all__ = ["CascadeConfig", "CascadeLM", "PrunedCascadeLM", "capacity_for", "cascade_flops"]
+__all__ = [
+    "CascadeConfig",
+    "CascadeLM",
+    "PrunedCascadeLM",
+    "capacity_for",
+    "cascade_flops",
+    "cascade_penalty",
+    "deterministic_gates",
+    "open_probability",
+]
 
 GATES = ("hard_concrete", "sigmoid_ste")
 PENALTIES = ("lagrangian", "l1")
+FAMILIES = ("tokens", "heads", "units")  # the columns of the [L, 3] keep ratios and targets
 
 
 @jax.custom_vjp
@@ -76,25 +95,49 @@ def _ascend(x):
 _ascend.defvjp(lambda x: (x, None), lambda _, g: (-g,))
 
 
-def _ratios(value, name: str, n_layer: int, caller: str) -> tuple[float, ...]:
-    ratios = tuple(float(r) for r in value)
+def _ratios(value, name: str, n_layer: int, caller: str, *, cascade: bool) -> tuple[float, ...]:
+    """One ratio per block in (0, 1]; a ``cascade`` schedule also starts at 1 and never rises."""
+    try:
+        ratios = tuple(float(r) for r in value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{caller}: `{name}` must be a sequence of numbers; got {value!r}") from err
     if len(ratios) != n_layer:
         raise ValueError(
             f"{caller}: `{name}` needs one ratio per block ({n_layer}); got {len(ratios)}: "
             f"{list(ratios)}"
         )
-    if not all(0 < r <= 1 for r in ratios):
+    if not all(0 < r <= 1 for r in ratios):  # NaN fails too
         raise ValueError(f"{caller}: `{name}` must lie in (0, 1]; got {list(ratios)}")
-    if ratios[0] != 1.0:
+    if cascade and ratios[0] != 1.0:
         raise ValueError(f"{caller}: `{name}` starts at 1 (block 1 is dense); got {ratios[0]}")
-    if any(b > a for a, b in itertools.pairwise(ratios)):
+    if cascade and any(b > a for a, b in itertools.pairwise(ratios)):
         raise ValueError(f"{caller}: `{name}` must not increase; got {list(ratios)}")
     return ratios
 
 
+def _check_capacity(capacity, keep_ratios: tuple[float, ...], caller: str) -> tuple[float, ...]:
+    """Token slots per block as fractions of ``T``, none below its block's keep target."""
+    capacity = _ratios(capacity, "capacity", len(keep_ratios), caller, cascade=False)
+    for block, (c, r) in enumerate(zip(capacity, keep_ratios, strict=True), start=1):
+        if c < r:
+            raise ValueError(
+                f"{caller}: `capacity` of block {block} ({c}) is below its kept tokens "
+                f"(`keep_ratios` {r}): the block is trained to keep that fraction, so its "
+                "slots would overflow; allowed: capacity >= keep_ratios per block"
+            )
+    return capacity
+
+
 @dataclasses.dataclass(frozen=True)
 class CascadeConfig:
-    """Sizes, gates and targets of :class:`CascadeLM`."""
+    """Sizes, gates, targets and pruned capacities of :class:`CascadeLM`.
+
+    Example:
+      >>> cfg = CascadeConfig(GPT2Config.preset("tiny"), keep_ratios=(1.0, 0.5),
+      ...                     target_warmup_steps=100)
+      >>> np.asarray(cfg.targets(50))[1].tolist()  # tokens, heads, units of block 2
+      [0.75, 0.75, 0.75]
+    """
 
     gpt2: GPT2Config  # sizes (a dense GPT2 of this config is the baseline)
     keep_ratios: tuple[float, ...] | None = None  # token keep target per block (None: 1 -> 1/2)
@@ -105,19 +148,31 @@ class CascadeConfig:
     l1_weight: float = 0.01  # penalty "l1": λ of λ Σ sigmoid(z) (mean per gate family)
     gate_init: float = 3.0  # initial gate logit (open: sigmoid(3) = 0.95)
     score_scaling: bool = False  # the CANDS code's variant: head gates scale scores only
+    nested_heads: bool = True  # a head closed in block l stays closed in later blocks (SpAtten)
+    target_warmup_steps: int = 0  # targets fall linearly from 1 over these steps (0: at once)
+    # Pruned model: token slots per block as a fraction of T, one compiled call for the whole
+    # model (None: each block's slots chosen per batch from its kept count, a host round trip
+    # per block). A batch that keeps more tokens than its slots is rerun with chosen slots.
+    capacity: tuple[float, ...] | None = None
 
     def __post_init__(self):
         caller = "CascadeConfig"
         if not isinstance(self.gpt2, GPT2Config):
             raise TypeError(f"{caller}: `gpt2` must be a GPT2Config; got {self.gpt2!r:.80}")
         n = self.gpt2.n_layer
+        if self.gpt2.heads_per_layer is not None or self.gpt2.inner_per_layer is not None:
+            raise ValueError(
+                f"{caller}: `gpt2` must have every head and unit (heads_per_layer and "
+                "inner_per_layer None): the cascade prunes them itself"
+            )
         if self.keep_ratios is None:  # linear from 1 to 1/2
             default = tuple(1.0 - 0.5 * i / max(n - 1, 1) for i in range(n))
             object.__setattr__(self, "keep_ratios", default)
-        object.__setattr__(self, "keep_ratios", _ratios(self.keep_ratios, "keep_ratios", n, caller))
+        ratios = _ratios(self.keep_ratios, "keep_ratios", n, caller, cascade=True)
+        object.__setattr__(self, "keep_ratios", ratios)
         for name in ("head_keep", "unit_keep"):
             value = getattr(self, name)
-            value = self.keep_ratios if value is None else _ratios(value, name, n, caller)
+            value = ratios if value is None else _ratios(value, name, n, caller, cascade=True)
             object.__setattr__(self, name, value)
         if self.gate not in GATES:
             raise ValueError(f"{caller}: unknown `gate`={self.gate!r}; allowed: {list(GATES)}")
@@ -125,21 +180,145 @@ class CascadeConfig:
             raise ValueError(
                 f"{caller}: unknown `penalty`={self.penalty!r}; allowed: {list(PENALTIES)}"
             )
-        if not (math.isfinite(self.l1_weight) and self.l1_weight >= 0):
-            raise ValueError(f"{caller}: `l1_weight` must be a number >= 0; got {self.l1_weight}")
-        if self.gpt2.heads_per_layer is not None or self.gpt2.inner_per_layer is not None:
-            raise ValueError(
-                f"{caller}: `gpt2` must have every head and unit (heads_per_layer and "
-                "inner_per_layer None): the cascade prunes them itself"
-            )
+        for name, ok, allowed in (
+            ("l1_weight", lambda v: v >= 0, "a number >= 0"),
+            ("gate_init", lambda v: True, "a finite number"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
+            if not (math.isfinite(value) and ok(value)):
+                raise ValueError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
+        check_bool(self.score_scaling, "score_scaling", caller)
+        check_bool(self.nested_heads, "nested_heads", caller)
+        check_int(self.target_warmup_steps, "target_warmup_steps", caller, low=0)
+        if self.capacity is not None:
+            object.__setattr__(self, "capacity", _check_capacity(self.capacity, ratios, caller))
+
+    def targets(self, step=None) -> jax.Array:
+        """float32 ``[L, 3]``: the keep targets of tokens, heads and units per block at ``step``
+        (an int or a traced scalar; ``None``: the final targets), warmed up linearly from 1 over
+        ``target_warmup_steps`` (:func:`~sparse_jax.gates.sparsity_schedule`)."""
+        final = jnp.asarray(
+            np.stack([self.keep_ratios, self.head_keep, self.unit_keep], axis=1), jnp.float32
+        )
+        if step is None or self.target_warmup_steps == 0:
+            return final
+        ramp = gates_lib.sparsity_schedule(step, target=1.0, warmup_steps=self.target_warmup_steps)
+        return 1.0 - (1.0 - final) * ramp
 
 
-def _dense_causal(t: int) -> jax.Array:
+def cascade_penalty(
+    expected_keep: jax.Array,
+    targets: jax.Array,
+    multipliers: jax.Array | None = None,
+    *,
+    kind: str = "lagrangian",
+    l1_weight: float = 0.01,
+) -> jax.Array:
+    """The sparsity terms per block and gate family, ``[L, 3]`` (block 1, dense, is 0): sum
+    them into the loss.
+
+    ``kind="lagrangian"``: CoFi's ``λ1 (s - t) + λ2 (s - t)²`` with expected sparsity ``s = 1 -
+    expected_keep`` and target ``t = 1 - targets`` (:func:`~sparse_jax.gates.lagrangian_sparsity`),
+    ``multipliers [L, 3, 2]`` (λ1, λ2) to be trained by *ascent*. ``kind="l1"``: the published
+    ``λ Σ sigmoid(z)``, here ``l1_weight`` times the expected kept fraction.
+
+    Args:
+      expected_keep: ``[L, 3]`` expected kept fraction of tokens, heads, units per block.
+      targets: ``[L, 3]`` their targets (:meth:`CascadeConfig.targets`).
+      multipliers: ``[L, 3, 2]`` (``kind="lagrangian"`` only).
+
+    Example:
+      >>> keep, targets = jnp.array([[1.0, 1, 1], [0.9, 0.8, 1]]), jnp.full((2, 3), 0.5)
+      >>> lam = jnp.zeros((2, 3, 2)).at[1, :, 0].set(-1.0)  # λ1 = -1: more sparsity is cheaper
+      >>> np.asarray(cascade_penalty(keep, targets, lam), np.float64).round(3).tolist()
+      [[0.0, 0.0, 0.0], [0.4, 0.3, 0.5]]
+    """
+    if kind == "l1":
+        terms = l1_weight * expected_keep
+    elif kind == "lagrangian":
+        if multipliers is None:
+            raise ValueError("cascade_penalty: kind 'lagrangian' needs `multipliers` [L, 3, 2]")
+        terms = gates_lib.lagrangian_sparsity(
+            1.0 - expected_keep, 1.0 - targets, multipliers[..., 0], multipliers[..., 1]
+        )
+    else:
+        raise ValueError(f"cascade_penalty: unknown `kind`={kind!r}; allowed: {list(PENALTIES)}")
+    return terms.at[0].set(0.0)
+
+
+@functools.partial(jax.jit, static_argnames="kind")
+def _evaluation_gates(logits, previous, expected, kind: str):
+    """``(values, expected)`` of one family after a block's deterministic gates: the expected
+    keep times this block's open probabilities, and :func:`deterministic_gates` (compiled: the
+    models call it on the host too)."""
+    expected = expected * open_probability(logits, kind)
+    return deterministic_gates(logits, expected, previous, kind), expected
+
+
+def _causal(t: int) -> jax.Array:
     return jnp.tril(jnp.ones((t, t), bool))
 
 
+def open_probability(logits: jax.Array, kind: str) -> jax.Array:
+    """What a gate's keep counts toward the targets, elementwise.
+
+    ``"hard_concrete"``: ``sigmoid(z)``, the probability that a sample is above 1/2 (``P(L + z
+    > 0)``, ``L`` logistic noise). Not ``P(gate != 0)`` (the L0 expectation, ``sigmoid(z +
+    1.6)``): driven to a target, that would leave the gates mostly open. ``"sigmoid_ste"``: the
+    straight-through gate itself (forward ``1[z > 0]``, the gate actually kept; gradient
+    ``sigmoid'(z)``, that of the published ``Σ sigmoid(z)``).
+
+    Example:
+      >>> np.asarray(open_probability(jnp.array([-1.0, 0.5]), "sigmoid_ste")).tolist()
+      [0.0, 1.0]
+    """
+    if kind == "hard_concrete":
+        return jax.nn.sigmoid(logits)
+    return gates_lib.sigmoid_gate(logits, straight_through=True)
+
+
+def deterministic_gates(
+    logits: jax.Array, expected: jax.Array, previous: jax.Array, kind: str
+) -> jax.Array:
+    """Gate values ``[n]`` of one family of heads or FFN units at evaluation (``rngs=None``).
+
+    ``"sigmoid_ste"``: ``previous * 1[z > 0]``, what training computed. ``"hard_concrete"``:
+    the ``round(Σ expected)`` gates with the largest ``expected`` among those ``previous``
+    keeps (the expected count, as CoFi's deterministic masks), at ``previous`` times their
+    test-time value ``clip(1.2 sigmoid(z) - 0.1, 0, 1)`` (about the mean of the samples
+    training saw), the others 0. A threshold ``z > 0`` would not do: the targets bound the
+    *mean* keep, which gates all half open (every ``z`` a little above 0) also meet, and then
+    every gate would stay.
+
+    Args:
+      logits: ``[n]`` the gates' logits (log α).
+      expected: ``[n]`` their expected keep (:func:`open_probability`, times the previous
+        block's for nested heads).
+      previous: ``[n]`` the previous block's values of the same heads (nested), else ones.
+
+    Example:
+      >>> z = jnp.array([0.2, 0.1, 0.3, 0.1])  # all half open: keep 2 of 4, the largest two
+      >>> values = deterministic_gates(z, jax.nn.sigmoid(z), jnp.ones(4), "hard_concrete")
+      >>> (np.asarray(values) > 0).tolist()
+      [True, False, True, False]
+    """
+    if kind == "sigmoid_ste":
+        return previous * (logits > 0).astype(previous.dtype)
+    allowed = previous > 0
+    count = jnp.minimum(jnp.round(jnp.sum(expected)), jnp.sum(allowed))
+    order = jnp.argsort(-jnp.where(allowed, expected, -1.0), stable=True)
+    rank = jnp.zeros(order.shape, jnp.int32).at[order].set(jnp.arange(order.shape[0]))
+    value = previous * gates_lib.hard_concrete(logits)
+    return jnp.where(allowed & (rank < count), value, 0.0).astype(previous.dtype)
+
+
 class CascadeBlock(nnx.Module):
-    """One pre-LayerNorm block with optional head, unit and token gates."""
+    """One pre-LayerNorm GPT-2 block with optional head, unit and token gates (block ``layer``
+    > 0 of a cascade). ``c_attn``/``c_proj``/``c_fc``/``mlp_proj`` are GPT-2's linears; not
+    :class:`~sparse_jax.models.gpt2.Block` itself, which has no per-token keep values and no
+    mask of kept keys that depends on the hidden states."""
 
     def __init__(self, config: CascadeConfig, layer: int, rngs: nnx.Rngs):
         g = config.gpt2
@@ -155,97 +334,116 @@ class CascadeBlock(nnx.Module):
         self.act = _activation(g.activation_function)
         gated = layer > 0
         self.score_scaling = gated and config.score_scaling
+        self.nested_heads = config.nested_heads
         kind = "score_scaling" if self.score_scaling else config.gate
         self.head_gate = Gate(n, kind, init=config.gate_init) if gated else None
         pruning = gated and not config.score_scaling
         self.unit_gate = Gate(u, config.gate, init=config.gate_init) if pruning else None
         # The token gate: one logit from the token's own normalised hidden state (open at
         # first: weight 0, bias gate_init).
+        open_bias = nnx.initializers.constant(config.gate_init)
         self.router = (
-            nnx.Linear(d, 1, kernel_init=nnx.initializers.zeros, rngs=rngs, param_dtype=jnp.float32)
+            nnx.Linear(
+                d,
+                1,
+                kernel_init=nnx.initializers.zeros,
+                bias_init=open_bias,
+                rngs=rngs,
+                param_dtype=jnp.float32,
+            )
             if pruning
             else None
         )
-        if pruning:
-            self.router.bias[...] = jnp.full((1,), config.gate_init, jnp.float32)
         self.kind = config.gate
-
-    # -- gates ---------------------------------------------------------------------------------
 
     def token_logits(self, x: jax.Array) -> jax.Array:
         """``[B, T]``: the token gates' logits (log α for Hard Concrete) from ``x [B, T, D]``."""
         return self.router(self.ln_1(x))[..., 0].astype(jnp.float32)
 
-    def _gate(self, logits, rngs, *, unit: bool):
-        """Training: sampled (Hard Concrete) or straight-through values; else hard 0/1."""
-        if rngs is None:
-            return (logits > 0).astype(jnp.float32)
+    def _sample(self, logits: jax.Array, rngs: nnx.Rngs) -> jax.Array:
+        """Training values: Hard Concrete samples, or the straight-through sigmoid."""
         if self.kind == "hard_concrete":
             return gates_lib.hard_concrete(logits, rngs.gates())
         return gates_lib.sigmoid_gate(logits, straight_through=True)
 
-    def _p_open(self, logits):
-        """What the expected keep ratios count: ``sigmoid(z)``, for Hard Concrete gates the
-        probability that a sampled gate is above 1/2 (``P(L + z > 0)``, ``L`` logistic noise),
-        for the straight-through sigmoid its value. The hard gate (``z > 0``) keeps a unit
-        exactly when this is above 1/2, so the targets bound what the pruned model keeps
-        (Hard Concrete's ``P(gate != 0)``, the L0 expectation, is ``sigmoid(z + 1.6)``: driven
-        to a target it would leave the hard gates closed)."""
-        return jax.nn.sigmoid(logits)
+    def __call__(self, x, tokens, heads, rngs: nnx.Rngs | None = None):
+        """One block: ``x [B, T, D]`` -> ``(x, tokens, heads, units)``.
 
-    # -- forward -------------------------------------------------------------------------------
-
-    def __call__(self, x, keep, rngs=None):
-        """``x [B, T, D]``, ``keep [B, T]`` (the tokens' keep values so far) -> ``(x, keep,
-        aux)``; ``aux`` holds this block's expected keep ratios (tokens, heads, units)."""
+        ``tokens = (keep [B, T], expected [B, T])`` and ``heads = (values [N], expected [N])``
+        are the keep values and expected keep of the tokens and heads after the previous block,
+        updated here (products along the cascade); ``units`` is this block's expected kept
+        fraction of FFN units. Tokens: sampled (training) or hard ``z > 0`` gates; heads and
+        units: sampled, or :func:`deterministic_gates` with ``rngs=None``.
+        """
         b, t, _ = x.shape
-        aux = {}
+        keep, expected_tokens = tokens
         if self.router is not None:
-            logits = self.token_logits(x)
-            keep = keep * self._gate(logits, rngs, unit=False)
-            aux["p_tokens"] = self._p_open(logits)  # [B, T]
-        kept = keep > 0
+            z = self.token_logits(x)
+            gate = (z > 0).astype(jnp.float32) if rngs is None else self._sample(z, rngs)
+            keep = keep * gate
+            expected_tokens = expected_tokens * open_probability(z, self.kind)
+        values, expected_heads = heads
+        if self.head_gate is not None and not self.score_scaling:
+            z = self.head_gate.logits[...]
+            if not self.nested_heads:
+                values, expected_heads = jnp.ones_like(values), jnp.ones_like(expected_heads)
+            if rngs is None:
+                values, expected_heads = _evaluation_gates(z, values, expected_heads, self.kind)
+            else:
+                values = values * self._sample(z, rngs)
+                expected_heads = expected_heads * open_probability(z, self.kind)
         n, hd = self.num_heads, self.head_dim
         qkv = self.c_attn(self.ln_1(x)).reshape(b, t, 3, n, hd)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.score_scaling:
             q = q * self.head_gate.values().astype(q.dtype)[None, None, :, None]
-        mask = _dense_causal(t)[None, None] & kept[:, None, None, :]  # kept keys only
-        out = attention(q, k, v, mask=mask)
-        if self.head_gate is not None and not self.score_scaling:
-            z = self.head_gate.logits[...]
-            out = out * self._gate(z, rngs, unit=True).astype(out.dtype)[None, None, :, None]
-            aux["p_heads"] = self._p_open(z)
+        mask = _causal(t)[None, None] & (keep > 0)[:, None, None, :]  # kept keys only
+        out = attention(q, k, v, mask=mask) * values.astype(q.dtype)[None, None, :, None]
         scale = keep[..., None].astype(x.dtype)
         x = x + scale * self.c_proj(out.reshape(b, t, n * hd))
         hidden = self.act(self.c_fc(self.ln_2(x)))
+        expected_units = jnp.float32(1.0)
         if self.unit_gate is not None:
             z = self.unit_gate.logits[...]
-            hidden = hidden * self._gate(z, rngs, unit=True).astype(hidden.dtype)
-            aux["p_units"] = self._p_open(z)
-        return x + scale * self.mlp_proj(hidden), keep, aux
+            ones = jnp.ones_like(z)
+            if rngs is None:
+                unit_values, p = _evaluation_gates(z, ones, ones, self.kind)
+            else:
+                unit_values, p = self._sample(z, rngs), open_probability(z, self.kind)
+            hidden = hidden * unit_values.astype(hidden.dtype)
+            expected_units = jnp.mean(p)
+        x = x + scale * self.mlp_proj(hidden)
+        return x, (keep, expected_tokens), (values, expected_heads), expected_units
 
-    def hard_heads(self) -> np.ndarray:
-        """Indices of the heads a hard gate keeps (all without gates or with score scaling)."""
-        if self.head_gate is None or self.score_scaling:
-            return np.arange(self.num_heads)
-        return np.flatnonzero(np.asarray(self.head_gate.logits[...]) > 0)
-
-    def hard_units(self) -> np.ndarray:
-        """Indices of the FFN units a hard gate keeps."""
+    def unit_values(self) -> np.ndarray:
+        """``[U]`` the FFN units' gate values at evaluation (0: closed)."""
         if self.unit_gate is None:
-            return np.arange(self.units)
-        return np.flatnonzero(np.asarray(self.unit_gate.logits[...]) > 0)
+            return np.ones(self.units, np.float32)
+        ones = jnp.ones((self.units,), jnp.float32)
+        return np.asarray(_evaluation_gates(self.unit_gate.logits[...], ones, ones, self.kind)[0])
 
 
 class CascadeLM(nnx.Module):
     """The CANDS language model (see the module docstring).
 
-    Call: ``model(ids [B, T], *, rngs=None, return_aux=False)`` -> logits ``[B, T, V]``, or
-    ``(logits, aux)``: ``aux["kept_tokens"]`` ``[L, B, T]`` (1 where a token is kept in a block,
-    hard gates only; fractional when sampled), ``aux["expected_keep"]`` ``[L, 3]`` (expected
-    kept fraction of tokens, heads and units per block, block 1: 1) and ``aux["penalty"]`` (the
-    Lagrangian or the L1 penalty, to add to the loss).
+    Call: ``model(ids [B, T], *, rngs=None, return_aux=False, step=None)`` -> logits
+    ``[B, T, V]``, or ``(logits, aux)``:
+
+    * ``aux["kept_tokens"]`` ``[L, B, T]``, ``aux["kept_heads"]`` ``[L, N]``: the tokens' and
+      heads' keep values, 0 where closed (``rngs=None``: tokens 0/1, heads their deterministic
+      values; training: samples);
+    * ``aux["expected_keep"]`` ``[L, 3]``: expected kept fraction of tokens, heads and units
+      per block (block 1: 1), and ``aux["targets"]`` ``[L, 3]`` their targets at ``step``;
+    * ``aux["penalties"]`` ``[L, 3]`` and ``aux["penalty"]``, their sum: add it to the loss.
+
+    Training: ``rngs`` with a ``gates`` stream samples the Hard Concrete gates. The Lagrange
+    multipliers ``lagrange`` (an ``nnx.Param`` ``[L, 3, 2]``: λ1, λ2 per block and family) sit
+    behind a gradient-reversing identity, so the usual minimising optimizer over every
+    ``nnx.Param`` (the project's ``Trainer``) moves them by ascent: a trainer needs nothing
+    special, but it must train them (a ``trainable`` regex must match ``lagrange``), must not
+    weight-decay them (``weight_decay=0``: decay would pull λ back to 0), and should give them
+    and the gates a faster rate (``fast_params="gate/logits|router|lagrange"``: they start far
+    from where the targets take them). For warmed-up targets pass the update's ``step``.
     """
 
     def __init__(self, config: CascadeConfig, *, rngs: nnx.Rngs):
@@ -261,97 +459,117 @@ class CascadeLM(nnx.Module):
         )
         self.h = nnx.List([CascadeBlock(config, i, rngs) for i in range(g.n_layer)])
         self.ln_f = nnx.LayerNorm(g.n_embd, epsilon=g.layer_norm_epsilon, rngs=rngs)
-        # CoFi's multipliers λ1, λ2 per block and family (tokens, heads, units), by ascent.
-        self.lagrange = nnx.Param(jnp.zeros((g.n_layer, 3, 2), jnp.float32))
+        self.lagrange = nnx.Param(jnp.zeros((g.n_layer, len(FAMILIES), 2), jnp.float32))
 
-    def __call__(self, ids, *, rngs: nnx.Rngs | None = None, return_aux: bool = False):
+    def __call__(self, ids, *, rngs: nnx.Rngs | None = None, return_aux: bool = False, step=None):
         c = self.config
         _check_ids(ids, c.gpt2, "CascadeLM")
         b, t = ids.shape
         x = self.wte(ids) + self.wpe(jnp.arange(t))[None]
-        keep = jnp.ones((b, t), jnp.float32)
-        kept, expected = [], []
+        tokens = (jnp.ones((b, t), jnp.float32), jnp.ones((b, t), jnp.float32))
+        heads = (jnp.ones((c.gpt2.n_head,), jnp.float32), jnp.ones((c.gpt2.n_head,), jnp.float32))
+        kept, kept_heads, expected = [], [], []
         for block in self.h:
-            x, keep, aux = block(x, keep, rngs)
-            kept.append(keep)
-            expected.append(_expected_keep(aux, expected[-1][0] if expected else None))
-        x = self.ln_f(x)
-        logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...]).astype(jnp.float32)
+            x, tokens, heads, units = block(x, tokens, heads, rngs)
+            kept.append(tokens[0])
+            kept_heads.append(heads[0])
+            expected.append(jnp.stack([jnp.mean(tokens[1]), jnp.mean(heads[1]), units]))
+        logits = jnp.einsum("btd,vd->btv", self.ln_f(x), self.wte.embedding[...])
+        logits = logits.astype(jnp.float32)
         if not return_aux:
             return logits
-        expected_keep = jnp.stack([e[1] for e in expected])  # [L, 3]
+        expected_keep = jnp.stack(expected).astype(jnp.float32)  # [L, 3]
+        targets = c.targets(step)
+        if c.score_scaling:
+            penalties = jnp.zeros_like(expected_keep)
+        else:
+            penalties = cascade_penalty(
+                expected_keep,
+                targets,
+                _ascend(self.lagrange[...]),
+                kind=c.penalty,
+                l1_weight=c.l1_weight,
+            )
         return logits, {
             "kept_tokens": jnp.stack(kept),
+            "kept_heads": jnp.stack(kept_heads),
             "expected_keep": expected_keep,
-            "penalty": self._penalty(expected_keep),
+            "targets": targets,
+            "penalties": penalties,
+            "penalty": jnp.sum(penalties),
         }
-
-    def _penalty(self, expected_keep):
-        c = self.config
-        targets = jnp.asarray(
-            np.stack([c.keep_ratios, c.head_keep, c.unit_keep], axis=1), jnp.float32
-        )  # [L, 3]
-        if c.score_scaling:
-            return jnp.float32(0.0)
-        if c.penalty == "l1":  # λ Σ sigmoid(z), as a mean per gate family and block
-            return c.l1_weight * jnp.sum(expected_keep[1:])
-        lam = _ascend(self.lagrange[...])
-        s, target = 1.0 - expected_keep, 1.0 - targets
-        terms = gates_lib.lagrangian_sparsity(s, target, lam[..., 0], lam[..., 1])
-        return jnp.sum(terms[1:])
 
     # -- what the model is ---------------------------------------------------------------------
 
+    def head_values(self) -> list[np.ndarray]:
+        """Per block, the heads' gate values ``[N]`` at evaluation (0: closed; nested: a head
+        closed in block ``l`` is 0 in every later block). Block 1 and score scaling: ones."""
+        n = self.config.gpt2.n_head
+        values, expected, result = jnp.ones(n), jnp.ones(n), []
+        for block in self.h:
+            if block.head_gate is not None and not block.score_scaling:
+                if not self.config.nested_heads:
+                    values, expected = jnp.ones(n), jnp.ones(n)
+                z = block.head_gate.logits[...]
+                values, expected = _evaluation_gates(z, values, expected, block.kind)
+            result.append(np.asarray(values))
+        return result
+
+    def unit_values(self) -> list[np.ndarray]:
+        """Per block, the FFN units' gate values ``[U]`` at evaluation (0: closed)."""
+        return [block.unit_values() for block in self.h]
+
+    def open_heads(self) -> list[np.ndarray]:
+        """Per block, the indices of the heads kept at evaluation."""
+        return [np.flatnonzero(v > 0) for v in self.head_values()]
+
+    def open_units(self) -> list[np.ndarray]:
+        """Per block, the indices of the FFN units kept at evaluation."""
+        return [np.flatnonzero(v > 0) for v in self.unit_values()]
+
     def heads_kept(self) -> list[int]:
         """Heads per block that hard gates keep."""
-        return [len(b.hard_heads()) for b in self.h]
+        return [len(heads) for heads in self.open_heads()]
 
     def units_kept(self) -> list[int]:
         """FFN units per block that hard gates keep."""
-        return [len(b.hard_units()) for b in self.h]
+        return [len(units) for units in self.open_units()]
 
     def keep_ratio(self, ids) -> np.ndarray:
         """float64 ``[L]``: the fraction of the tokens of ``ids [B, T]`` each block keeps (hard
         gates)."""
-        _, aux = self(ids, return_aux=True)
+        _, aux = _hard_forward(self, jnp.asarray(ids))
         return np.asarray(aux["kept_tokens"], np.float64).mean(axis=(1, 2))
 
-    def flops_per_token(self, ids) -> float:
-        """Analytic forward FLOPs per token on ``ids [B, T]`` with hard gates: every block
-        counted over the tokens it keeps, its kept heads and units, causal attention among its
-        kept tokens, and the output layer (:func:`cascade_flops`)."""
-        _, aux = self(ids, return_aux=True)
-        kept = np.asarray(aux["kept_tokens"]) > 0  # [L, B, T]
-        b, t = ids.shape
-        total = sum(
-            cascade_flops(
-                self.config.gpt2, t, kept[:, i].sum(-1), self.heads_kept(), self.units_kept()
-            )
-            for i in range(b)
-        )
-        return total / (b * t)
+    def flops(self, ids) -> list[ModelFlops]:
+        """Analytic forward FLOPs of each sequence of ``ids [B, T]`` with hard gates, block by
+        block (:func:`~sparse_jax.models.flops.kept_flops`): every block counted over the tokens
+        it keeps, with its kept heads and units."""
+        _, aux = _hard_forward(self, jnp.asarray(ids))
+        g, heads, units = self.config.gpt2, self.heads_kept(), self.units_kept()
+        return _flops_per_row(g, aux["kept_tokens"], heads, units)
 
-    def prune(self) -> PrunedCascadeLM:
+    def flops_per_token(self, ids) -> float:
+        """Forward FLOPs per token on ``ids [B, T]`` with hard gates (:meth:`flops`)."""
+        reports = self.flops(ids)
+        return sum(r.total for r in reports) / (len(reports) * ids.shape[1])
+
+    def prune(self, buckets: int = 8, capacity=None) -> PrunedCascadeLM:
         """The model for inference: closed heads and units removed from the weights, and each
         block run on its kept tokens only (see :class:`PrunedCascadeLM`)."""
-        return PrunedCascadeLM(self)
+        return PrunedCascadeLM(self, buckets=buckets, capacity=capacity)
 
 
-def _expected_keep(aux, previous_tokens):
-    """(the tokens' running expected keep ``[B, T]``, ``[3]`` expected keep of tokens, heads,
-    units). Token gates multiply along the cascade, so a token's expected keep in block l is the
-    product of its open probabilities in blocks 2..l (block 1: 1)."""
-    one = jnp.float32(1.0)
-    p_tok = aux.get("p_tokens")
-    if p_tok is None:
-        running = None if previous_tokens is None else previous_tokens
-        tokens = one if running is None else jnp.mean(running)
-    else:
-        running = p_tok if previous_tokens is None else previous_tokens * p_tok
-        tokens = jnp.mean(running)
-    heads = jnp.mean(aux["p_heads"]) if "p_heads" in aux else one
-    units = jnp.mean(aux["p_units"]) if "p_units" in aux else one
-    return running, jnp.stack([tokens, heads, units]).astype(jnp.float32)
+@nnx.jit
+def _hard_forward(model: CascadeLM, ids: jax.Array):
+    """``model(ids, return_aux=True)`` with hard gates, compiled (one call, not op by op)."""
+    return model(ids, return_aux=True)
+
+
+def _flops_per_row(g: GPT2Config, kept_tokens, heads, units) -> list[ModelFlops]:
+    kept = np.asarray(kept_tokens) > 0  # [L, B, T]
+    t = kept.shape[2]
+    return [kept_flops(g, t, kept[:, i].sum(-1), heads, units) for i in range(kept.shape[1])]
 
 
 def _check_ids(ids, g: GPT2Config, caller: str):
@@ -359,10 +577,11 @@ def _check_ids(ids, g: GPT2Config, caller: str):
         raise ValueError(f"{caller}: `ids` must be [batch, seq] token ids; got {ids!r:.80}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"{caller}: `ids` must be integer token ids; got dtype {ids.dtype}")
-    if ids.shape[1] > g.n_positions:
+    if not 1 <= ids.shape[1] <= g.n_positions:
         raise ValueError(
-            f"{caller}: {ids.shape[1]} tokens is longer than n_positions={g.n_positions}"
+            f"{caller}: `ids` has {ids.shape[1]} tokens; allowed: 1 to n_positions={g.n_positions}"
         )
+    check_token_ids(ids, g.vocab_size, caller)
 
 
 def cascade_flops(
@@ -376,19 +595,15 @@ def cascade_flops(
     ``l`` runs on ``tokens[l]`` tokens with ``heads[l]`` heads and ``units[l]`` FFN units:
     per block ``2·n·D·4·N_l·H`` (q, k, v, output projections), ``2·2·H·N_l·n(n+1)/2`` (causal
     ``QKᵀ`` and ``PV`` among the kept tokens), ``2·2·n·D·U_l`` (FFN); plus the output layer
-    ``2·T·D·V``. A dense GPT-2 is ``tokens = [T] * L`` with every head and unit.
+    ``2·T·D·V``. A dense GPT-2 is ``tokens = [T] * L`` with every head and unit. The total of
+    :func:`~sparse_jax.models.flops.kept_flops` (which has the block-by-block breakdown).
 
     Example:
       >>> g = GPT2Config.preset("tiny")  # D 48, 2 blocks, 3 heads of 16, 192 units, V 101
       >>> cascade_flops(g, 4, [4, 2], [3, 2], [192, 96])
       323712
     """
-    d, hd = config.n_embd, config.head_dim
-    total = 2 * seq_len * d * config.vocab_size
-    for n, h, u in zip(tokens, heads, units, strict=True):
-        n, h, u = int(n), int(h), int(u)
-        total += 2 * n * d * 4 * h * hd + 2 * 2 * hd * h * n * (n + 1) // 2 + 2 * 2 * n * d * u
-    return total
+    return kept_flops(config, seq_len, tokens, heads, units).total
 
 
 def capacity_for(count: int, seq_len: int, buckets: int = 8) -> int:
@@ -407,101 +622,151 @@ def capacity_for(count: int, seq_len: int, buckets: int = 8) -> int:
 class PrunedCascadeLM:
     """A :class:`CascadeLM` for inference, with what its hard gates close removed.
 
-    Closed heads and FFN units are cut out of the weight matrices. Tokens are routed at run
-    time: before block ``l`` the router decides (on device) which tokens stay, the host reads
-    the largest kept count of the batch and picks the compiled capacity
-    (:func:`capacity_for`, a few shapes per block), and the block runs on the kept tokens
-    gathered into that many slots (their original positions decide the causal mask), its updates
-    scattered back. A token is never dropped for lack of room: the capacity is computed from
-    the count. ``logits(ids)`` equals ``model(ids)`` with hard gates.
+    Closed heads and FFN units are cut out of the weight matrices (the kept ones' gate values
+    folded into the output projections' rows). Tokens are routed at run time (the token gates
+    depend on the hidden states): before block ``l`` the router decides which tokens stay, and
+    the block runs on the kept tokens of each row gathered into ``C`` slots, in order (their
+    original positions decide the causal mask; empty slots are no keys), its updates scattered
+    back. ``C`` is bucketed (:func:`capacity_for`: a multiple of ``T / buckets``), so at most
+    ``buckets`` shapes are compiled per block:
+
+    * ``capacity`` None (the default: ``config.capacity``, if None too): the host reads each
+      block's largest kept count of the batch and picks ``C`` from it (one device round trip
+      per block; never too small);
+    * ``capacity`` set (fractions of ``T`` per block, none below ``config.keep_ratios``):
+      ``C_l = capacity_for(ceil(capacity[l] T))``, fixed, and the whole model is one compiled
+      call. It also returns each block's largest kept count: if a block kept more tokens than
+      its ``C_l``, the batch is run again the first way (exact, slower) and ``overflows``
+      counts it. A token is never dropped for lack of room.
+
+    ``logits(ids)`` equals ``model(ids)`` with hard gates.
+
+    Example:
+      >>> from flax import nnx
+      >>> cfg = CascadeConfig(GPT2Config.preset("tiny"), keep_ratios=(1.0, 0.5),
+      ...                     capacity=(1.0, 0.75))
+      >>> pruned = CascadeLM(cfg, rngs=nnx.Rngs(0)).prune()
+      >>> logits, kept, slots = pruned.logits(jnp.zeros((1, 16), jnp.int32), return_kept=True)
+      >>> slots, pruned.overflows  # every token open at initialisation: 16 > 12 slots, rerun
+      ([16, 16], 1)
     """
 
-    def __init__(self, model: CascadeLM, buckets: int = 8):
+    def __init__(self, model: CascadeLM, buckets: int = 8, capacity=None):
+        caller = "PrunedCascadeLM"
+        if not isinstance(model, CascadeLM):
+            raise TypeError(f"{caller}: `model` must be a CascadeLM; got {model!r:.80}")
         self.config = model.config
-        self.buckets = check_int(buckets, "buckets", "PrunedCascadeLM")
+        self.buckets = check_int(buckets, "buckets", caller)
+        if capacity is None:
+            capacity = self.config.capacity
+        elif self.config.score_scaling:  # no token gates: every block keeps every token
+            capacity = _check_capacity(capacity, (1.0,) * len(model.h), caller)
+        else:
+            capacity = _check_capacity(capacity, self.config.keep_ratios, caller)
+        self.capacity = capacity
+        self.overflows = 0  # batches rerun because a block kept more tokens than its slots
         g = self.config.gpt2
-        self.wte = np.asarray(model.wte.embedding[...])
-        self.wpe = np.asarray(model.wpe.embedding[...])
+        self.wte = jnp.asarray(model.wte.embedding[...])
+        self.wpe = jnp.asarray(model.wpe.embedding[...])
         self.ln_f = _ln_params(model.ln_f)
-        self.blocks = []
-        for block in model.h:
-            heads, units = block.hard_heads(), block.hard_units()
-            n, hd = block.num_heads, block.head_dim
-            w_attn = np.asarray(block.c_attn.kernel[...]).reshape(-1, 3, n, hd)
+        self.blocks = []  # (heads kept, head dim, weights) per block
+        for block, head_values, unit_values in zip(
+            model.h, model.head_values(), model.unit_values(), strict=True
+        ):
+            heads, units = np.flatnonzero(head_values > 0), np.flatnonzero(unit_values > 0)
+            d, n, hd = g.n_embd, block.num_heads, block.head_dim
+            w_attn = np.asarray(block.c_attn.kernel[...]).reshape(d, 3, n, hd)
             b_attn = np.asarray(block.c_attn.bias[...]).reshape(3, n, hd)
+            # The kept gates' values (Hard Concrete's test-time values) folded into the weights.
+            w_proj = np.asarray(block.c_proj.kernel[...]).reshape(n, hd, d)
+            w_proj = w_proj * head_values[:, None, None]
             q_scale = None
             if block.score_scaling:
                 q_scale = np.asarray(block.head_gate.values())[heads]
+            router = None
+            if block.router is not None:
+                router = (block.router.kernel[...][:, 0], block.router.bias[...][0])
             params = {
                 "ln_1": _ln_params(block.ln_1),
                 "ln_2": _ln_params(block.ln_2),
-                "w_attn": w_attn[:, :, heads].reshape(w_attn.shape[0], -1),
-                "b_attn": b_attn[:, heads].reshape(-1),
-                "w_proj": np.asarray(block.c_proj.kernel[...])
-                .reshape(n, hd, -1)[heads]
-                .reshape(len(heads) * hd, -1),
-                "b_proj": np.asarray(block.c_proj.bias[...]),
+                "w_attn": w_attn[:, :, heads].reshape(d, 3 * len(heads) * hd),
+                "b_attn": b_attn[:, heads].reshape(3 * len(heads) * hd),
+                "w_proj": w_proj[heads].reshape(len(heads) * hd, d),
+                "b_proj": block.c_proj.bias[...],
                 "w_fc": np.asarray(block.c_fc.kernel[...])[:, units],
                 "b_fc": np.asarray(block.c_fc.bias[...])[units],
-                "w_mlp": np.asarray(block.mlp_proj.kernel[...])[units],
-                "b_mlp": np.asarray(block.mlp_proj.bias[...]),
+                "w_mlp": (np.asarray(block.mlp_proj.kernel[...]) * unit_values[:, None])[units],
+                "b_mlp": block.mlp_proj.bias[...],
                 "q_scale": q_scale,
-                "router": None
-                if block.router is None
-                else (np.asarray(block.router.kernel[...])[:, 0], float(block.router.bias[...][0])),
+                "router": router,
             }
-            self.blocks.append((len(heads), hd, params))
+            self.blocks.append((len(heads), hd, jax.tree.map(jnp.asarray, params)))
         self.activation = g.activation_function
-        self._route = jax.jit(_route)
-        self._block = jax.jit(
-            _run_block, static_argnames=("heads", "head_dim", "capacity", "activation")
-        )
-        self._head = jax.jit(_logits)
 
     def heads_kept(self) -> list[int]:
-        return [h for h, _, _ in self.blocks]
+        """Heads per block left in the weights."""
+        return [heads for heads, _, _ in self.blocks]
 
     def units_kept(self) -> list[int]:
-        return [len(p["b_fc"]) for _, _, p in self.blocks]
+        """FFN units per block left in the weights."""
+        return [int(p["b_fc"].shape[0]) for _, _, p in self.blocks]
+
+    def capacities(self, seq_len: int) -> list[int] | None:
+        """The fixed token slots per block for ``seq_len`` tokens (``capacity`` set), else
+        None."""
+        if self.capacity is None:
+            return None
+        return [capacity_for(math.ceil(c * seq_len), seq_len, self.buckets) for c in self.capacity]
 
     def logits(self, ids, *, return_kept: bool = False):
-        """Logits ``[B, T, V]`` of ``ids [B, T]`` (and the kept tokens per block ``[L, B, T]``
-        and the capacities used, with ``return_kept``)."""
+        """Logits ``[B, T, V]`` of ``ids [B, T]`` (and, with ``return_kept``, the kept tokens
+        per block ``[L, B, T]`` and the slots each block ran on)."""
         _check_ids(ids, self.config.gpt2, "PrunedCascadeLM")
+        ids = jnp.asarray(ids)
+        fixed = self.capacities(ids.shape[1])
+        if fixed is not None:
+            plan = tuple((h, hd, c) for (h, hd, _), c in zip(self.blocks, fixed, strict=True))
+            weights = [p for _, _, p in self.blocks]
+            logits, kept, counts = _forward_jit(
+                weights, self.wte, self.wpe, self.ln_f, ids, plan=plan, activation=self.activation
+            )
+            if np.all(np.asarray(counts) <= np.asarray(fixed)):
+                return (logits, kept, fixed) if return_kept else logits
+            self.overflows += 1
+        logits, kept, capacities = self._routed_on_host(ids)
+        return (logits, kept, capacities) if return_kept else logits
+
+    def _routed_on_host(self, ids):
         b, t = ids.shape
-        x = jnp.asarray(self.wte)[ids] + jnp.asarray(self.wpe)[:t][None]
-        keep = jnp.ones((b, t), bool)
+        x = _embed_jit(self.wte, self.wpe, ids)
+        keep, count = jnp.ones((b, t), bool), t
         kept, capacities = [], []
         for heads, hd, p in self.blocks:
             if p["router"] is not None:
-                keep = self._route(x, keep, p["ln_1"], *p["router"])
-            count = int(jnp.max(jnp.sum(keep, axis=1)))  # the host decides the compiled shape
+                keep, most = _route_jit(x, keep, p["ln_1"], *p["router"])
+                count = int(most)  # the host decides the compiled shape
             capacity = capacity_for(max(count, 1), t, self.buckets)
-            x = self._block(
+            x = _run_block_jit(
                 x, keep, p, heads=heads, head_dim=hd, capacity=capacity, activation=self.activation
             )
             kept.append(keep)
             capacities.append(capacity)
-        logits = self._head(x, self.ln_f, jnp.asarray(self.wte))
-        if return_kept:
-            return logits, jnp.stack(kept), capacities
-        return logits
+        return _logits_jit(x, self.ln_f, self.wte), jnp.stack(kept), capacities
+
+    def flops(self, ids) -> list[ModelFlops]:
+        """:func:`~sparse_jax.models.flops.kept_flops` of each row of ``ids`` over the tokens,
+        heads and units this model keeps."""
+        _, kept, _ = self.logits(ids, return_kept=True)
+        return _flops_per_row(self.config.gpt2, kept, self.heads_kept(), self.units_kept())
 
     def flops_per_token(self, ids) -> float:
-        """:func:`cascade_flops` per token over the tokens this model keeps on ``ids``."""
-        _, kept, _ = self.logits(ids, return_kept=True)
-        kept = np.asarray(kept)
-        b, t = ids.shape
-        return sum(
-            cascade_flops(
-                self.config.gpt2, t, kept[:, i].sum(-1), self.heads_kept(), self.units_kept()
-            )
-            for i in range(b)
-        ) / (b * t)
+        """Forward FLOPs per token on ``ids [B, T]`` (:meth:`flops`)."""
+        reports = self.flops(ids)
+        return sum(r.total for r in reports) / (len(reports) * ids.shape[1])
 
 
-def _ln_params(ln) -> tuple[np.ndarray, np.ndarray, float]:
-    return np.asarray(ln.scale[...]), np.asarray(ln.bias[...]), float(ln.epsilon)
+def _ln_params(ln) -> tuple[jax.Array, jax.Array, float]:
+    return jnp.asarray(ln.scale[...]), jnp.asarray(ln.bias[...]), float(ln.epsilon)
 
 
 def _layer_norm(x, params):
@@ -511,17 +776,28 @@ def _layer_norm(x, params):
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
+def _embed(wte, wpe, ids):
+    return wte[ids] + wpe[: ids.shape[1]][None]
+
+
 def _route(x, keep, ln, w, b):
-    """Keep a token when it was kept and its router logit is > 0 (the hard gate)."""
-    return keep & ((_layer_norm(x, ln) @ w + b) > 0)
+    """Keep a token when it was kept and its router logit is > 0 (the hard gate): ``(keep [B,
+    T], the largest count of kept tokens in a row)``."""
+    keep = keep & ((_layer_norm(x, ln) @ w + b) > 0)
+    return keep, jnp.max(jnp.sum(keep, axis=1))
 
 
 def _run_block(x, keep, p, *, heads, head_dim, capacity, activation):
-    """One block on the kept tokens of each row, gathered into ``capacity`` slots."""
-    b = x.shape[0]
-    order = jnp.argsort(~keep, axis=1, stable=True)[:, :capacity]  # kept first, in order
-    valid = jnp.take_along_axis(keep, order, axis=1)  # [B, C]
-    xs = jnp.take_along_axis(x, order[..., None], axis=1)  # [B, C, D]
+    """One block on the kept tokens of each row of ``x [B, T, D]`` (``keep [B, T]``), gathered
+    into ``capacity`` slots (enough for every kept token: the caller's guarantee)."""
+    b, t, _ = x.shape
+    if capacity == t:  # every slot: no gather (block 1, or a block that keeps most tokens)
+        order, valid, gathered = jnp.broadcast_to(jnp.arange(t), (b, t)), keep, x
+    else:
+        order = jnp.argsort(~keep, axis=1, stable=True)[:, :capacity]  # kept first, in order
+        valid = jnp.take_along_axis(keep, order, axis=1)  # [B, C]
+        gathered = jnp.take_along_axis(x, order[..., None], axis=1)  # [B, C, D]
+    xs = gathered
     if heads:
         qkv = (_layer_norm(xs, p["ln_1"]) @ p["w_attn"] + p["b_attn"]).reshape(
             b, capacity, 3, heads, head_dim
@@ -533,14 +809,43 @@ def _run_block(x, keep, p, *, heads, head_dim, capacity, activation):
         mask = (causal & valid[:, None, :])[:, None]  # [B, 1, C, C]
         out = attention(q, k, v, mask=mask).reshape(b, capacity, heads * head_dim)
         xs = xs + out @ p["w_proj"] + p["b_proj"]
-    else:
+    else:  # every head closed: attention adds the output projection's bias only
         xs = xs + p["b_proj"]
     hidden = _activation(activation)(_layer_norm(xs, p["ln_2"]) @ p["w_fc"] + p["b_fc"])
     xs = xs + hidden @ p["w_mlp"] + p["b_mlp"]
-    update = jnp.where(valid[..., None], xs - jnp.take_along_axis(x, order[..., None], axis=1), 0)
-    rows = jnp.arange(b)[:, None]
-    return x.at[rows, order].add(update)
+    update = jnp.where(valid[..., None], xs - gathered, 0)
+    if capacity == t:
+        return x + update
+    return x.at[jnp.arange(b)[:, None], order].add(update)
 
 
 def _logits(x, ln_f, wte):
     return jnp.einsum("btd,vd->btv", _layer_norm(x, ln_f), wte).astype(jnp.float32)
+
+
+def _forward(weights, wte, wpe, ln_f, ids, *, plan, activation):
+    """The pruned model in one compiled call with fixed slots ``plan`` ((heads, head dim,
+    slots) per block): ``(logits [B, T, V], kept [L, B, T], largest kept count per block [L])``."""
+    b, t = ids.shape
+    x = _embed(wte, wpe, ids)
+    keep, count = jnp.ones((b, t), bool), jnp.asarray(t)
+    kept, counts = [], []
+    for (heads, head_dim, capacity), p in zip(plan, weights, strict=True):
+        if p["router"] is not None:
+            keep, count = _route(x, keep, p["ln_1"], *p["router"])
+        counts.append(count)
+        x = _run_block(
+            x, keep, p, heads=heads, head_dim=head_dim, capacity=capacity, activation=activation
+        )
+        kept.append(keep)
+    return _logits(x, ln_f, wte), jnp.stack(kept), jnp.stack(counts)
+
+
+# Module-level, so that every pruned model of the same shapes shares the compiled functions.
+_embed_jit = jax.jit(_embed)
+_route_jit = jax.jit(_route)
+_run_block_jit = jax.jit(
+    _run_block, static_argnames=("heads", "head_dim", "capacity", "activation")
+)
+_logits_jit = jax.jit(_logits)
+_forward_jit = jax.jit(_forward, static_argnames=("plan", "activation"))

@@ -48,6 +48,7 @@ __all__ = [
     "LayerFlops",
     "ModelFlops",
     "attention_scores",
+    "kept_flops",
     "mask_block_cost",
     "mask_density",
     "model_flops",
@@ -213,3 +214,68 @@ def model_flops(model: Any, seq_len: int, *, batch: int = 1) -> ModelFlops:
             )
         )
     return ModelFlops(t, batch, tuple(layers), 2 * batch * t * d * config.vocab_size)
+
+
+def kept_flops(
+    config: Any,
+    seq_len: int,
+    tokens: Any,
+    heads: Any,
+    units: Any,
+) -> ModelFlops:
+    """Analytic forward FLOPs of one sequence of ``seq_len`` tokens through a GPT-2-shaped model
+    whose block ``l`` runs on ``tokens[l]`` of the tokens (the others skip it through the
+    residual) with ``heads[l]`` heads and ``units[l]`` FFN units: what a gated model with its
+    closed heads, units and tokens removed computes (the CANDS cascade's pruned model).
+
+    Per block, over its ``n`` kept tokens: projections ``2 n D 4 N_l H``, attention ``2·2·H N_l
+    n(n+1)/2`` (causal ``QKᵀ`` and ``PV`` among the kept tokens: the causal entries, not the
+    ``n²`` that a dense kernel forms, so the dense model is counted the same way), FFN ``2·2 n D
+    U_l``; plus the output layer over all ``seq_len`` tokens. ``computed_fraction`` and
+    ``attention_density`` are the causal entries among the kept tokens over ``seq_len²``. The
+    token gates' own cost (``2 D`` per routed token and block, well under 1% of a block) is left
+    out with the elementwise work.
+
+    Args:
+      config: a :class:`~sparse_jax.models.gpt2.GPT2Config` (width, head dim, vocabulary).
+      seq_len: tokens of the sequence ``T``.
+      tokens, heads, units: one count per block (``0 <= tokens[l] <= T``).
+
+    Example:
+      >>> from sparse_jax.models import GPT2Config
+      >>> g = GPT2Config.preset("tiny")  # D 48, 2 blocks, 3 heads of 16, 192 units, V 101
+      >>> report = kept_flops(g, 4, [4, 2], [3, 2], [192, 96])
+      >>> report.total, report.layers[1].ffn == 2 * 2 * 2 * 48 * 96
+      (323712, True)
+    """
+    caller = "kept_flops"
+    seq_len = check_int(seq_len, "seq_len", caller)
+    counts = {"tokens": list(tokens), "heads": list(heads), "units": list(units)}
+    for name, values in counts.items():
+        if len(values) != config.n_layer:
+            raise ValueError(
+                f"{caller}: `{name}` needs one count per block ({config.n_layer}); got "
+                f"{len(values)}"
+            )
+        high = seq_len if name == "tokens" else None
+        counts[name] = [
+            check_int(int(v), f"{name}[{i}]", caller, low=0, high=high)
+            for i, v in enumerate(values)
+        ]
+    d, h = config.n_embd, config.head_dim
+    layers = []
+    for i, (n, heads_l, units_l) in enumerate(zip(*counts.values(), strict=True)):
+        causal = n * (n + 1) // 2
+        layers.append(
+            LayerFlops(
+                layer=i,
+                heads=heads_l,
+                ffn_units=units_l,
+                attention_density=causal / seq_len**2,
+                computed_fraction=causal / seq_len**2 if heads_l else 0.0,
+                projections=2 * n * d * 4 * heads_l * h,
+                attention=2 * 2 * h * heads_l * causal,
+                ffn=2 * 2 * n * d * units_l,
+            )
+        )
+    return ModelFlops(seq_len, 1, tuple(layers), 2 * seq_len * d * config.vocab_size)
