@@ -70,6 +70,15 @@ class Model:
     """How the targets are pursued: CoFi's Lagrangian, or the published λ Σ sigmoid(z)."""
     l1_weight: float = 0.01
     """λ of --model.penalty l1."""
+    head_keep: tuple[float, ...] | None = None
+    """Target kept fraction of heads per block (None: --model.keep-ratios)."""
+    unit_keep: tuple[float, ...] | None = None
+    """Target kept fraction of FFN units per block (None: --model.keep-ratios)."""
+    nested_heads: bool = True
+    """A head closed in block l stays closed in every later block (SpAtten's cascade)."""
+    capacity_slack: float = 0.125
+    """The pruned model's token slots per block: its keep target plus this fraction of T (at
+    most T), one compiled call; a batch that keeps more is rerun exactly and counted."""
     score_scaling: bool = False
     """The CANDS code's module instead (head gates scale the attention scores): prunes nothing."""
 
@@ -135,6 +144,9 @@ class CascadeExperiment:
                 raise ValueError(f"{name} must be a number > 0; got {value!r}")
         if self.run.resume and self.run.dir is None:
             raise ValueError("--run.resume needs the --run.dir of the run to continue")
+        slack = self.model.capacity_slack
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 1:
+            raise ValueError(f"--model.capacity-slack must be a number in [0, 1]; got {slack!r}")
         for r in self.sweep:
             if not 0 < r <= 1:
                 raise ValueError(f"--sweep ratios must lie in (0, 1]; got {list(self.sweep)}")
@@ -148,18 +160,35 @@ class CascadeExperiment:
         try:  # the model's own checks, named by their flags
             self.cascade_config(vocab_size=257)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"--model.keep-ratios: {err}") from err
+            flag = next(
+                (
+                    f"--model.{n.replace('_', '-')}"
+                    for n in ("head_keep", "unit_keep")
+                    if f"`{n}`" in str(err)
+                ),
+                "--model.keep-ratios",
+            )
+            raise ValueError(f"{flag}: {err}") from err
 
     def cascade_config(self, vocab_size: int, keep_ratios=None) -> CascadeConfig:
+        """The cascade's config; ``keep_ratios`` (a sweep point) replaces every target."""
         m = self.model
-        return CascadeConfig(
+        sweep = keep_ratios is not None
+        config = CascadeConfig(
             GPT2Config.preset(m.size, vocab_size=vocab_size),
-            keep_ratios=keep_ratios if keep_ratios is not None else m.keep_ratios,
+            keep_ratios=keep_ratios if sweep else m.keep_ratios,
+            head_keep=None if sweep else m.head_keep,
+            unit_keep=None if sweep else m.unit_keep,
             gate=m.gate,
             penalty=m.penalty,
             l1_weight=m.l1_weight,
             score_scaling=m.score_scaling,
+            nested_heads=m.nested_heads,
         )
+        if m.score_scaling:  # no token gates: every block keeps every token
+            return config
+        slots = [1.0] + [min(1.0, r + m.capacity_slack) for r in config.keep_ratios[1:]]
+        return dataclasses.replace(config, capacity=tuple(slots))
 
 
 def log(msg: str) -> None:
@@ -278,8 +307,12 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
             "tokens_per_s": speed[str(t)]["pruned_tokens_per_s"],
         },
         "speed": speed,
+        "capacity": None if pruned.capacity is None else list(pruned.capacity),
+        "overflows": pruned.overflows,
         "keep_ratio": keep.tolist(),
         "target_keep_ratio": list(cascade.config.keep_ratios),
+        "target_head_keep": list(cascade.config.head_keep),
+        "target_unit_keep": list(cascade.config.unit_keep),
         "heads_kept": pruned.heads_kept(),
         "units_kept": pruned.units_kept(),
         "head_gates": [
@@ -337,11 +370,13 @@ def run(cfg: CascadeExperiment) -> dict:
         other = CascadeLM(cfg.cascade_config(data.vocab_size, ratios), rngs=nnx.Rngs(cfg.run.seed))
         other = _phase(cfg, folder, f"sweep-{final:g}", other, _cascade_loss, data)
         nll, _ = measure.evaluate_lm(other, windows)
+        long_ids = jnp.asarray(_long_text(data, 4 * cfg.data.seq_len, 1))
         sweep.append(
             {
                 "final_keep": final,
                 "ppl": math.exp(nll),
                 "flops_per_token": other.flops_per_token(jnp.asarray(windows[:, :-1])),
+                "tokens_per_s_4x": _tokens_per_s(other.prune().logits, long_ids),
             }
         )
     if sweep:
@@ -421,17 +456,23 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         f"kept {s['heads_kept']}; FFN units kept {s['units_kept']}. Device {s['device']}; wall "
         f"time {s['wall_time_s']:.0f} s ({phases}). The pruned model is the cascade with hard "
         "gates, its closed heads and units cut from the weights and each block run on its kept "
-        "tokens only; FLOPs: sparse_jax.models.cascade.cascade_flops (causal attention among "
-        "kept tokens); tokens/s: one sequence of evaluation text, median of 5 calls after "
-        "warm-up, host-side routing included.",
+        f"tokens only, in {s['capacity']} x T slots per block (batches rerun because a block "
+        f"kept more: {s['overflows']}); FLOPs: sparse_jax.models.flops.kept_flops (causal "
+        "attention among kept tokens); tokens/s: one sequence of evaluation text, median of 5 "
+        "calls after warm-up, routing included.",
         "",
         "![gates and kept tokens](gates.png)",
         "",
     ]
     if s["sweep"]:
-        lines += ["| final keep ratio | perplexity | FLOPs per token |", "|--:|--:|--:|"]
+        dense_4x = s["speed"][str(4 * int(next(iter(s["speed"]))))]["dense_tokens_per_s"]
         lines += [
-            f"| {p['final_keep']:g} | {p['ppl']:.3f} | {p['flops_per_token'] / 1e6:.2f} M |"
+            "| final keep ratio | perplexity | FLOPs per token | tokens/s at 4T over dense |",
+            "|--:|--:|--:|--:|",
+        ]
+        lines += [
+            f"| {p['final_keep']:g} | {p['ppl']:.3f} | {p['flops_per_token'] / 1e6:.2f} M | "
+            f"{p['tokens_per_s_4x'] / dense_4x:.2f}x |"
             for p in s["sweep"]
         ]
         lines += ["", "![perplexity against FLOPs](pareto.png)", ""]

@@ -404,6 +404,8 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path):
     assert summary["dense"]["flops_per_token"] == pytest.approx(dense)
     assert len(summary["keep_ratio"]) == 2 and summary["keep_ratio"][0] == 1.0
     assert set(summary["speed"]) == {"8", "32"}
+    # The pruned model ran in fixed slots: the keep target plus the slack, block 1 whole.
+    assert summary["capacity"] == [1.0, 0.625] and summary["overflows"] >= 0
     report = (tmp_path / "run" / "report.md").read_text()
     ratio = summary["pruned"]["ppl"] / summary["dense"]["ppl"]
     assert (
@@ -429,6 +431,18 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path):
         ),
         (["--model.keep-ratios", "1", "0.5"], r"--model.keep-ratios: .*one ratio per block \(4\)"),
         (["--model.keep-ratios", "1", "1.5", "0.5", "0.5"], r"--model.keep-ratios: .*\(0, 1\]"),
+        (
+            ["--model.head-keep", "1", "0.5", "1.5", "0.5"],
+            r"--model.head-keep: .*`head_keep` must lie in \(0, 1\]",
+        ),
+        (
+            ["--model.unit-keep", "1", "0.5", "0.75", "0.5"],
+            "--model.unit-keep: .*`unit_keep` must not increase",
+        ),
+        (
+            ["--model.capacity-slack", "-0.1"],
+            r"--model.capacity-slack must be a number in \[0, 1\]",
+        ),
         (["--data.seq-len", "256"], "4 x 256 = 1024 tokens, more than --model.size 'cpu-small'"),
         (["--model.size", "huge"], "--model.size 'huge' is not a preset"),
         (["--train.steps", "0"], "--train.steps must be an int >= 1; got 0"),
