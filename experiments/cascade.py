@@ -62,7 +62,9 @@ class Model:
     """GPT-2 size preset of both models (sparse_jax.models.gpt2.PRESETS)."""
     keep_ratios: tuple[float, ...] | None = None
     """Target kept fraction of tokens, heads and units per block, r_1 = 1 >= r_2 >= ... (None:
-    from 1 down to 1/2, linearly)."""
+    from 1 down to --model.final-keep, linearly)."""
+    final_keep: float = 0.7
+    """The last block's target when --model.keep-ratios is not given."""
     gate: Literal["hard_concrete", "sigmoid_ste"] = "hard_concrete"
     """Gate kind: Hard Concrete L0 gates, or the published sigmoid with a straight-through
     estimator."""
@@ -147,6 +149,10 @@ class CascadeExperiment:
         slack = self.model.capacity_slack
         if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 1:
             raise ValueError(f"--model.capacity-slack must be a number in [0, 1]; got {slack!r}")
+        if not 0 < self.model.final_keep <= 1:
+            raise ValueError(
+                f"--model.final-keep must lie in (0, 1]; got {self.model.final_keep!r}"
+            )
         for r in self.sweep:
             if not 0 < r <= 1:
                 raise ValueError(f"--sweep ratios must lie in (0, 1]; got {list(self.sweep)}")
@@ -174,9 +180,12 @@ class CascadeExperiment:
         """The cascade's config; ``keep_ratios`` (a sweep point) replaces every target."""
         m = self.model
         sweep = keep_ratios is not None
+        g = GPT2Config.preset(m.size, vocab_size=vocab_size)
+        if not sweep:
+            keep_ratios = m.keep_ratios or linear_schedule(m.final_keep, g.n_layer)
         config = CascadeConfig(
-            GPT2Config.preset(m.size, vocab_size=vocab_size),
-            keep_ratios=keep_ratios if sweep else m.keep_ratios,
+            g,
+            keep_ratios=keep_ratios,
             head_keep=None if sweep else m.head_keep,
             unit_keep=None if sweep else m.unit_keep,
             gate=m.gate,
@@ -189,6 +198,11 @@ class CascadeExperiment:
             return config
         slots = [1.0] + [min(1.0, r + m.capacity_slack) for r in config.keep_ratios[1:]]
         return dataclasses.replace(config, capacity=tuple(slots))
+
+
+def linear_schedule(final: float, blocks: int) -> tuple[float, ...]:
+    """Keep targets from 1 (block 1) down to ``final`` (the last block), linearly."""
+    return tuple(1.0 - (1.0 - final) * i / max(blocks - 1, 1) for i in range(blocks))
 
 
 def log(msg: str) -> None:
@@ -365,8 +379,7 @@ def run(cfg: CascadeExperiment) -> dict:
     summary = timed("measure", lambda: _measure(cfg, data, dense, cascade, windows))
     sweep = []
     for final in cfg.sweep:
-        n = g.n_layer
-        ratios = tuple(1.0 - (1.0 - final) * i / max(n - 1, 1) for i in range(n))
+        ratios = linear_schedule(final, g.n_layer)
         other = CascadeLM(cfg.cascade_config(data.vocab_size, ratios), rngs=nnx.Rngs(cfg.run.seed))
         other = _phase(cfg, folder, f"sweep-{final:g}", other, _cascade_loss, data)
         nll, _ = measure.evaluate_lm(other, windows)
