@@ -94,6 +94,9 @@ def test_fixed_capacities_compile_once_and_never_drop_a_token(closing):
     logits, _, slots = pruned.logits(ids, return_kept=True)
     assert slots == pruned.capacities(32) == [32, 28, 24] and pruned.overflows == 0
     np.testing.assert_allclose(logits, gated, atol=1e-5, rtol=1e-5)
+    # As many slots as tokens: the closed tokens are still no keys of the kept ones.
+    whole = model.prune(capacity=(1.0, 1.0, 1.0))
+    np.testing.assert_allclose(whole.logits(ids), gated, atol=1e-5, rtol=1e-5)
     # Slots 32, 24, 16 are too few for block 3's 19 tokens: detected, the batch is rerun with
     # slots chosen from the counts, and the logits are still exact.
     tight = model.prune(capacity=KEEP)

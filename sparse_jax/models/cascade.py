@@ -64,6 +64,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import gates as gates_lib
+from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
 from sparse_jax.models.flops import ModelFlops, kept_flops
 from sparse_jax.models.gpt2 import GPT2Config, _activation, _linear
@@ -791,11 +792,11 @@ def _run_block(x, keep, p, *, heads, head_dim, capacity, activation):
     """One block on the kept tokens of each row of ``x [B, T, D]`` (``keep [B, T]``), gathered
     into ``capacity`` slots (enough for every kept token: the caller's guarantee)."""
     b, t, _ = x.shape
-    if capacity == t:  # every slot: no gather (block 1, or a block that keeps most tokens)
+    routed = p["router"] is not None  # (static: None or a pair of arrays)
+    if not routed and capacity == t:  # every token is kept and has a slot: no gather
         order, valid, gathered = jnp.broadcast_to(jnp.arange(t), (b, t)), keep, x
     else:
-        order = jnp.argsort(~keep, axis=1, stable=True)[:, :capacity]  # kept first, in order
-        valid = jnp.take_along_axis(keep, order, axis=1)  # [B, C]
+        order, valid = _slots(keep, capacity)
         gathered = jnp.take_along_axis(x, order[..., None], axis=1)  # [B, C, D]
     xs = gathered
     if heads:
@@ -805,18 +806,36 @@ def _run_block(x, keep, p, *, heads, head_dim, capacity, activation):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if p["q_scale"] is not None:
             q = q * p["q_scale"][None, None, :, None]
-        causal = order[:, None, :] <= order[:, :, None]  # key position <= query position
-        mask = (causal & valid[:, None, :])[:, None]  # [B, 1, C, C]
-        out = attention(q, k, v, mask=mask).reshape(b, capacity, heads * head_dim)
+        # The kept tokens fill the first slots in their order and the empty slots come last,
+        # so causal in slot order is causal in position among the kept tokens and leaves the
+        # empty slots out of every kept token's keys: the static causal mask (the dense
+        # model's engine), with no [B, C, C] mask built.
+        out = attention(q, k, v, mask=masks_lib.causal()).reshape(b, capacity, heads * head_dim)
         xs = xs + out @ p["w_proj"] + p["b_proj"]
     else:  # every head closed: attention adds the output projection's bias only
         xs = xs + p["b_proj"]
     hidden = _activation(activation)(_layer_norm(xs, p["ln_2"]) @ p["w_fc"] + p["b_fc"])
     xs = xs + hidden @ p["w_mlp"] + p["b_mlp"]
     update = jnp.where(valid[..., None], xs - gathered, 0)
-    if capacity == t:
+    if not routed and capacity == t:
         return x + update
     return x.at[jnp.arange(b)[:, None], order].add(update)
+
+
+def _slots(keep: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """``(order [B, C], valid [B, C])``: the positions of each row's kept tokens in the first
+    slots, in order (a cumulative count, not a sort: sorting is slow on CPU), then the dropped
+    tokens' positions in the empty slots (their updates are discarded); ``valid`` marks the
+    kept slots. Needs at most ``capacity`` kept tokens per row (the caller's guarantee)."""
+    b, t = keep.shape
+    kept_before = jnp.cumsum(keep, axis=1) - 1
+    dropped_before = jnp.cumsum(~keep, axis=1) - 1
+    count = kept_before[:, -1:] + 1
+    slot = jnp.where(keep, kept_before, count + dropped_before)  # a permutation of 0..T-1
+    rows = jnp.arange(b)[:, None]
+    order = jnp.zeros((b, t), jnp.int32).at[rows, slot].set(jnp.arange(t, dtype=jnp.int32))
+    valid = jnp.arange(t)[None] < count
+    return order[:, :capacity], valid[:, :capacity]
 
 
 def _logits(x, ln_f, wte):
