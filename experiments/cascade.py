@@ -329,6 +329,8 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
         "target_unit_keep": list(cascade.config.unit_keep),
         "heads_kept": pruned.heads_kept(),
         "units_kept": pruned.units_kept(),
+        "head_values": [v.tolist() for v in cascade.head_values()],
+        "unit_values": [v.tolist() for v in cascade.unit_values()],
         "head_gates": [
             np.asarray(b.head_gate.logits[...]).tolist() if b.head_gate is not None else None
             for b in cascade.h
@@ -420,14 +422,13 @@ def _report(folder: pathlib.Path, s: dict) -> None:
     axes[0].set(xlabel="block", ylabel="kept fraction of tokens", ylim=(0, 1.05))
     axes[0].legend()
     for ax, key, title in (
-        (axes[1], "head_gates", "head gate logits"),
-        (axes[2], "unit_gates", "FFN unit gate logits (first 64)"),
+        (axes[1], "head_values", "head gates at evaluation (0: closed)"),
+        (axes[2], "unit_values", "FFN unit gates at evaluation (first 64)"),
     ):
-        rows = [r[:64] if r is not None else [np.nan] for r in s[key]]
-        width = max(len(r) for r in rows)
-        grid = np.array([r + [np.nan] * (width - len(r)) for r in rows])
-        im = ax.imshow(grid, aspect="auto", cmap="RdBu", vmin=-4, vmax=4)
-        ax.set(title=title, xlabel="head" if key == "head_gates" else "unit", ylabel="block")
+        grid = np.array([row[:64] for row in s[key]])
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="none")
+        ax.set(title=title, xlabel="head" if key == "head_values" else "unit", ylabel="block")
+        ax.set_yticks(range(blocks), [str(i) for i in range(1, blocks + 1)])
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(folder / "gates.png", dpi=90)
