@@ -1,0 +1,761 @@
+"""python -m experiments.cot — chain-of-thought linear algebra: a sparse encoder–decoder against
+its dense baseline of the same size, data, steps and seed (issue 16, the GiantRabbit study).
+
+    python -m experiments.cot                        # train both, then evaluate: ~10 min, 2 cores
+    python -m experiments.cot --preset study         # all six kinds, bigger (a GPU): `study()`
+    python -m experiments.cot train --run.dir R      # train only (--run.resume continues R)
+    python -m experiments.cot eval --run.dir R       # evaluate R's models on its test split
+    python -m experiments.cot ask "What is rref(A) for A = [[2, 4], [1, 3]]?" --run.dir R
+
+The task is :mod:`sparse_jax.data.linalg_cot` (the question as bytes into the encoder, the worked
+solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
+the sparse model (:class:`~sparse_jax.models.encdec.EncDecConfig`'s sparse switches: sparsemax
+attention and outputs, sparse embeddings, chain-of-thought feature masks) and then its dense
+baseline (``config.dense()``) with the project's trainer, each phase checkpointed under
+``<run>/checkpoints/<model>``. ``eval`` decodes the test split greedily with each trained model
+(restored by ``sparse_jax.cot.Solver.load``) and reports, per question kind, exact match of the
+final answer, the chain of thought's length in steps and tokens, decoding time per question,
+attention density and FLOPs. ``ask`` answers one question with the trained models.
+
+The default fits a 2-core CPU: three of the six kinds (rref, solvability, column space) at small
+sizes (matrices up to 2 x 3, entries up to 3), whose solutions are at most ~270 bytes, and a small
+model. The run folder holds ``config.json``, ``cot.json`` (what ``Solver.load`` reads),
+``metrics.jsonl``, ``checkpoints/``, ``answers-<model>.jsonl``, ``summary.json``, ``report.md``
+and its plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+import sys
+import time
+from typing import Annotated, Any, Literal, Union
+
+import jax
+import numpy as np
+import tyro
+from flax import nnx
+from tqdm import tqdm
+
+from experiments.distill_run import write_text_atomically
+from sparse_jax import cot
+from sparse_jax.data import linalg_cot
+from sparse_jax.data.text import BatchIterator
+from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
+from sparse_jax.training.checkpoint import Checkpointer
+from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
+
+MODELS = ("sparse", "dense")
+# Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
+SIZES: dict[str, dict[str, Any]] = {
+    # 2 x 2 and 2 x 3 matrices, entries in [-3, 3], no fractions in questions, at most 6 steps:
+    # solutions of at most ~310 bytes (rref <= 214, column space <= 258, solvability <= 263).
+    "small": dict(
+        rref_shape=(2, 3),
+        nullspace_shape=(2, 3),
+        column_space_shape=(2, 2),
+        elimination_shape=(2, 3),
+        elimination_ops=2,
+        unknowns=2,
+        complete_solution_rows=2,
+        solvability_dim=4,
+        block_rate=0.0,
+        fraction_rate=0.0,
+        max_entry=3,
+        max_number=9,
+        max_steps=6,
+    ),
+    # GeneratorConfig's defaults (matrices up to 4 x 5, entries up to 9, <= 16 steps).
+    "default": {},
+}
+
+
+def _int_at_least(value: Any, flag: str, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{flag} must be an int >= {low}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    kinds: tuple[str, ...] = ("rref", "solvability", "column_space")
+    """Question kinds trained and evaluated (of complete_solution, elimination, nullspace, rref,
+    solvability, column_space); the splits hold them in turn."""
+    sizes: Literal["small", "default"] = "small"
+    """Problem sizes: 'small' (2 x 3 matrices, entries up to 3, short solutions) or 'default'
+    (linalg_cot.GeneratorConfig's: up to 4 x 5, entries up to 9, up to 16 steps)."""
+    train: int = 3000
+    """Training problems."""
+    validation: int = 48
+    """Validation problems (their loss is logged at each checkpoint)."""
+    test: int = 150
+    """Test problems (the evaluation)."""
+    seed: int = 0
+    """Seed of the generated splits."""
+
+    def __post_init__(self):
+        kinds = self.kinds
+        if not kinds or len(set(kinds)) != len(kinds) or set(kinds) - set(linalg_cot.KINDS):
+            raise ValueError(
+                f"--data.kinds must be distinct kinds of {list(linalg_cot.KINDS)}; got "
+                f"{list(kinds)}"
+            )
+        for name, low in (("train", 1), ("validation", 1), ("test", 1), ("seed", 0)):
+            _int_at_least(getattr(self, name), f"--data.{name}", low)
+
+    def generator(self) -> linalg_cot.GeneratorConfig:
+        return linalg_cot.GeneratorConfig(kinds=tuple(self.kinds), **SIZES[self.sizes])
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    d_model: int = 64
+    """Width D of every layer (both models)."""
+    num_heads: int = 4
+    """Attention heads (must divide --model.d-model)."""
+    d_ff: int = 256
+    """FFN inner width."""
+    encoder_layers: int = 1
+    """Encoder layers."""
+    decoder_layers: int = 1
+    """Decoder layers."""
+    cot_steps: int = 1
+    """Chain-of-thought steps T_c of the reasoning module (both models: they are layers)."""
+    normalizer: Literal["softmax", "sparsemax", "entmax15"] = "sparsemax"
+    """The sparse model's attention normalizer (the dense one's: softmax)."""
+    output: Literal["softmax", "sparsemax"] = "sparsemax"
+    """The sparse model's output distribution and loss (the dense one's: softmax)."""
+    embed_keep: float = EncDecConfig.embed_keep
+    """SparseEmbed: kept fraction of embedding dimensions, (0, 1]."""
+    cot_keep: float = EncDecConfig.cot_keep
+    """Kept fraction of features at each chain-of-thought step, (0, 1]."""
+    decoder_keep: float = EncDecConfig.decoder_keep
+    """Kept fraction of each decoder FFN output, (0, 1]."""
+    encoder_window: int | None = None
+    """Encoder keys within this distance either side (None: all)."""
+    decoder_window: int | None = None
+    """Decoder self-attention: recent keys kept (None: causal)."""
+    decoder_sinks: int = 0
+    """With --model.decoder-window: the first tokens every query also sees."""
+
+    def __post_init__(self):
+        try:
+            self.config(0)
+        except (ValueError, TypeError) as err:
+            names = {f.name for f in dataclasses.fields(self)}
+            bad = next((n for n in re.findall(r"`(\w+)`", str(err)) if n in names), "d_model")
+            raise ValueError(f"--model.{bad.replace('_', '-')}: {err}") from err
+
+    def config(self, seed: int) -> EncDecConfig:
+        """The sparse model's config (its baseline: ``.dense()``)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return EncDecConfig(vocab_size=cot.VOCAB_SIZE, seed=seed, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    steps: int = 1200
+    """Updates of each model."""
+    batch_size: int = 16
+    """Problems per update."""
+    lr: float = 3e-3
+    """Peak learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup: int = 50
+    """Warm-up updates."""
+
+    def __post_init__(self):
+        _int_at_least(self.steps, "--train.steps", 1)
+        _int_at_least(self.batch_size, "--train.batch-size", 1)
+        _int_at_least(self.warmup, "--train.warmup", 0)
+        if isinstance(self.lr, bool) or not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--train.lr must be a number > 0; got {self.lr!r}")
+
+    def config(self, seed: int) -> TrainConfig:
+        return TrainConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            learning_rate=self.lr,
+            warmup_steps=min(self.warmup, self.steps // 2),
+            seed=seed,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    dir: pathlib.Path | None = None
+    """Run folder (default: runs/cot-<date>-<time>)."""
+    resume: bool = False
+    """Continue the run in --run.dir from its last checkpoints."""
+    seed: int = 0
+    """Seed of both models' initial weights and of the batches."""
+    checkpoint_every: int = 300
+    """Updates between checkpoints (and validation losses)."""
+    cache_dir: pathlib.Path = pathlib.Path("~/.cache/sparse_jax")
+    """Where the generated splits are written once (TFDS array_record files)."""
+
+    def __post_init__(self):
+        _int_at_least(self.seed, "--run.seed", 0)
+        _int_at_least(self.checkpoint_every, "--run.checkpoint-every", 1)
+        if self.resume and self.dir is None:
+            raise ValueError("--run.resume needs the --run.dir of the run to continue")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval:
+    batch_size: int = 50
+    """Test questions decoded together (one kind per batch)."""
+    chunk: int = 32
+    """Decoded positions per compiled call (decoding stops after the chunk where all ended)."""
+    repeats: int = 3
+    """Decodings of each batch; its time is their median."""
+
+    def __post_init__(self):
+        _int_at_least(self.batch_size, "--eval.batch-size", 1)
+        _int_at_least(self.chunk, "--eval.chunk", 1)
+        _int_at_least(self.repeats, "--eval.repeats", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainCommand:
+    """Train the sparse model and its dense baseline (same size, data, steps and seed)."""
+
+    preset: Literal["default", "study"] = "default"
+    """Named settings the other flags start from ('study': all six kinds, bigger; see
+    experiments.cot.study)."""
+    data: Data = Data()
+    model: Model = Model()
+    train: Train = Train()
+    run: Run = Run()
+
+    def __post_init__(self):
+        if self.train.batch_size > self.data.train:
+            raise ValueError(
+                f"--train.batch-size {self.train.batch_size} is more than the --data.train "
+                f"{self.data.train} problems"
+            )
+        if (
+            self.run.dir is not None
+            and not self.run.resume
+            and (pathlib.Path(self.run.dir) / cot.RECORD).exists()
+        ):
+            raise ValueError(
+                f"--run.dir {str(self.run.dir)!r} already holds a run; continue it with "
+                "--run.resume or pass another --run.dir"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class AllCommand(TrainCommand):
+    """Train both models, then evaluate them on the test split (the default)."""
+
+    eval: Eval = Eval()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    dir: pathlib.Path | None = None
+    """The run folder (required)."""
+    cache_dir: pathlib.Path = pathlib.Path("~/.cache/sparse_jax")
+    """Where the generated splits are cached."""
+
+
+def _check_run_dir(run: RunDir) -> None:
+    if run.dir is None:
+        raise ValueError("--run.dir is required: the run folder to read")
+    if not (pathlib.Path(run.dir) / cot.RECORD).is_file():
+        raise ValueError(
+            f"--run.dir {str(run.dir)!r} is not a chain-of-thought run folder (no {cot.RECORD})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalCommand:
+    """Evaluate the trained models of a run folder on its test split (rewrites the report)."""
+
+    run: RunDir = RunDir()
+    eval: Eval = Eval()
+
+    def __post_init__(self):
+        _check_run_dir(self.run)
+
+
+@dataclasses.dataclass(frozen=True)
+class AskCommand:
+    """Answer one question with the trained models of a run folder."""
+
+    question: tyro.conf.Positional[str]
+    """The question, e.g. "Find the reduced row echelon form R of A = [[2, 4], [1, 3]]."."""
+    run: RunDir = RunDir()
+    model: Literal["both", "sparse", "dense"] = "both"
+    """Which trained model answers."""
+
+    def __post_init__(self):
+        _check_run_dir(self.run)
+
+
+def study() -> AllCommand:
+    """``python -m experiments.cot --preset study``: all six kinds at linalg_cot's default sizes
+    (matrices up to 4 x 5, solutions up to ~1,100 bytes), 12,000 training problems, a model of
+    width 256 with 3 + 3 layers and 2 chain-of-thought steps, 20,000 updates of 64 problems
+    each, for each model: by its FLOPs (~3.6 TFLOP an update) tens of minutes per model on one
+    H100, days on a 2-core CPU.
+
+    It should reach the issue's claim: at least 90% exact match on every kind, the sparse model
+    within 2 points of the dense one on each, and a lower decoding time per question. It has
+    not been run yet: no figure of it is recorded, and whether these sizes reach the claim is
+    untested."""
+    return AllCommand(
+        preset="study",
+        data=Data(kinds=linalg_cot.KINDS, sizes="default", train=12_000, validation=600, test=600),
+        model=Model(
+            d_model=256, num_heads=8, d_ff=1024, encoder_layers=3, decoder_layers=3, cot_steps=2
+        ),
+        train=Train(steps=20_000, batch_size=64, lr=1e-3, warmup=500),
+        run=Run(checkpoint_every=1000),
+        eval=Eval(batch_size=100),
+    )
+
+
+PRESETS = {"default": AllCommand, "study": study}
+
+
+def _preset(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--preset="):
+            return arg.split("=", 1)[1]
+    return "default"
+
+
+Command = Union[AllCommand, TrainCommand, EvalCommand, AskCommand]  # noqa: UP007
+
+
+def parse(argv: list[str] | None = None) -> Command:
+    """The command of a command line (``--help`` lists the subcommands, ``<cmd> --help`` their
+    flags); no subcommand is ``all`` (train, then evaluate). A bad flag exits with a message
+    naming it, before anything is prepared or trained."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["all", *argv]
+    base = PRESETS.get(_preset(argv), AllCommand)()  # an unknown preset: tyro says why
+    fields = dataclasses.fields(TrainCommand)
+    train_base = TrainCommand(**{f.name: getattr(base, f.name) for f in fields})
+    spec = Union[  # noqa: UP007
+        Annotated[AllCommand, tyro.conf.subcommand("all", default=base)],
+        Annotated[TrainCommand, tyro.conf.subcommand("train", default=train_base)],
+        Annotated[EvalCommand, tyro.conf.subcommand("eval")],
+        Annotated[AskCommand, tyro.conf.subcommand("ask")],
+    ]
+    return tyro.cli(spec, args=argv, description=__doc__.split("\n\n")[0])
+
+
+def log(msg: str) -> None:
+    print(f"[cot] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data.
+
+
+def _data(data: Data, cache_dir: pathlib.Path):
+    cache = pathlib.Path(cache_dir).expanduser()
+    return linalg_cot.prepare(
+        cache / "tfds",
+        train=data.train,
+        validation=data.validation,
+        test=data.test,
+        seed=data.seed,
+        config=data.generator(),
+    )
+
+
+def _lengths(splits) -> dict[str, dict[str, float]]:
+    """Per kind over every split: the longest question (bytes) and solution (tokens with EOS),
+    and the mean solution length in tokens and steps."""
+    out: dict[str, dict[str, list]] = {}
+    for split in splits:
+        for p in split:
+            row = out.setdefault(p.kind, {"q": [], "t": [], "s": []})
+            row["q"].append(cot.encode_question(p.question).size)
+            row["t"].append(cot.encode_solution(p.solution_text()).size)
+            row["s"].append(len(p.steps) + 1)
+    return {
+        k: {
+            "question_bytes_max": max(v["q"]),
+            "solution_tokens_max": max(v["t"]),
+            "solution_tokens_mean": float(np.mean(v["t"])),
+            "steps_mean": float(np.mean(v["s"])),
+        }
+        for k, v in out.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Training.
+
+
+def _configs(cfg: TrainCommand) -> dict[str, tuple[EncDecConfig, TrainConfig]]:
+    sparse = cfg.model.config(cfg.run.seed)
+    tc = cfg.train.config(cfg.run.seed)
+    return {"sparse": (sparse, tc), "dense": (sparse.dense(), tc)}
+
+
+def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, rows, val_rows):
+    """Trains (or resumes) one model with the project's trainer, checkpoints and a bar."""
+    model_config, tc = configs[name]
+    model = EncoderDecoder(model_config, rngs=nnx.Rngs(cfg.run.seed))
+    loss = functools.partial(cot.loss_fn, source_len=fmt.source_len)
+    graphdef = nnx.graphdef(model)
+    val_loss = jax.jit(lambda state, r: loss(nnx.merge(graphdef, state), r)[0])
+    ckpt = Checkpointer(
+        folder / "checkpoints" / name, save_every=cfg.run.checkpoint_every, keep_last=2
+    )
+    trainer = Trainer(model, loss, tc, checkpointer=ckpt)
+    state = trainer.restore() if cfg.run.resume else None
+    if state is not None:
+        log(f"{name}: resumed at step {trainer.step} of {tc.steps}")
+        iterator = BatchIterator.from_state(rows, state["iterator"])
+    else:
+        iterator = BatchIterator(rows, tc.batch_size, seed=cfg.run.seed)
+    bar = tqdm(total=tc.steps, initial=trainer.step, desc=name, file=sys.stderr)
+
+    def on_step(step, metrics):
+        bar.set_postfix({"loss": f"{metrics['loss']:.3g}"})
+        bar.update(1)
+        append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
+
+    def evaluate(m):
+        return {"loss": float(val_loss(nnx.state(m), val_rows))}
+
+    started = time.perf_counter()
+    for _ in trainer.fit(
+        iterator,
+        data_state=lambda: {"iterator": iterator.state()},
+        on_step=on_step,
+        evaluate=evaluate,
+        eval_every=cfg.run.checkpoint_every,
+    ):
+        pass
+    bar.close()
+    ckpt.close()
+    return time.perf_counter() - started
+
+
+def train(cfg: TrainCommand) -> pathlib.Path:
+    """Trains both models into the run folder; returns it."""
+    started = time.perf_counter()
+    folder = pathlib.Path(cfg.run.dir or pathlib.Path("runs") / time.strftime("cot-%Y%m%d-%H%M%S"))
+    data = _data(cfg.data, cfg.run.cache_dir)
+    splits = (data.train, data.validation, data.test)
+    problems = [list(s) for s in splits]
+    fmt = cot.fit_format([p for split in problems for p in split])
+    configs = _configs(cfg)
+    if cfg.run.resume:
+        record = cot.read_record(folder)
+        want = {"format": dataclasses.asdict(fmt)} | {
+            name: {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t)}
+            for name, (m, t) in configs.items()
+        }
+        have = {"format": record["format"]} | {
+            name: {"model": e["model"], "train": e["train"]} for name, e in record["models"].items()
+        }
+        if want != have:
+            raise ValueError(
+                f"--run.resume: the flags differ from those of the run in {folder} (its "
+                f"config.json); resume with the same flags"
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(
+        folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"
+    )
+    cot.write_record(folder, fmt, configs, kinds=cfg.data.kinds)
+    rows = cot.pack(problems[0], fmt)
+    val_rows = cot.pack(problems[1], fmt)
+    seconds = {"data": time.perf_counter() - started}
+    log(
+        f"{len(rows)} training problems of {', '.join(cfg.data.kinds)}; questions up to "
+        f"{fmt.source_len} bytes, solutions up to {fmt.target_len} tokens; run folder {folder}"
+    )
+    for name in MODELS:
+        seconds[f"train_{name}"] = _phase(cfg, folder, name, configs, fmt, rows, val_rows)
+    training = {"phase_seconds": seconds, "dataset": data.dataset_name}
+    write_text_atomically(folder / "training.json", json.dumps(training, indent=2) + "\n")
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and the report.
+
+
+def _read_config(folder: pathlib.Path) -> Data:
+    record = json.loads((folder / "config.json").read_text())
+    d = record["data"]
+    return Data(**{**d, "kinds": tuple(d["kinds"])})
+
+
+def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, started: float) -> dict:
+    """Evaluates both trained models of ``folder`` on its test split; writes
+    ``answers-<model>.jsonl``, ``summary.json``, ``report.md`` and the plots."""
+    lap = time.perf_counter()
+    data_cfg = _read_config(folder)
+    data = _data(data_cfg, cache_dir)
+    test = list(data.test)
+    training_file = folder / "training.json"  # written when both models have trained
+    training = json.loads(training_file.read_text()) if training_file.exists() else {}
+    seconds = dict(training.get("phase_seconds", {}))
+    results, models = {}, {}
+    record = cot.read_record(folder)
+    for name in MODELS:
+        solver = cot.Solver.load(folder, name, batch_size=ev.batch_size, chunk=ev.chunk)
+        log(f"{name}: decoding {len(test)} test questions")
+        result = cot.evaluate(solver, test, repeats=ev.repeats)
+        lines = "".join(json.dumps(r) + "\n" for r in result.pop("records"))
+        write_text_atomically(folder / f"answers-{name}.jsonl", lines)
+        results[name] = result
+        config = solver.model.config
+        models[name] = {
+            "switches": describe(config),
+            "config": dataclasses.asdict(config),
+            "parameters": int(
+                sum(x.size for x in jax.tree.leaves(nnx.state(solver.model, nnx.Param)))
+            ),
+            "trained_steps": solver.step,
+            "final_loss": _final_loss(folder, name),
+        }
+        seconds[f"eval_{name}"] = time.perf_counter() - lap
+        lap = time.perf_counter()
+    comparison = {}
+    for kind in results["sparse"]["kinds"]:
+        s, d = results["sparse"]["kinds"][kind], results["dense"]["kinds"][kind]
+        comparison[kind] = {
+            "exact_match_points": 100 * (s["exact_match"] - d["exact_match"]),
+            "seconds_ratio": s["seconds_per_question"] / d["seconds_per_question"],
+        }
+    summary = {
+        "kinds": list(data_cfg.kinds),
+        "format": record["format"],
+        "lengths": _lengths((data.train, data.validation, data.test)),
+        "data": {
+            **dataclasses.asdict(data_cfg),
+            "generator": dataclasses.asdict(data_cfg.generator()),
+            "dataset": data.dataset_name,
+        },
+        "models": models,
+        "evaluation": results,
+        "comparison": comparison,
+        "phase_seconds": seconds,
+        "eval_repeats": ev.repeats,
+        "wall_time_s": time.perf_counter() - started,
+        "device": f"{jax.default_backend()} x{jax.device_count()}",
+    }
+    write_text_atomically(folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+    _report(folder, summary)
+    log(f"report: {folder / 'report.md'}")
+    return summary
+
+
+def _final_loss(folder: pathlib.Path, name: str) -> float | None:
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("phase") == name and "loss" in r]
+    return rows[-1]["loss"] if rows else None
+
+
+def _density(r: dict, part: str) -> float:
+    """The fraction of allowed keys with a non-zero weight in one kind of attention."""
+    att = r["attention"]
+    allowed = att.get(f"{part}_allowed", float("nan"))
+    return att.get(f"{part}_nonzero", float("nan")) / allowed if allowed else float("nan")
+
+
+def _self_density(r: dict) -> float:
+    return _density(r, "decoder_self")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _report(folder: pathlib.Path, s: dict) -> None:
+    from matplotlib.figure import Figure
+
+    ev = s["evaluation"]
+    kinds = list(ev["sparse"]["kinds"])
+    panels = (
+        ("exact match (%)", lambda r: 100 * r["exact_match"]),
+        ("chain of thought (tokens)", lambda r: r["tokens"]),
+        ("decoding ms per question", lambda r: 1e3 * r["seconds_per_question"]),
+        ("decoder self-attention: allowed keys with weight > 0", _self_density),
+    )
+    fig = Figure(figsize=(12, 7))
+    axes = fig.subplots(2, 2).ravel()
+    x = np.arange(len(kinds))
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for j, name in enumerate(MODELS):
+            heights = [value(ev[name]["kinds"][k]) for k in kinds]
+            ax.bar(x + (j - 0.5) * 0.38, heights, 0.38, label=name)
+        if "tokens" in title:
+            ref = [ev["dense"]["kinds"][k]["reference_tokens"] for k in kinds]
+            ax.plot(x, ref, "k_", ms=30, mew=2, label="reference")
+        ax.set_xticks(x, [k.replace("_", "\n") for k in kinds])
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "figure3.png", dpi=90)
+    metrics = folder / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
+        for name, label in (("sparse", "sparse (sparsemax loss)"), ("dense", "dense (CE)")):
+            pts = [(r["step"], r["loss"]) for r in rows if r.get("phase") == name and "loss" in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), lw=0.8, label=label)
+        ax.set(xlabel="update", ylabel="training loss per token", yscale="log")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "loss.png", dpi=90)
+
+    fmt, lengths = s["format"], s["lengths"]
+    sp, dn = ev["sparse"], ev["dense"]
+    lines = [
+        "# Chain-of-thought linear algebra: sparse encoder–decoder against its dense baseline",
+        "",
+        f"Kinds: {', '.join(kinds)} ({s['data']['sizes']} sizes; {s['data']['train']} training, "
+        f"{s['data']['test']} test problems, seed {s['data']['seed']})"
+        + (
+            ""
+            if len(kinds) == len(linalg_cot.KINDS)
+            else f": {len(kinds)} of the {len(linalg_cot.KINDS)} kinds (--data.kinds), the "
+            "others neither trained nor evaluated"
+        )
+        + ". Every problem of these "
+        f"kinds fits the models: questions up to {fmt['source_len']} bytes, solutions up to "
+        f"{fmt['target_len']} tokens with EOS (nothing truncated or filtered). Exact match: the "
+        "decoded final answer equals the reference (linalg_cot.grade). Decoding: greedy with the "
+        "key/value cache on one batch per kind, stopping when every question has ended; time per "
+        "question = the batch's wall time (median of "
+        f"{s['eval_repeats']}) / its questions (compilation excluded).",
+        "",
+        "| kind | exact match sparse | dense | steps sparse / dense / ref | tokens sparse / dense "
+        "/ ref | decode ms/question sparse | dense | GFLOPs/question sparse | dense |",
+        "|:--|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for k in [*kinds, "overall"]:
+        a = sp["kinds"][k] if k != "overall" else sp["overall"]
+        b = dn["kinds"][k] if k != "overall" else dn["overall"]
+        lines.append(
+            f"| {k} | {_pct(a['exact_match'])} | {_pct(b['exact_match'])} | "
+            f"{a['steps']:.1f} / {b['steps']:.1f} / {a['reference_steps']:.1f} | "
+            f"{a['tokens']:.0f} / {b['tokens']:.0f} / {a['reference_tokens']:.0f} | "
+            f"{1e3 * a['seconds_per_question']:.2f} | {1e3 * b['seconds_per_question']:.2f} | "
+            f"{a['flops_per_question'] / 1e9:.3f} | {b['flops_per_question'] / 1e9:.3f} |"
+        )
+    cmp = s["comparison"]
+    lines += [
+        "",
+        "Sparse minus dense exact match: "
+        + ", ".join(f"{k} {v['exact_match_points']:+.1f} points" for k, v in cmp.items())
+        + "; decoding time per question, sparse / dense: "
+        + ", ".join(f"{k} {v['seconds_ratio']:.2f}x" for k, v in cmp.items())
+        + ".",
+    ]
+    lines += [
+        "",
+        "Attention density: the fraction of keys with a non-zero weight (of those the masks "
+        "allow) in the decoded chains of thought, teacher-forced:",
+        "",
+        "| kind | encoder sparse | dense | decoder self sparse | dense | cross sparse | dense |",
+        "|:--|--:|--:|--:|--:|--:|--:|",
+    ]
+
+    for k in [*kinds, "overall"]:
+        a = sp["kinds"][k] if k != "overall" else sp["overall"]
+        b = dn["kinds"][k] if k != "overall" else dn["overall"]
+        cells = [
+            f"{_density(r, part):.3f}"
+            for part in ("encoder", "decoder_self", "decoder_cross")
+            for r in (a, b)
+        ]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    models = s["models"]
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in s["phase_seconds"].items())
+    lines += [
+        "",
+        f"Sparse switches: {models['sparse']['switches']}; both models "
+        f"{models['sparse']['parameters']:,} parameters (d_model "
+        f"{models['sparse']['config']['d_model']}, {models['sparse']['config']['encoder_layers']}"
+        f" + {models['sparse']['config']['decoder_layers']} layers, "
+        f"{models['sparse']['config']['cot_steps']} CoT steps), trained "
+        f"{models['sparse']['trained_steps']} / {models['dense']['trained_steps']} updates. "
+        "FLOPs: model.flops(question bytes, decoded tokens), a teacher-forced pass counting every "
+        "entry the masks allow (sparsemax's zero weights are not subtracted). Device "
+        f"{s['device']}; this command's wall time {s['wall_time_s']:.0f} s; phases: {phases}.",
+        "",
+        "Longest question / solution per kind (bytes / tokens, all splits): "
+        + "; ".join(
+            f"{k} {v['question_bytes_max']} / {v['solution_tokens_max']}"
+            for k, v in lengths.items()
+        )
+        + ".",
+        "",
+        "![per kind: exact match, length, decoding time, attention density](figure3.png)",
+        "",
+        "![training loss](loss.png)",
+        "",
+    ]
+    write_text_atomically(folder / "report.md", "\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------
+# Asking.
+
+
+def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
+    """Prints each chosen model's chain of thought, final answer and decoding time."""
+    names = MODELS if cmd.model == "both" else (cmd.model,)
+    answers = {}
+    for name in names:
+        solver = cot.Solver.load(cmd.run.dir, name, batch_size=1)
+        answer = solver.answer(cmd.question)
+        answers[name] = answer
+        print(f"== {name} model (trained {solver.step} updates) ==")
+        print(answer.text)
+        if answer.error is None:
+            print(f"final answer: {answer.final if answer.final is not None else '(none)'}")
+            ended = "" if answer.finished else ", cut at the length limit"
+            print(f"decoded {answer.tokens} tokens in {answer.seconds:.3f} s{ended}")
+            if solver.kinds is not None and answer.kind not in solver.kinds:
+                print(f"note: this model was not trained on {answer.kind} questions")
+        print()
+    return answers
+
+
+def run(cmd: Command) -> Any:
+    """Runs a parsed command: the summary (all, eval), the run folder (train) or the answers
+    (ask)."""
+    started = time.perf_counter()
+    if isinstance(cmd, AskCommand):
+        return ask(cmd)
+    if isinstance(cmd, EvalCommand):
+        return evaluate_run(pathlib.Path(cmd.run.dir), cmd.eval, cmd.run.cache_dir, started)
+    folder = train(cmd)
+    if isinstance(cmd, AllCommand):
+        return evaluate_run(folder, cmd.eval, cmd.run.cache_dir, started)
+    log(f"trained in {time.perf_counter() - started:.0f} s: {folder}")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse(argv))
+
+
+if __name__ == "__main__":
+    main()

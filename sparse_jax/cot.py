@@ -1,0 +1,812 @@
+"""The chain-of-thought model as an API: ``Solver.load(run).answer(question)``.
+
+The linear-algebra task (:mod:`sparse_jax.data.linalg_cot`) for the encoder–decoder
+(:mod:`sparse_jax.models.encdec`) as bytes: the question's UTF-8 bytes are the encoder's input
+(``source [B, S]``, padded with :data:`PAD_ID`, with ``source_lengths [B]``), and the worked
+solution (:meth:`~sparse_jax.data.linalg_cot.Problem.solution_text`: the steps, then
+``Answer: ...``) is the decoder's, between :data:`BOS_ID` and :data:`EOS_ID` (the byte
+tokenizer's end-of-text id). :class:`CotFormat` fixes ``S`` and ``T`` (the longest question and
+solution, plus the EOS, that a model reads and writes); nothing is cut to fit it: a problem
+that does not fit is refused by :func:`pack` and by the :class:`Solver`.
+
+* :func:`pack` writes problems as rows ``[S + T + 1]`` (question, then ``BOS, solution, EOS``,
+  padded): one int array per batch for :class:`sparse_jax.training.loop.Trainer`;
+  :func:`split_rows` takes a batch of rows apart again (pure, jittable) and :func:`loss_fn` is
+  the trainer's loss (:func:`~sparse_jax.models.encdec.sequence_loss`).
+* :class:`GreedyDecoder` is :func:`~sparse_jax.models.encdec.greedy_decode` (the same steps
+  on the model's key/value cache) run ``chunk`` positions at a time, stopping once every row
+  has emitted EOS, compiled ahead of time per batch shape: its wall time is the decoding's,
+  proportional to the chain of thought it writes, without compilation.
+* :class:`Solver` answers questions with a trained model (never the symbolic solver) as
+  :class:`Answer`; :meth:`Solver.load` restores one from a run folder that
+  ``python -m experiments.cot`` wrote (its :data:`RECORD` file and Orbax checkpoints).
+* :func:`evaluate` decodes a split and measures, per kind, exact match of the final answer
+  (:func:`~sparse_jax.data.linalg_cot.grade`), the chain of thought's length in steps and
+  tokens, decoding seconds per question, attention density and FLOPs.
+
+Example:
+  >>> from flax import nnx
+  >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
+  >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=16, num_heads=2, d_ff=32, cot_steps=0)
+  >>> solver = Solver(EncoderDecoder(cfg, rngs=nnx.Rngs(0)), CotFormat(96, 64))
+  >>> print(solver.answer("What is 2 + 2?").text)  # not a linear-algebra question
+  Cannot answer: could not parse the question: could not tell what the question asks: ...
+  >>> answer = solver.answer("Find the reduced row echelon form R of A = [[2, 4], [1, 3]].")
+  >>> answer.kind, answer.error, 1 <= answer.tokens <= 64  # an untrained model's guess
+  ('rref', None, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_jax.data import linalg_cot
+from sparse_jax.data.tokenizers import ByteTokenizer
+from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, sequence_loss
+from sparse_jax.training.checkpoint import Checkpointer
+from sparse_jax.training.loop import TrainConfig, Trainer
+from sparse_jax.validation import check_bool, check_int
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "RECORD",
+    "VOCAB_SIZE",
+    "Answer",
+    "Batch",
+    "CotFormat",
+    "GreedyDecoder",
+    "Solver",
+    "decode_tokens",
+    "encode_question",
+    "encode_solution",
+    "evaluate",
+    "fit_format",
+    "loss_fn",
+    "pack",
+    "read_record",
+    "split_rows",
+    "write_record",
+]
+
+EOS_ID = ByteTokenizer.eos_id  # 256: ends a solution (the byte tokenizer's end of text)
+BOS_ID = 257  # the decoder's first input
+PAD_ID = 258  # fills rows after a question or a solution
+VOCAB_SIZE = 259  # bytes 0..255 and the three above (EncDecConfig's default 260 holds them)
+RECORD = "cot.json"  # the run folder's file that Solver.load reads (format, model configs)
+
+
+@dataclasses.dataclass(frozen=True)
+class CotFormat:
+    """How long the token rows are: what a model reads and writes at most.
+
+    Example:
+      >>> CotFormat(source_len=152, target_len=272).row_len  # S + T + 1
+      425
+    """
+
+    source_len: int = 192  # S: question bytes the encoder reads at most
+    target_len: int = 320  # T: solution bytes plus the EOS the decoder writes at most
+
+    def __post_init__(self):
+        check_int(self.source_len, "source_len", "CotFormat")
+        check_int(self.target_len, "target_len", "CotFormat", low=2)
+
+    @property
+    def row_len(self) -> int:
+        """``S + T + 1``: a packed row (question, then BOS, solution and EOS)."""
+        return self.source_len + self.target_len + 1
+
+
+def encode_question(question: str) -> np.ndarray:
+    """The question's UTF-8 bytes as int32 ids ``[len]`` (no specials).
+
+    Example:
+      >>> encode_question("A = [[1]]").tolist()[:3]
+      [65, 32, 61]
+    """
+    if not isinstance(question, str):
+        raise TypeError(f"encode_question: `question` must be a str; got {type(question).__name__}")
+    return np.frombuffer(question.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+def encode_solution(solution: str) -> np.ndarray:
+    """The solution's UTF-8 bytes then :data:`EOS_ID`, int32 ``[len + 1]`` (the decoder's
+    target; its input is ``BOS`` and all but the last).
+
+    Example:
+      >>> encode_solution("Answer: no").tolist()[-3:]
+      [110, 111, 256]
+    """
+    if not isinstance(solution, str):
+        raise TypeError(f"encode_solution: `solution` must be a str; got {type(solution).__name__}")
+    return np.append(encode_question(solution), np.int32(EOS_ID)).astype(np.int32)
+
+
+def decode_tokens(ids: Sequence[int] | np.ndarray) -> tuple[str, int, bool]:
+    """``(text, tokens, finished)`` of decoded ids: the text before the first EOS (ids that are
+    not bytes dropped, invalid UTF-8 as U+FFFD), the tokens up to and including that EOS (all
+    of them without one), and whether there was one.
+
+    Example:
+      >>> decode_tokens(np.append(encode_solution("Answer: no"), [EOS_ID, EOS_ID]))
+      ('Answer: no', 11, True)
+      >>> decode_tokens([65, 110, 115])  # cut short: no EOS
+      ('Ans', 3, False)
+    """
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"decode_tokens: `ids` must be integers; got dtype {arr.dtype}")
+    ends = np.flatnonzero(arr == EOS_ID)
+    finished = bool(ends.size)
+    body = arr[: ends[0]] if finished else arr
+    data = body[(body >= 0) & (body < 256)].astype(np.uint8).tobytes()
+    count = int(ends[0] + 1 if finished else arr.size)
+    return data.decode("utf-8", errors="replace"), count, finished
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def fit_format(problems: Iterable[linalg_cot.Problem], *, multiple: int = 8) -> CotFormat:
+    """The smallest :class:`CotFormat` (lengths rounded up to ``multiple``) that holds every
+    problem's question and solution: sizing, never truncating.
+
+    Example:
+      >>> p = linalg_cot.generate("rref", 0)
+      >>> fmt = fit_format([p])
+      >>> fmt.source_len >= len(p.question) and fmt.target_len > len(p.solution_text())
+      True
+    """
+    multiple = check_int(multiple, "multiple", "fit_format")
+    s = t = 0
+    for p in problems:
+        _check_problem(p, "fit_format")
+        s = max(s, encode_question(p.question).size)
+        t = max(t, encode_solution(p.solution_text()).size)
+    if not s:
+        raise ValueError("fit_format: `problems` is empty (nothing to size the format by)")
+    return CotFormat(_round_up(s, multiple), _round_up(t, multiple))
+
+
+def _check_problem(p: Any, caller: str) -> linalg_cot.Problem:
+    if not isinstance(p, linalg_cot.Problem):
+        raise TypeError(f"{caller}: problems must be linalg_cot.Problem; got {type(p).__name__}")
+    return p
+
+
+def pack(problems: Iterable[linalg_cot.Problem], fmt: CotFormat) -> np.ndarray:
+    """Rows ``[N, S + T + 1]`` int32: the question's bytes padded to ``S``, then ``BOS``, the
+    solution's bytes and ``EOS``, padded to ``T + 1``. A problem that does not fit ``fmt``
+    raises ``ValueError`` (nothing is truncated).
+
+    Example:
+      >>> p = linalg_cot.Problem("rref", "rref of A = [[2]]?", ("R1 = (1/2)*R1 -> [[1]]",), "[[1]]")
+      >>> rows = pack([p], CotFormat(24, 40))
+      >>> rows.shape, int(rows[0, 24]) == BOS_ID
+      ((1, 65), True)
+      >>> decode_tokens(rows[0, 25:])[0] == p.solution_text()
+      True
+    """
+    if not isinstance(fmt, CotFormat):
+        raise TypeError(f"pack: `fmt` must be a CotFormat; got {type(fmt).__name__}")
+    problems = [_check_problem(p, "pack") for p in problems]
+    s, t = fmt.source_len, fmt.target_len
+    rows = np.full((len(problems), fmt.row_len), PAD_ID, np.int32)
+    for i, p in enumerate(problems):
+        q, a = encode_question(p.question), encode_solution(p.solution_text())
+        if q.size > s or a.size > t:
+            raise ValueError(
+                f"pack: problem {i} ({p.kind}) has a {q.size}-byte question and a {a.size}-token "
+                f"solution (with EOS); `fmt` holds at most source_len={s} and target_len={t}: "
+                "size the format with fit_format(problems) or leave such problems out"
+            )
+        rows[i, : q.size] = q
+        rows[i, s] = BOS_ID
+        rows[i, s + 1 : s + 1 + a.size] = a
+    return rows
+
+
+class Batch(NamedTuple):
+    """A batch of packed rows taken apart: what the model and its loss read."""
+
+    source: jax.Array  # [B, S] question bytes, PAD after them
+    source_lengths: jax.Array  # [B] question lengths
+    target_in: jax.Array  # [B, T] BOS then the solution (the decoder's input)
+    target_out: jax.Array  # [B, T] the solution then EOS (what it should write)
+    where: jax.Array  # [B, T] bool: target_out is not padding
+
+
+def split_rows(rows: jax.Array, source_len: int) -> Batch:
+    """:class:`Batch` of packed ``rows [B, S + T + 1]`` (pure, jittable; ``source_len`` static).
+
+    Example:
+      >>> p = linalg_cot.Problem("rref", "rref of A = [[2]]?", ("R1 = (1/2)*R1 -> [[1]]",), "[[1]]")
+      >>> b = split_rows(jnp.asarray(pack([p], CotFormat(24, 40))), 24)
+      >>> int(b.source_lengths[0]), int(b.where.sum()), b.target_in.shape
+      (18, 37, (1, 40))
+    """
+    source = rows[:, :source_len]
+    target = rows[:, source_len:]
+    target_out = target[:, 1:]
+    return Batch(
+        source=source,
+        source_lengths=jnp.sum(source != PAD_ID, axis=1).astype(jnp.int32),
+        target_in=target[:, :-1],
+        target_out=target_out,
+        where=target_out != PAD_ID,
+    )
+
+
+def loss_fn(model: EncoderDecoder, rows: jax.Array, rng: Any = None, *, source_len: int):
+    """The trainer's loss of packed rows: ``(sequence_loss, {"target_tokens": count})``
+    (``rng`` unused: the model has no random parts). Bind ``source_len`` with
+    ``functools.partial`` for :class:`~sparse_jax.training.loop.Trainer`."""
+    b = split_rows(rows, source_len)
+    loss = sequence_loss(model, b.source, b.source_lengths, b.target_in, b.target_out, b.where)
+    return loss, {"target_tokens": jnp.sum(b.where).astype(jnp.float32)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding.
+
+
+def _start(graphdef, state, source, source_lengths, cache_len: int):
+    model = nnx.merge(graphdef, state)
+    memory = model.encode(source, source_lengths)
+    return model.init_cache(memory, source_lengths, cache_len)
+
+
+def _chunk(graphdef, state, token, cache, done, steps: int):
+    """``steps`` greedy positions: the step of ``encdec.greedy_decode``, on the same cache."""
+    model = nnx.merge(graphdef, state)
+
+    def step(carry, _):
+        token, cache, done = carry
+        logits, cache = model.decode_step(token, cache)
+        nxt = jnp.where(done, EOS_ID, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return (nxt, cache, done | (nxt == EOS_ID)), nxt
+
+    (token, cache, done), out = jax.lax.scan(step, (token, cache, done), None, length=steps)
+    return token, cache, done, out.T
+
+
+class GreedyDecoder:
+    """Greedy decoding of ``max_len`` tokens at most with the model's key/value cache, ``chunk``
+    positions per compiled call, stopping after the call in which every row has emitted EOS.
+
+    The tokens equal :func:`sparse_jax.models.encdec.greedy_decode`'s up to each row's EOS
+    (after it: EOS). Each batch shape ``(B, S)`` is compiled ahead of time, on its first use,
+    so the seconds returned are the decoding's only.
+
+    Example:
+      >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> decoder = GreedyDecoder(EncoderDecoder(cfg, rngs=nnx.Rngs(0)), max_len=20, chunk=8)
+      >>> tokens, seconds = decoder(np.full((2, 5), 65, np.int32), np.array([5, 3]))
+      >>> tokens.shape[0], tokens.shape[1] in (8, 16, 20), seconds > 0
+      (2, True, True)
+    """
+
+    def __init__(self, model: EncoderDecoder, *, max_len: int, chunk: int = 32):
+        if not isinstance(model, EncoderDecoder):
+            raise TypeError(f"GreedyDecoder: `model` must be an EncoderDecoder; got {model!r}")
+        self.max_len = check_int(max_len, "max_len", "GreedyDecoder")
+        self.chunk = min(check_int(chunk, "chunk", "GreedyDecoder"), self.max_len)
+        if model.config.vocab_size <= max(EOS_ID, BOS_ID):
+            raise ValueError(
+                f"GreedyDecoder: the model's vocab_size={model.config.vocab_size} must hold the "
+                f"byte ids and BOS/EOS (at least {max(EOS_ID, BOS_ID) + 1})"
+            )
+        self.model = model
+        self.graphdef, self.state = nnx.split(model)
+        self._cache_len = _round_up(self.max_len, self.chunk)
+        self._compiled: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+    def _executables(self, b: int, s: int):
+        key = (b, s)
+        if key not in self._compiled:
+            src = jax.ShapeDtypeStruct((b, s), jnp.int32)
+            lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+            start = jax.jit(functools.partial(_start, self.graphdef, cache_len=self._cache_len))
+            start = start.lower(self.state, src, lens).compile()
+            cache = jax.eval_shape(
+                functools.partial(_start, self.graphdef, cache_len=self._cache_len),
+                self.state,
+                src,
+                lens,
+            )
+            token = jax.ShapeDtypeStruct((b,), jnp.int32)
+            done = jax.ShapeDtypeStruct((b,), jnp.bool_)
+            step = jax.jit(functools.partial(_chunk, self.graphdef, steps=self.chunk))
+            step = step.lower(self.state, token, cache, done).compile()
+            # One untimed call: the first run of an executable pays one-time costs.
+            ids = np.zeros((b, s), np.int32)
+            cache = start(self.state, ids, np.ones((b,), np.int32))
+            jax.block_until_ready(step(self.state, ids[:, 0], cache, np.zeros((b,), bool)))
+            self._compiled[key] = (start, step)
+        return self._compiled[key]
+
+    def __call__(self, source, source_lengths) -> tuple[np.ndarray, float]:
+        """``(tokens [B, n], seconds)``: ``n <= max_len`` decoded positions (a multiple of
+        ``chunk``, or ``max_len``) and the wall time of the decoding (compilation excluded)."""
+        source = np.asarray(source, np.int32)
+        lengths = np.asarray(source_lengths, np.int32)
+        if source.ndim != 2 or lengths.shape != source.shape[:1]:
+            raise ValueError(
+                f"GreedyDecoder: `source` must be [B, S] and `source_lengths` [B]; got "
+                f"{source.shape} and {lengths.shape}"
+            )
+        b, s = source.shape
+        start, step = self._executables(b, s)
+        began = time.perf_counter()
+        cache = start(self.state, source, lengths)
+        token = jnp.full((b,), BOS_ID, jnp.int32)
+        done = jnp.zeros((b,), bool)
+        pieces, position = [], 0
+        while position < self.max_len:
+            token, cache, done, out = step(self.state, token, cache, done)
+            pieces.append(out)
+            position += self.chunk
+            if bool(jnp.all(done)):
+                break
+        tokens = np.concatenate(jax.device_get(pieces), axis=1)[:, : self.max_len]
+        return tokens, time.perf_counter() - began
+
+
+# ---------------------------------------------------------------------------------------------
+# The solver.
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A model's answer to one question.
+
+    ``text`` is the decoded chain of thought and answer line (or, when the question could not
+    be answered, a message that starts with ``Cannot answer:`` and says why); ``final`` and
+    ``steps`` are :func:`~sparse_jax.data.linalg_cot.split_solution` of it (``final`` None when
+    the model wrote no ``Answer:`` line, and for questions it could not answer).
+    """
+
+    text: str  # the decoded solution (steps, then "Answer: ..."), or "Cannot answer: <why>"
+    final: str | None  # the final answer (what follows the last "Answer:"), None if none
+    steps: tuple[str, ...]  # the chain of thought's step lines, in order
+    seconds: float  # decoding wall time (a batch's time divided among its questions)
+    tokens: int = 0  # tokens decoded, EOS included (0: nothing decoded)
+    finished: bool = False  # whether the model ended with EOS within its length
+    kind: str | None = None  # the question's kind as linalg_cot.parse_question reads it
+    error: str | None = None  # why the question was not answered (None: it was decoded)
+
+
+def _refusal(why: str, kind: str | None = None) -> Answer:
+    text = f"Cannot answer: {why}"
+    return Answer(text=text, final=None, steps=(), seconds=0.0, kind=kind, error=why)
+
+
+class Solver:
+    """Answers linear-algebra questions with a trained encoder–decoder (greedy decoding; never
+    :func:`~sparse_jax.data.linalg_cot.solve`).
+
+    A question is decoded only when :func:`~sparse_jax.data.linalg_cot.parse_question` reads
+    it and its bytes fit ``fmt.source_len``; otherwise its :class:`Answer` says why (a non-str
+    question raises ``TypeError``).
+
+    Args:
+      model: the trained :class:`~sparse_jax.models.encdec.EncoderDecoder`.
+      fmt: the :class:`CotFormat` it was trained with (``target_len`` bounds the decoding).
+      name: a label (e.g. ``"sparse"``).
+      batch_size: questions decoded together by :meth:`answer_batch`.
+      chunk: positions per compiled decoding call (:class:`GreedyDecoder`).
+      kinds: the kinds it was trained on (informative; None: unknown).
+      step: the training step its weights are from (None: unknown).
+    """
+
+    def __init__(
+        self,
+        model: EncoderDecoder,
+        fmt: CotFormat,
+        *,
+        name: str = "model",
+        batch_size: int = 32,
+        chunk: int = 32,
+        kinds: Sequence[str] | None = None,
+        step: int | None = None,
+    ):
+        if not isinstance(fmt, CotFormat):
+            raise TypeError(f"Solver: `fmt` must be a CotFormat; got {type(fmt).__name__}")
+        self.model, self.fmt, self.name = model, fmt, str(name)
+        self.batch_size = check_int(batch_size, "batch_size", "Solver")
+        self.decoder = GreedyDecoder(model, max_len=fmt.target_len, chunk=chunk)
+        self.kinds = None if kinds is None else tuple(kinds)
+        self.step = step
+        self._stats_fn = None
+
+    # -- loading -----------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        run_folder: str | os.PathLike,
+        model: str = "sparse",
+        *,
+        partial: bool = False,
+        batch_size: int = 32,
+        chunk: int = 32,
+    ) -> Solver:
+        """The ``model`` (``"sparse"`` or ``"dense"``) that ``python -m experiments.cot``
+        trained in ``run_folder``, restored from its Orbax checkpoint.
+
+        Raises:
+          FileNotFoundError: the folder has no :data:`RECORD` (not a run folder) or no
+            checkpoint of that model (it was never trained).
+          ValueError: ``model`` is not one of the run's models, or its latest checkpoint is
+            from before the end of its training (``partial=True`` loads it anyway; not while
+            that training runs: opening its checkpoints removes unfinished writes).
+        """
+        partial = check_bool(partial, "partial", "Solver.load")
+        folder = Path(run_folder)
+        record = read_record(folder)
+        if model not in record["models"]:
+            raise ValueError(
+                f"Solver.load: `model`={model!r} is not a model of {folder}; allowed: "
+                f"{sorted(record['models'])}"
+            )
+        entry = record["models"][model]
+        config = EncDecConfig(**entry["model"])
+        train = TrainConfig(**entry["train"])
+        fmt = CotFormat(**record["format"])
+        directory = folder / entry["checkpoint"]
+        steps = (
+            sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+            if directory.is_dir()
+            else []
+        )
+        if not steps:
+            raise FileNotFoundError(
+                f"Solver.load: no trained checkpoint of the {model!r} model in {directory}: it "
+                f"has not been trained (python -m experiments.cot train --run.dir {folder}, "
+                "with --run.resume to continue a run)"
+            )
+
+        def unfinished(step: int) -> ValueError:
+            return ValueError(
+                f"Solver.load: the {model!r} model of {folder} is trained to step {step} of "
+                f"{train.steps} only (an interrupted run: continue it with python -m "
+                f"experiments.cot train --run.dir {folder} --run.resume, or pass partial=True)"
+            )
+
+        # Checked before the checkpoints are opened (opening them clears unfinished writes,
+        # which may be a running training's).
+        if steps[-1] < train.steps and not partial:
+            raise unfinished(steps[-1])
+        net = EncoderDecoder(config, rngs=nnx.Rngs(0))
+        loss = functools.partial(loss_fn, source_len=fmt.source_len)
+        with Checkpointer(directory, save_every=max(train.steps, 1)) as ckpt:
+            trainer = Trainer(net, loss, train, checkpointer=ckpt)
+            trainer.restore()  # the latest readable checkpoint
+        if trainer.step < train.steps and not partial:
+            raise unfinished(trainer.step)
+        return cls(
+            trainer.sync_model(),
+            fmt,
+            name=model,
+            batch_size=batch_size,
+            chunk=chunk,
+            kinds=record.get("kinds"),
+            step=trainer.step,
+        )
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def _read(self, question: Any) -> tuple[np.ndarray | None, Answer | None]:
+        """The question's ids, or the refusal that says why it is not decoded."""
+        if not isinstance(question, str):
+            raise TypeError(f"Solver: a question must be a str; got {type(question).__name__}")
+        text = question.strip()
+        if not text:
+            return None, _refusal("could not parse the question: it is empty")
+        try:
+            kind = linalg_cot.parse_question(text).kind
+        except ValueError as err:
+            return None, _refusal(str(err))
+        ids = encode_question(text)
+        if ids.size > self.fmt.source_len:
+            why = (
+                f"the question is {ids.size} bytes long; this model reads at most "
+                f"{self.fmt.source_len} (the longest question it was trained for)"
+            )
+            return None, _refusal(why, kind)
+        return ids, Answer(text="", final=None, steps=(), seconds=0.0, kind=kind)
+
+    def _decode(self, questions: Sequence[Any], batch_size: int, repeats: int = 1):
+        """``[(answer, token ids or None)]`` of ``questions``, in order; each batch decoded
+        ``repeats`` times, its time the median (the tokens are the same each time)."""
+        read = [self._read(q) for q in questions]
+        out: list[tuple[Answer, np.ndarray | None]] = [(a, None) for _, a in read]
+        todo = [i for i, (ids, _) in enumerate(read) if ids is not None]
+        s = self.fmt.source_len
+        for start in range(0, len(todo), batch_size):
+            part = todo[start : start + batch_size]
+            rows = min(batch_size, 1 << (len(part) - 1).bit_length())  # few batch shapes
+            source = np.full((rows, s), PAD_ID, np.int32)
+            lengths = np.ones((rows,), np.int32)
+            for r in range(rows):  # padding rows repeat the real ones
+                ids = read[part[r % len(part)]][0]
+                source[r, : ids.size], lengths[r] = ids, ids.size
+            runs = [self.decoder(source, lengths) for _ in range(repeats)]
+            tokens = runs[0][0]
+            seconds = float(np.median([t for _, t in runs]))
+            for r, i in enumerate(part):
+                text, count, finished = decode_tokens(tokens[r])
+                steps, final = linalg_cot.split_solution(text)
+                answer = dataclasses.replace(
+                    read[i][1],
+                    text=text,
+                    final=final,
+                    steps=steps,
+                    seconds=seconds / len(part),
+                    tokens=count,
+                    finished=finished,
+                )
+                out[i] = (answer, tokens[r, :count])
+        return out
+
+    def answer(self, question: str) -> Answer:
+        """The model's chain of thought and final answer for one question (see :class:`Answer`;
+        an unreadable question gets an answer that says why, a non-str one a TypeError)."""
+        return self._decode([question], 1)[0][0]
+
+    def answer_batch(self, questions: Sequence[str], *, batch_size: int | None = None):
+        """:meth:`answer` of each question, decoded ``batch_size`` at a time (default: the
+        solver's); each answer's ``seconds`` is its batch's time divided among its questions."""
+        if isinstance(questions, str) or not isinstance(questions, Sequence):
+            raise TypeError(
+                "Solver.answer_batch: `questions` must be a sequence of str; got "
+                f"{type(questions).__name__}"
+            )
+        size = self.batch_size if batch_size is None else batch_size
+        size = check_int(size, "batch_size", "Solver.answer_batch")
+        return [answer for answer, _ in self._decode(list(questions), size)]
+
+    def attention_stats(self, source, source_lengths, target_in) -> dict[str, float]:
+        """The model's attention statistics (``return_stats=True``) on a teacher-forced batch:
+        per kind of attention the mean non-zero and allowed fractions of keys (jitted)."""
+        if self._stats_fn is None:
+            graphdef = self.decoder.graphdef
+
+            def stats(state, src, lens, tgt):
+                return nnx.merge(graphdef, state)(src, lens, tgt, return_stats=True)[1]
+
+            self._stats_fn = jax.jit(stats)
+        out = self._stats_fn(self.decoder.state, source, source_lengths, target_in)
+        return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+# Rows of one attention-statistics pass: it holds every layer's weights [B, N, T, T] at once.
+_STATS_ROWS = 16
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if len(values) else float("nan")
+
+
+def evaluate(
+    solver: Solver,
+    problems: Iterable[linalg_cot.Problem],
+    *,
+    batch_size: int | None = None,
+    stats_multiple: int = 64,
+    repeats: int = 1,
+) -> dict[str, Any]:
+    """Decodes ``problems`` with ``solver`` (batches of one kind) and measures its answers.
+
+    Returns a JSON-ready dict: ``records`` (per problem, in order: kind, question, reference
+    and predicted final answer, ``correct`` = :func:`~sparse_jax.data.linalg_cot.grade`, the
+    decoded text, steps and tokens and the reference's, finished, seconds, flops, error),
+    ``kinds`` (per kind, in :data:`~sparse_jax.data.linalg_cot.KINDS` order) and ``overall``
+    (all problems), each with:
+
+    * ``questions``, ``exact_match`` (fraction correct), ``answered`` (fraction with an
+      ``Answer:`` line), ``finished`` (fraction that ended with EOS);
+    * ``steps`` / ``reference_steps``, ``tokens`` / ``reference_tokens``: mean chain-of-thought
+      length in step lines and in tokens (EOS included);
+    * ``seconds_per_question``: the decoding's wall time over the questions (each batch's time
+      the median of ``repeats`` decodings);
+    * ``flops_per_question``: mean ``model.flops(question bytes, decoded tokens)["total"]``
+      (a teacher-forced pass over the question and the chain of thought written; every entry
+      a mask allows is counted);
+    * ``attention``: ``model(..., return_stats=True)`` on what the decoder read (BOS and the
+      chain of thought it wrote, teacher-forced; a batch padded to the next multiple of
+      ``stats_multiple`` tokens, whose padding rows count too), the mean over questions of
+      each statistic (``*_nonzero``: fraction of keys with a non-zero weight; ``*_allowed``:
+      fraction the masks allow).
+
+    A problem the solver cannot read (too long for its format) is counted as wrong, with its
+    ``error``.
+
+    Example:
+      >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
+      >>> problems = [linalg_cot.generate("rref", seed) for seed in range(2)]
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> untrained = Solver(EncoderDecoder(cfg, rngs=nnx.Rngs(0)), fit_format(problems))
+      >>> result = evaluate(untrained, problems)
+      >>> result["kinds"]["rref"]["questions"], result["overall"]["exact_match"]
+      (2, 0.0)
+    """
+    if not isinstance(solver, Solver):
+        raise TypeError(f"evaluate: `solver` must be a Solver; got {type(solver).__name__}")
+    problems = [_check_problem(p, "evaluate") for p in problems]
+    size = solver.batch_size if batch_size is None else batch_size
+    size = check_int(size, "batch_size", "evaluate")
+    multiple = check_int(stats_multiple, "stats_multiple", "evaluate")
+    repeats = check_int(repeats, "repeats", "evaluate")
+    model, fmt = solver.model, solver.fmt
+    flops = functools.cache(lambda s, t: model.flops(s, t)["total"])
+    records: list[dict[str, Any] | None] = [None] * len(problems)
+    weighted: dict[str, dict[str, list[tuple[float, int]]]] = {}
+    order = [k for k in linalg_cot.KINDS if any(p.kind == k for p in problems)]
+    order += sorted({p.kind for p in problems} - set(order))
+    for kind in order:
+        index = [i for i, p in enumerate(problems) if p.kind == kind]
+        for start in range(0, len(index), size):
+            part = index[start : start + size]
+            decoded = solver._decode([problems[i].question for i in part], size, repeats)
+            for i, (answer, _) in zip(part, decoded, strict=True):
+                p = problems[i]
+                ref = encode_solution(p.solution_text())
+                records[i] = {
+                    "kind": p.kind,
+                    "question": p.question,
+                    "reference": p.answer,
+                    "final": answer.final,
+                    "correct": (
+                        answer.final is not None and linalg_cot.grade(answer.final, p.answer)
+                    ),
+                    "text": answer.text,
+                    "steps": len(answer.steps),
+                    "reference_steps": len(p.steps) + 1,  # + the answer line
+                    "tokens": answer.tokens,
+                    "reference_tokens": int(ref.size),
+                    "finished": answer.finished,
+                    "seconds": answer.seconds,
+                    "flops": (
+                        None
+                        if answer.error
+                        else flops(encode_question(p.question.strip()).size, max(answer.tokens, 1))
+                    ),
+                    "error": answer.error,
+                }
+            ok = [(i, ids) for i, (_, ids) in zip(part, decoded, strict=True) if ids is not None]
+            if not ok:
+                continue
+            # The inputs the decoder read: BOS, then all it wrote but the last token.
+            longest = max(ids.size for _, ids in ok)
+            t = min(_round_up(longest, multiple), fmt.target_len)
+            for first in range(0, len(ok), _STATS_ROWS):
+                rows = ok[first : first + _STATS_ROWS]
+                source = np.full((_STATS_ROWS, fmt.source_len), PAD_ID, np.int32)
+                lengths = np.ones((_STATS_ROWS,), np.int32)
+                target_in = np.full((_STATS_ROWS, t), PAD_ID, np.int32)
+                for r in range(_STATS_ROWS):  # padding rows repeat the real ones
+                    i, ids = rows[r % len(rows)]
+                    q = encode_question(problems[i].question.strip())
+                    source[r, : q.size], lengths[r] = q, q.size
+                    target_in[r, 0] = BOS_ID
+                    target_in[r, 1 : ids.size] = ids[:-1]
+                stats = solver.attention_stats(source, lengths, target_in)
+                for name, value in stats.items():
+                    weighted.setdefault(kind, {}).setdefault(name, []).append((value, len(rows)))
+
+    def summary(rows: list[dict[str, Any]], kinds: Sequence[str]) -> dict[str, Any]:
+        decoded = [r for r in rows if r["error"] is None]
+        attention: dict[str, float] = {}
+        names = sorted({n for k in kinds for n in weighted.get(k, {})})
+        for name in names:
+            pairs = [pair for k in kinds for pair in weighted.get(k, {}).get(name, [])]
+            attention[name] = sum(v * w for v, w in pairs) / max(sum(w for _, w in pairs), 1)
+        return {
+            "questions": len(rows),
+            "exact_match": _mean([float(r["correct"]) for r in rows]),
+            "answered": _mean([float(r["final"] is not None) for r in rows]),
+            "finished": _mean([float(r["finished"]) for r in rows]),
+            "steps": _mean([r["steps"] for r in rows]),
+            "reference_steps": _mean([r["reference_steps"] for r in rows]),
+            "tokens": _mean([r["tokens"] for r in rows]),
+            "reference_tokens": _mean([r["reference_tokens"] for r in rows]),
+            "seconds_per_question": sum(r["seconds"] for r in rows) / max(len(rows), 1),
+            "flops_per_question": _mean([r["flops"] for r in decoded]),
+            "errors": len(rows) - len(decoded),
+            "attention": attention,
+        }
+
+    done = [r for r in records if r is not None]
+    return {
+        "model": solver.name,
+        "kinds": {k: summary([r for r in done if r["kind"] == k], [k]) for k in order},
+        "overall": summary(done, order),
+        "records": done,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder's record.
+
+
+def write_record(
+    folder: str | os.PathLike,
+    fmt: CotFormat,
+    models: Mapping[str, tuple[EncDecConfig, Any]],
+    *,
+    kinds: Sequence[str] | None = None,
+) -> Path:
+    """Writes ``folder/cot.json``: the format, and per model name its ``EncDecConfig``, its
+    ``TrainConfig`` and checkpoint folder (``checkpoints/<name>``), what :meth:`Solver.load`
+    needs. Written atomically (a temporary file, then a rename); returns its path."""
+    if not isinstance(fmt, CotFormat):
+        raise TypeError(f"write_record: `fmt` must be a CotFormat; got {type(fmt).__name__}")
+    entries = {}
+    for name, (config, train) in models.items():
+        if not isinstance(config, EncDecConfig):
+            raise TypeError(f"write_record: models[{name!r}][0] must be an EncDecConfig")
+        entries[name] = {
+            "model": dataclasses.asdict(config),
+            "train": dataclasses.asdict(train),
+            "checkpoint": f"checkpoints/{name}",
+        }
+    record = {
+        "format": dataclasses.asdict(fmt),
+        "models": entries,
+        "kinds": None if kinds is None else list(kinds),
+        "tokens": {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": VOCAB_SIZE},
+    }
+    path = Path(folder) / RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_record(folder: str | os.PathLike) -> dict[str, Any]:
+    """``folder/cot.json`` as :func:`write_record` wrote it; ``FileNotFoundError`` when the
+    folder holds none, ``ValueError`` when it cannot be read."""
+    path = Path(folder) / RECORD
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a chain-of-thought run folder: it has no {RECORD} (python -m "
+            f"experiments.cot train --run.dir {folder} makes one)"
+        )
+    try:
+        record = json.loads(path.read_text())
+        tokens = record["tokens"]
+        if (tokens["bos"], tokens["eos"], tokens["pad"]) != (BOS_ID, EOS_ID, PAD_ID):
+            raise ValueError(f"its special tokens {tokens} are not this version's")
+        for name, entry in record["models"].items():
+            missing = {"model", "train", "checkpoint"} - set(entry)
+            if missing:
+                raise ValueError(f"model {name!r} lacks {sorted(missing)}")
+        CotFormat(**record["format"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} cannot be read as a chain-of-thought run record: {err}") from err
+    return record

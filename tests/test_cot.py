@@ -1,0 +1,403 @@
+"""sparse_jax.cot and python -m experiments.cot: byte tokens round trip, the chunked decoder
+equals greedy_decode, a Solver restored from a tiny trained run answers with the model (its
+answers re-read and re-graded here), an untrained model does not pass, unreadable questions are
+answered with the reason, evaluate()'s figures recomputed independently, the experiment end to
+end (train, eval, ask, resume) and bad flags refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_jax import cot
+from sparse_jax.data import linalg_cot as lc
+from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, greedy_decode
+
+SMALL = lc.GeneratorConfig(kinds=("rref", "solvability", "column_space"), rref_shape=(2, 3),
+                           column_space_shape=(2, 2), solvability_dim=4, block_rate=0.0,
+                           fraction_rate=0.0, max_entry=3, max_number=9, max_steps=6)  # fmt: skip
+TINY = EncDecConfig(vocab_size=cot.VOCAB_SIZE, d_model=16, num_heads=2, d_ff=32,
+                    encoder_layers=1, decoder_layers=1, cot_steps=1)  # fmt: skip
+RREF = "Find the reduced row echelon form R of A = [[2, 4], [1, 3]]."
+
+
+@functools.cache
+def _problems(n: int = 9) -> tuple[lc.Problem, ...]:
+    return lc.make_splits(train=0, validation=0, test=n, seed=3, config=SMALL)["test"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens and rows.
+
+
+def test_tokens_round_trip_through_packed_rows():
+    problems = _problems()
+    fmt = cot.fit_format(problems)
+    rows = cot.pack(problems, fmt)
+    assert rows.shape == (len(problems), fmt.source_len + fmt.target_len + 1)
+    b = cot.split_rows(jnp.asarray(rows), fmt.source_len)
+    for i, p in enumerate(problems):
+        q = bytes(np.asarray(b.source[i, : int(b.source_lengths[i])]).astype(np.uint8))
+        assert q.decode() == p.question
+        assert np.all(np.asarray(b.source[i, int(b.source_lengths[i]) :]) == cot.PAD_ID)
+        assert int(b.target_in[i, 0]) == cot.BOS_ID
+        # Teacher forcing: the input is the output shifted by one position.
+        n = int(b.where[i].sum())
+        np.testing.assert_array_equal(b.target_in[i, 1:n], b.target_out[i, : n - 1])
+        text, tokens, finished = cot.decode_tokens(np.asarray(b.target_out[i]))
+        assert (text, tokens, finished) == (p.solution_text(), n, True)
+        assert lc.split_solution(text) == (p.steps, p.answer)
+    # The format is the smallest multiple of 8 that holds every problem.
+    longest_q = max(len(p.question.encode()) for p in problems)
+    longest_t = max(len(p.solution_text().encode()) + 1 for p in problems)
+    assert fmt.source_len - 8 < longest_q <= fmt.source_len
+    assert fmt.target_len - 8 < longest_t <= fmt.target_len
+    # Non-ASCII text survives; ids that are not bytes are dropped, EOS ends the text.
+    ids = np.concatenate([cot.encode_question("x ≠ 0"), [cot.BOS_ID, cot.PAD_ID, 65]])
+    assert cot.decode_tokens(np.append(ids, [cot.EOS_ID, 66])) == ("x ≠ 0A", ids.size + 1, True)
+
+
+def test_pack_refuses_what_does_not_fit():
+    p = _problems()[1]
+    fmt = cot.fit_format([p])
+    with pytest.raises(ValueError, match=r"problem 0 \(solvability\) has a .* source_len="):
+        cot.pack([p], dataclasses.replace(fmt, source_len=len(p.question) - 1))
+    with pytest.raises(ValueError, match="target_len="):
+        cot.pack([p], dataclasses.replace(fmt, target_len=len(p.solution_text())))
+    with pytest.raises(TypeError, match=r"linalg_cot\.Problem"):
+        cot.pack(["a question"], fmt)
+    with pytest.raises(ValueError, match="`source_len` must be an int >= 1; got 0"):
+        cot.CotFormat(0, 10)
+
+
+def test_chunked_decoder_equals_greedy_decode():
+    cfg = dataclasses.replace(TINY, decoder_window=6, decoder_sinks=1)
+    model = EncoderDecoder(cfg, rngs=nnx.Rngs(2))
+    fmt = cot.fit_format(_problems())
+    b = cot.split_rows(jnp.asarray(cot.pack(_problems()[:3], fmt)), fmt.source_len)
+    want, _ = greedy_decode(model, b.source, b.source_lengths, bos=cot.BOS_ID, eos=cot.EOS_ID,
+                            max_len=23)  # fmt: skip
+    tokens, seconds = cot.GreedyDecoder(model, max_len=23, chunk=8)(b.source, b.source_lengths)
+    assert seconds > 0 and tokens.shape[0] == 3 and tokens.shape[1] in (8, 16, 23)
+    np.testing.assert_array_equal(tokens, np.asarray(want)[:, : tokens.shape[1]])
+    if tokens.shape[1] < 23:  # it stopped early: every row had ended
+        assert (np.asarray(want)[:, tokens.shape[1] - 1 :] == cot.EOS_ID).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# An untrained model, unreadable questions.
+
+
+@functools.cache
+def _untrained() -> cot.Solver:
+    model = EncoderDecoder(TINY, rngs=nnx.Rngs(0))
+    return cot.Solver(model, cot.fit_format(_problems()), batch_size=2)
+
+
+def test_an_untrained_model_does_not_pass():
+    problems = _problems(6)
+    result = cot.evaluate(_untrained(), problems)
+    assert list(result["kinds"]) == ["rref", "solvability", "column_space"]
+    assert result["overall"]["exact_match"] == 0.0
+    assert all(r["exact_match"] == 0.0 for r in result["kinds"].values())
+    assert not any(r["correct"] for r in result["records"])
+
+
+LONG = "Find the reduced row echelon form R of A = [[" + ", ".join(["1"] * 60) + "]]."
+
+
+@pytest.mark.parametrize(
+    "question, reason",
+    [
+        ("", "could not parse the question: it is empty"),
+        ("   \n", "could not parse the question: it is empty"),
+        ("What is 2 + 2?", "could not parse the question: could not tell what the question asks"),
+        (
+            "Is b = [1, 2] in the column space of A = [[1, 2], [3]]?",
+            "could not parse the question: the rows of the matrix A",
+        ),
+        (LONG, rf"the question is {len(LONG)} bytes long; this model reads at most \d+ "),
+    ],
+)
+def test_unreadable_questions_are_answered_with_the_reason(question, reason):
+    solver = _untrained()
+    answer = solver.answer(question)
+    assert answer.text.startswith("Cannot answer: ") and re.search(reason, answer.text)
+    assert (answer.final, answer.steps, answer.tokens, answer.finished) == (None, (), 0, False)
+    assert answer.error and re.search(reason, answer.error)
+    # In a batch, the others are still decoded, in order.
+    both = solver.answer_batch([RREF, question])
+    assert both[0].error is None and both[0].kind == "rref" and both[0].tokens >= 1
+    assert both[1] == answer
+
+
+def test_a_question_that_is_not_a_string_is_a_type_error():
+    with pytest.raises(TypeError, match="a question must be a str; got int"):
+        _untrained().answer(42)
+    with pytest.raises(TypeError, match="`questions` must be a sequence of str"):
+        _untrained().answer_batch(RREF)
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny run of python -m experiments.cot: both models memorise four rref problems.
+
+RUN_FLAGS = [
+    "--data.kinds", "rref", "--data.train", "4", "--data.validation", "1", "--data.test", "4",
+    "--model.d-model", "32", "--model.num-heads", "2", "--model.d-ff", "64",
+    "--model.cot-steps", "0", "--train.steps", "300", "--train.batch-size", "4",
+    "--train.lr", "1e-2", "--train.warmup", "5", "--run.checkpoint-every", "150",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """`python -m experiments.cot train` with tiny flags; the problems it trained on."""
+    from experiments import cot as experiment
+
+    tmp = tmp_path_factory.mktemp("cot")
+    folder = tmp / "run"
+    args = [*RUN_FLAGS, "--run.dir", str(folder), "--run.cache-dir", str(tmp)]
+    assert experiment.run(experiment.parse(["train", *args])) == folder
+    generator = lc.GeneratorConfig(kinds=("rref",), **experiment.SIZES["small"])
+    data = lc.prepare(tmp / "tfds", train=4, validation=1, test=4, seed=0, config=generator)
+    return dict(folder=folder, args=args, train=list(data.train), test=list(data.test))
+
+
+@functools.cache
+def _trained(folder, name: str) -> cot.Solver:
+    return cot.Solver.load(folder, name, batch_size=4)
+
+
+def _independent_decode(model, fmt, questions):
+    """encdec.greedy_decode (the whole length, no chunks) of each question: (text, tokens)."""
+    source = np.full((len(questions), fmt.source_len), cot.PAD_ID, np.int32)
+    for i, q in enumerate(questions):
+        source[i, : len(q.encode())] = list(q.encode())
+    lengths = np.array([len(q.encode()) for q in questions], np.int32)
+    tokens, _ = greedy_decode(model, jnp.asarray(source), jnp.asarray(lengths), bos=cot.BOS_ID,
+                              eos=cot.EOS_ID, max_len=fmt.target_len)  # fmt: skip
+    out = []
+    for row in np.asarray(tokens).tolist():
+        end = row.index(cot.EOS_ID) if cot.EOS_ID in row else len(row)
+        text = bytes(t for t in row[:end] if t < 256).decode("utf-8", errors="replace")
+        out.append((text, min(end + 1, len(row))))
+    return out
+
+
+def test_solver_load_refuses_a_folder_without_a_trained_model(run, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a chain-of-thought run folder"):
+        cot.Solver.load(tmp_path)
+    shutil.copy(run["folder"] / cot.RECORD, tmp_path / cot.RECORD)
+    with pytest.raises(FileNotFoundError, match="no trained checkpoint of the 'sparse' model"):
+        cot.Solver.load(tmp_path, "sparse")
+    with pytest.raises(ValueError, match=r"`model`='huge' is not a model of .*\['dense', 'spa"):
+        cot.Solver.load(tmp_path, "huge")
+    # An interrupted run: its checkpoint at step 150 of the 300 planned.
+    shutil.copytree(run["folder"] / "checkpoints" / "sparse", tmp_path / "checkpoints" / "sparse")
+    shutil.rmtree(tmp_path / "checkpoints" / "sparse" / "300")
+    with pytest.raises(ValueError, match=r"trained to step 150 of 300 only .*--run\.resume"):
+        cot.Solver.load(tmp_path, "sparse")
+    half = cot.Solver.load(tmp_path, "sparse", partial=True)
+    full = _trained(run["folder"], "sparse")
+    assert (half.step, full.step) == (150, 300)
+    assert not np.array_equal(half.model.head.kernel[...], full.model.head.kernel[...])
+
+
+@pytest.mark.parametrize("name", ["sparse", "dense"])
+def test_a_trained_solver_answers_with_its_model(run, name):
+    solver = _trained(run["folder"], name)
+    assert solver.step == 300 and solver.kinds == ("rref",) and solver.name == name
+    questions = [p.question for p in run["train"]]
+    answers = solver.answer_batch(questions, batch_size=3)  # a batch of 3, then one of 1
+    want = _independent_decode(solver.model, solver.fmt, questions)
+    for answer, (text, tokens) in zip(answers, want, strict=True):
+        assert (answer.text, answer.tokens) == (text, tokens)
+        assert (answer.steps, answer.final) == lc.split_solution(text)
+        assert answer.kind == "rref" and answer.error is None and answer.seconds > 0
+        assert answer.finished
+    correct = [
+        a.final is not None and lc.grade(a.final, p.answer)
+        for a, p in zip(answers, run["train"], strict=True)
+    ]
+    assert sum(correct) >= 3, [a.final for a in answers]
+    assert solver.answer(questions[0]).text == answers[0].text
+
+
+def test_evaluate_figures_recomputed_independently(run):
+    solver = _trained(run["folder"], "dense")
+    fmt = solver.fmt
+    others = [p for p in _problems() if p.kind != "rref"]
+    problems = [*run["train"], *run["test"], *others]
+    result = cot.evaluate(solver, problems, repeats=2)
+    records = result["records"]
+    assert [r["question"] for r in records] == [p.question for p in problems]
+    fits = [len(p.question.encode()) <= fmt.source_len for p in problems]
+    assert not all(fits)  # some of the other kinds' questions are too long for this run
+    decoded = iter(_independent_decode(solver.model, fmt, [
+        p.question for p, ok in zip(problems, fits, strict=True) if ok]))  # fmt: skip
+    mine = []
+    for p, ok, r in zip(problems, fits, records, strict=True):
+        if not ok:
+            assert r["error"].startswith("the question is") and not r["correct"]
+            mine.append(dict(kind=p.kind, correct=False, tokens=0, steps=0, flops=None))
+            continue
+        text, tokens = next(decoded)
+        steps, final = lc.split_solution(text)
+        correct = final is not None and lc.grade(final, p.answer)
+        flops = solver.model.flops(len(p.question.encode()), tokens)["total"]
+        assert (r["text"], r["tokens"], r["steps"], r["final"]) == (text, tokens, len(steps), final)
+        assert (r["correct"], r["flops"], r["error"]) == (correct, flops, None)
+        mine.append(
+            dict(kind=p.kind, correct=correct, tokens=tokens, steps=len(steps), flops=flops)
+        )
+    for kind in {p.kind for p in problems}:
+        rows = [m for m in mine if m["kind"] == kind]
+        refs = [p for p in problems if p.kind == kind]
+        got = result["kinds"][kind]
+        assert got["questions"] == len(rows)
+        assert got["exact_match"] == pytest.approx(np.mean([m["correct"] for m in rows]))
+        assert got["tokens"] == pytest.approx(np.mean([m["tokens"] for m in rows]))
+        assert got["steps"] == pytest.approx(np.mean([m["steps"] for m in rows]))
+        assert got["reference_tokens"] == pytest.approx(
+            np.mean([len(p.solution_text().encode()) + 1 for p in refs]))  # fmt: skip
+        assert got["reference_steps"] == pytest.approx(np.mean([len(p.steps) + 1 for p in refs]))
+        flops = [m["flops"] for m in rows if m["flops"] is not None]
+        if flops:
+            assert got["flops_per_question"] == pytest.approx(np.mean(flops))
+        assert got["errors"] == sum(m["flops"] is None for m in rows)
+    assert result["kinds"]["rref"]["exact_match"] >= 3 / 8  # its four training problems
+    overall = result["overall"]
+    assert overall["exact_match"] == pytest.approx(np.mean([m["correct"] for m in mine]))
+    assert overall["seconds_per_question"] == pytest.approx(
+        sum(r["seconds"] for r in records) / len(records))  # fmt: skip
+    assert overall["seconds_per_question"] > 0
+    # Softmax: every key the masks allow has a non-zero weight.
+    for part in ("encoder", "decoder_self", "decoder_cross"):
+        allowed = overall["attention"][f"{part}_allowed"]
+        assert 0 < allowed <= 1
+        assert overall["attention"][f"{part}_nonzero"] == pytest.approx(allowed, rel=1e-5)
+
+
+def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
+    from experiments import cot as experiment
+    from sparse_jax.models.encdec import describe
+
+    folder = run["folder"]
+    summary = experiment.run(experiment.parse(
+        ["eval", "--run.dir", str(folder), "--run.cache-dir", str(folder.parent),
+         "--eval.batch-size", "4", "--eval.repeats", "1"]))  # fmt: skip
+    for name in ("config.json", "cot.json", "metrics.jsonl", "training.json", "summary.json",
+                 "report.md", "figure3.png", "loss.png", "answers-sparse.jsonl",
+                 "answers-dense.jsonl"):  # fmt: skip
+        assert (folder / name).is_file(), name
+    saved = json.loads((folder / "summary.json").read_text())
+    assert set(saved) >= {
+        "kinds", "format", "lengths", "data", "models", "evaluation", "comparison",
+        "phase_seconds", "wall_time_s", "device",
+    }  # fmt: skip
+    assert saved["kinds"] == ["rref"] and saved["evaluation"] == summary["evaluation"]
+    assert set(saved["phase_seconds"]) == {
+        "data", "train_sparse", "train_dense", "eval_sparse", "eval_dense"}  # fmt: skip
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    report = (folder / "report.md").read_text()
+    em = {}
+    for name in ("sparse", "dense"):
+        model = saved["models"][name]
+        assert model["trained_steps"] == 300
+        assert [m["step"] for m in metrics if m["phase"] == name] == list(range(1, 301))
+        assert sum("eval_loss" in m for m in metrics if m["phase"] == name) == 2
+        assert model["switches"] == describe(EncDecConfig(**model["config"]))
+        # The answers file re-graded here gives the summary's exact match.
+        rows = [json.loads(line) for line in (folder / f"answers-{name}.jsonl").open()]
+        assert [r["question"] for r in rows] == [p.question for p in run["test"]]
+        graded = [
+            (final := lc.split_solution(r["text"])[1]) is not None and lc.grade(final, p.answer)
+            for r, p in zip(rows, run["test"], strict=True)
+        ]
+        em[name] = saved["evaluation"][name]["kinds"]["rref"]["exact_match"]
+        assert em[name] == pytest.approx(np.mean(graded))
+    assert saved["models"]["dense"]["switches"] == {}
+    assert "normalizer" in saved["models"]["sparse"]["switches"]
+    assert f"| rref | {100 * em['sparse']:.1f}% | {100 * em['dense']:.1f}% |" in report
+    # Sparsemax leaves most allowed keys at zero weight (softmax none: see above).
+    sparse = saved["evaluation"]["sparse"]["overall"]["attention"]
+    for part in ("encoder", "decoder_self", "decoder_cross"):
+        assert 0 < sparse[f"{part}_nonzero"] < 0.9 * sparse[f"{part}_allowed"]
+    # `ask` prints each model's chain of thought, final answer and time.
+    capsys.readouterr()
+    question = run["train"][0].question
+    answers = experiment.run(experiment.parse(["ask", question, "--run.dir", str(folder)]))
+    out = capsys.readouterr().out
+    for name in ("sparse", "dense"):
+        answer = answers[name]
+        assert answer.text == _trained(folder, name).answer(question).text
+        assert f"== {name} model (trained 300 updates) ==\n{answer.text}\n" in out
+        assert f"final answer: {answer.final}\n" in out
+        assert re.search(rf"decoded {answer.tokens} tokens in \d+\.\d+ s", out)
+    experiment.run(experiment.parse(
+        ["ask", "What is 2 + 2?", "--run.dir", str(folder), "--model", "dense"]))  # fmt: skip
+    out = capsys.readouterr().out
+    assert "== dense model" in out and "sparse" not in out
+    assert "Cannot answer: could not parse the question" in out
+    # Resuming a finished run trains nothing; other flags are refused; a new run is refused.
+    experiment.run(experiment.parse(["train", *run["args"], "--run.resume"]))
+    assert len((folder / "metrics.jsonl").read_text().splitlines()) == len(metrics)
+    with pytest.raises(ValueError, match=r"--run\.resume: the flags differ"):
+        experiment.run(experiment.parse(
+            ["train", *run["args"], "--run.resume", "--train.lr", "0.02"]))  # fmt: skip
+    with pytest.raises(SystemExit):
+        experiment.parse(["train", *run["args"]])
+    assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def test_the_default_command_and_the_study_preset():
+    from experiments import cot as experiment
+
+    default = experiment.parse([])
+    assert isinstance(default, experiment.AllCommand) and default == experiment.AllCommand()
+    assert default.data.kinds == ("rref", "solvability", "column_space")
+    study = experiment.parse(["--preset", "study", "--train.steps", "7"])
+    assert isinstance(study, experiment.AllCommand) and study.data.kinds == lc.KINDS
+    assert study.train.steps == 7 and study.model.d_model == 256
+    assert experiment.parse(["train", "--preset", "study"]).data.sizes == "default"
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--train.steps", "0"], "--train.steps must be an int >= 1; got 0"),
+        (["--train.lr", "-1"], "--train.lr must be a number > 0; got -1.0"),
+        (["--data.kinds", "rref", "eigen"], r"--data.kinds must be distinct kinds of .*'eigen'"),
+        (["--data.test", "0"], "--data.test must be an int >= 1; got 0"),
+        (["--model.num-heads", "3"], "--model.num-heads: .*`num_heads`=3 must divide"),
+        (["--model.embed-keep", "0"], r"--model.embed-keep: .*`embed_keep` must be in \(0, 1\]"),
+        (["--model.decoder-sinks", "2"], "--model.decoder-sinks: .*needs a `decoder_window`"),
+        (["--train.batch-size", "64", "--data.train", "10"], "--train.batch-size 64 is more"),
+        (["--run.resume"], "--run.resume needs the --run.dir of the run to continue"),
+        (["--eval.batch-size", "0"], "--eval.batch-size must be an int >= 1; got 0"),
+        (["--eval.repeats", "0"], "--eval.repeats must be an int >= 1; got 0"),
+        (["--preset", "huge"], "--preset"),
+        (["eval"], "--run.dir is required"),
+        (["eval", "--run.dir", "/nonexistent/run"], "is not a chain-of-thought run folder"),
+        (["ask", "What is rref(A)?"], "--run.dir is required"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_runs(flags, match, capsys):
+    from experiments import cot as experiment
+
+    with pytest.raises(SystemExit):  # tyro prints the error and exits
+        experiment.parse(flags)
+    printed = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert re.search(match, printed), printed
