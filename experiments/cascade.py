@@ -342,6 +342,43 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
     }
 
 
+# What a resumed run must share with the run in its folder: everything that decides what the
+# checkpoints hold. Other flags (--sweep, the measurement's --run.eval-batches, the cache) may
+# change on --run.resume.
+_RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _check_resume(cfg: CascadeExperiment, folder: pathlib.Path) -> None:
+    """Refuses ``--run.resume`` when ``folder``'s run was made with other flags (by name)."""
+    record = folder / "config.json"
+    if not record.is_file():
+        raise ValueError(
+            f"--run.resume: {str(folder)!r} holds no cascade run (no config.json); start one "
+            "without --run.resume"
+        )
+    have = _flat(json.loads(record.read_text()))
+    want = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
+    changed = sorted(
+        k for k in want if k.startswith(_RESUME_FIXED) and k in have and have[k] != want[k]
+    )
+    if changed:
+        flags = ", ".join(f"--{k.replace('_', '-')} {have[k]!r} -> {want[k]!r}" for k in changed)
+        raise ValueError(
+            f"--run.resume: the flags differ from those of the run in {str(folder)!r} ({flags}); "
+            "resume with the run's own flags (its config.json), or start another --run.dir"
+        )
+
+
 def run(cfg: CascadeExperiment) -> dict:
     started = time.perf_counter()
     folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
@@ -353,6 +390,8 @@ def run(cfg: CascadeExperiment) -> dict:
             f"--run.dir {str(folder)!r} already holds a run; continue it with --run.resume or "
             "pass another --run.dir"
         )
+    if cfg.run.resume:
+        _check_resume(cfg, folder)
     cache = pathlib.Path(cfg.run.cache_dir).expanduser()
     data = text.prepare(cfg.data.source, "byte", cfg.data.seq_len, data_dir=cache / "tfds")
     n_eval = min(len(data.eval), cfg.run.eval_batches * cfg.data.batch_size)

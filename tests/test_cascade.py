@@ -423,6 +423,12 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path):
     again = experiment.run(experiment.parse([*args, "--run.resume"]))
     assert again["dense"]["ppl"] == summary["dense"]["ppl"]
     assert again["pruned"]["ppl"] == summary["pruned"]["ppl"]
+    # A resume with flags that change what the checkpoints hold is refused, by name.
+    with pytest.raises(ValueError, match=r"--run\.resume: the flags differ .*--train\.lr"):
+        experiment.run(experiment.parse([*args, "--run.resume", "--train.lr", "0.01"]))
+    with pytest.raises(ValueError, match="holds no cascade run"):
+        experiment.run(experiment.parse([*TINY_RUN, "--run.dir", str(tmp_path / "none"),
+                                         "--run.resume"]))  # fmt: skip
 
 
 @pytest.mark.parametrize(

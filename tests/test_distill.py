@@ -408,8 +408,13 @@ def test_documented_commands_parse(doc, command, monkeypatch):
         with pytest.raises(SystemExit) as info:
             distill.parse(args)
         assert info.value.code == 0
-    else:
+        return
+    try:
         distill.parse(args)
+    except ValueError as err:  # a named config's data (e.g. --config wikitext2_study)
+        if "shared/data" in str(err) and not (ROOT.parent / "shared" / "data").exists():
+            pytest.skip(f"{doc}: the shared data beside the checkout is absent: {err}")
+        raise
 
 
 def _free_port() -> int:
