@@ -187,6 +187,15 @@ class BlockLayout:
       dynamic: True when the mask has run-time parts (``padding``): kept/full are valid for any
         run-time value, ``partial_masks`` hold static upper bounds, and a kernel must AND them
         with ``mask.predicate(q_idx, kv_idx, batch=b)`` evaluated at run time.
+
+    Example:
+      >>> layout = causal().blocks(4, 4, 2, 2)  # q_len, kv_len, block_q, block_kv
+      >>> layout.kv_block_indices.tolist()  # [H, num_q_blocks, K]; -1 is SENTINEL
+      [[[0, -1], [0, 1]]]
+      >>> layout.kv_block_counts.tolist(), layout.block_is_full.tolist()  # [H, nq], [H, nq, K]
+      ([[1, 2]], [[[False, False], [True, False]]])
+      >>> layout.partial_masks.shape, layout.density  # [n_unique, block_q, block_kv]
+      ((1, 2, 2), 0.625)
     """
 
     kv_block_indices: np.ndarray  # int32 [H, nq, K], SENTINEL-padded
@@ -261,7 +270,18 @@ class BlockLayout:
 def check_layout(layout: Any, tq: int, tk: int, n: int, caller: str) -> BlockLayout:
     """``layout`` if it is a :class:`BlockLayout` for query/key lengths ``tq``/``tk`` and ``n``
     query heads (shared, or per-head with ``n`` heads); a ``TypeError``/``ValueError`` naming
-    ``caller`` and the argument otherwise. The kernels' check, before anything is traced."""
+    ``caller`` and the argument otherwise. The kernels' check, before anything is traced:
+    ``tq``, ``tk`` and ``n`` come from ``q [batch, tq, n, head_dim]`` and ``k [batch, tk, ...]``.
+
+    Example:
+      >>> layout = causal().blocks(4, 4, 2, 2)
+      >>> check_layout(layout, 4, 4, 8, "my_kernel") is layout  # shared: any number of heads
+      True
+      >>> check_layout(layout, 8, 8, 8, "my_kernel")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `layout` was built for (q_len, kv_len) = (4, 4) but q and k ...
+    """
     if not isinstance(layout, BlockLayout):
         raise TypeError(
             f"{caller}: `layout` must be a sparse_jax.masks.BlockLayout (from "
@@ -291,6 +311,16 @@ class Mask:
     Subclasses are small frozen dataclasses, one per mask kind, that implement ``_eval``. Users
     build masks with the functions of this module (``causal()``, ``local(...)``, ...) and
     combine them with ``&``, ``|``, ``~`` and :meth:`with_offset`.
+
+    Example:
+      >>> m = causal() & (local(1, 0) | sink(1))  # a window of 2 keys plus 1 attention sink
+      >>> m.dense(4, 4).astype(int)  # [q, kv]
+      array([[1, 0, 0, 0],
+             [1, 1, 0, 0],
+             [1, 1, 1, 0],
+             [1, 0, 1, 1]])
+      >>> m.shape, m.num_heads, m.is_dynamic  # any length, every head, static
+      (None, None, False)
     """
 
     # --- structure (overridden by the nodes that constrain it) --------------------------------

@@ -997,6 +997,16 @@ def masked_softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
     The JVP is written out (``p * (ds - <p, ds>)``) so that reverse mode keeps only ``p`` as a
     residual, not the masking ``where``s (2.4x faster whole attention: docs/benchmarks.md,
     "Design measurements").
+
+    Shapes: scores ``s [..., keys]`` (e.g. ``[batch, heads, q, kv]``), ``allowed`` bool
+    broadcastable to ``s``; returns weights of ``s``'s shape and dtype.
+
+    Example:
+      >>> s = jnp.array([[0.0, 1.0, 2.0], [5.0, 5.0, 5.0]])  # [rows, keys]
+      >>> allowed = jnp.array([[True, True, False], [False, False, False]])
+      >>> print(np.asarray(masked_softmax(s, allowed)).round(4))  # second row: nothing allowed
+      [[0.2689 0.7311 0.    ]
+       [0.     0.     0.    ]]
     """
     s = _check_scores(s, "masked_softmax", "s")
     _check_row_length(s, s.ndim - 1, "masked_softmax", "s")
@@ -1013,7 +1023,14 @@ def normalize(s: jax.Array, allowed: jax.Array | None, normalizer: Any) -> jax.A
     ``allowed`` (bool, broadcastable to ``s``, or None) masks keys; ``-inf`` scores are masked
     too; non-finite scores follow the module's policy. ``normalizer``: one of
     :data:`NORMALIZERS` or an α for :func:`entmax` (an α array must broadcast to ``s`` without
-    its last axis).
+    its last axis). Returns weights of ``s``'s shape (e.g. ``[batch, heads, q, kv]``) and dtype.
+
+    Example:
+      >>> s = jnp.array([1.0, 0.8, -1.0])  # [keys]
+      >>> print(np.asarray(normalize(s, None, "sparsemax")).round(4))
+      [0.6 0.4 0. ]
+      >>> print(np.asarray(normalize(s, jnp.array([True, False, True]), 1.5)).round(4))
+      [1. 0. 0.]
     """
     s = _check_scores(s, "normalize", "s")
     _check_row_length(s, s.ndim - 1, "normalize", "s")

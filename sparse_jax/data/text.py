@@ -649,7 +649,18 @@ def __getattr__(name: str) -> Any:
 
 
 def default_data_dir() -> Path:
-    """``$SPARSE_JAX_DATA_DIR`` if set, else ``~/.cache/sparse_jax/tfds``."""
+    """``$SPARSE_JAX_DATA_DIR`` if set, else ``~/.cache/sparse_jax/tfds``.
+
+    Example:
+      >>> from unittest import mock
+      >>> with mock.patch.dict(os.environ, {"SPARSE_JAX_DATA_DIR": "/data/tfds"}):
+      ...     print(default_data_dir())
+      /data/tfds
+      >>> unset = {k: v for k, v in os.environ.items() if k != "SPARSE_JAX_DATA_DIR"}
+      >>> with mock.patch.dict(os.environ, unset, clear=True):
+      ...     default_data_dir() == Path.home() / ".cache" / "sparse_jax" / "tfds"
+      True
+    """
     env = os.environ.get("SPARSE_JAX_DATA_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sparse_jax" / "tfds"
 
@@ -812,6 +823,24 @@ def prepare(
 
     Raises ``ValueError`` for ``seq_len < 1``, an empty split, or a split shorter than one
     window (the message gives its number of tokens).
+
+    Example (a small text file, windows of ``seq_len + 1 = 17`` byte tokens):
+      >>> import tempfile
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = Path(tmp.name) / "corpus.txt"
+      >>> _ = path.write_text("".join(f"line {i}: the quick brown fox.\\n" for i in range(20)))
+      >>> data = prepare(path, "byte", seq_len=16, data_dir=Path(tmp.name) / "cache")
+      Downloading and preparing dataset ...
+      Dataset sparse_jax_text downloaded and prepared to ... Subsequent calls will reuse this data.
+      >>> data.train[0].shape, data.train[0].dtype  # one window: int32 [seq_len + 1]
+      ((17,), dtype('int32'))
+      >>> data.train[[0, 1]].shape  # several windows: [n, seq_len + 1]
+      (2, 17)
+      >>> len(data.train), len(data.eval), data.stats["train"]["tokens"]
+      (33, 3, 531)
+      >>> prepare(path, "byte", seq_len=16, data_dir=Path(tmp.name) / "cache").built  # reused
+      False
+      >>> tmp.cleanup()
     """
     import tensorflow_datasets as tfds
 

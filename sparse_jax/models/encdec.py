@@ -69,7 +69,23 @@ EMBED_MASKS = ("random", "magnitude")
 @dataclasses.dataclass(frozen=True)
 class EncDecConfig:
     """Sizes and switches of :class:`EncoderDecoder` (defaults: the sparse model; see
-    :meth:`dense` for its baseline)."""
+    :meth:`dense` for its baseline).
+
+    The model it describes maps ``source [B, S]`` and ``target [B, T]`` token ids to logits
+    ``[B, T, V]`` (``V = vocab_size``), with width ``D = d_model`` split into ``N = num_heads``
+    heads of ``head_dim = D / N``.
+
+    Example:
+      >>> cfg = EncDecConfig(vocab_size=11, d_model=16, num_heads=2, d_ff=32, decoder_window=2)
+      >>> cfg.head_dim  # D / N
+      8
+      >>> cfg.decoder_mask().dense(3, 3).astype(int)  # [T, T]: the 2 most recent tokens
+      array([[1, 0, 0],
+             [1, 1, 0],
+             [0, 1, 1]])
+      >>> cfg.dense().normalizer, cfg.dense().decoder_window  # the baseline of the same size
+      ('softmax', None)
+    """
 
     vocab_size: int = 260  # token ids in [0, vocab_size)
     d_model: int = 128  # D, the width of every layer
@@ -517,7 +533,15 @@ def _greedy(graphdef, state, source, source_lengths, bos, eos, max_len):
 
 
 def describe(config: EncDecConfig) -> dict[str, Any]:
-    """The switches of ``config`` that differ from its dense baseline (empty: dense)."""
+    """The switches of ``config`` that differ from its dense baseline (empty: dense).
+
+    Example:
+      >>> describe(EncDecConfig(decoder_window=8))  # the sparse defaults and a window
+      {'normalizer': 'sparsemax', 'output': 'sparsemax', 'embed_keep': 0.5, 'cot_keep': 0.5,
+       'decoder_window': 8}
+      >>> describe(EncDecConfig().dense())  # the baseline: nothing differs
+      {}
+    """
     dense = config.dense()
     return {
         f.name: getattr(config, f.name)

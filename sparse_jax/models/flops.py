@@ -183,10 +183,20 @@ def model_flops(model: Any, seq_len: int, *, batch: int = 1) -> ModelFlops:
     Args:
       model: a GPT2 (teacher, soft student or hardened model).
       seq_len: tokens per sequence ``T`` (causal self-attention, ``S = T``).
-      batch: sequences.
+      batch: sequences ``B`` (the model's input is ids ``[B, T]``).
 
     Returns:
       A :class:`ModelFlops`.
+
+    Example:
+      >>> from flax import nnx
+      >>> from sparse_jax.models import GPT2, GPT2Config
+      >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))  # D 48, 2 blocks, V 101
+      >>> report = model_flops(model, 8, batch=2)  # ids [B, T] = [2, 8]
+      >>> len(report.layers), report.lm_head == 2 * 2 * 8 * 48 * 101  # 2 x B x T x D x V
+      (2, True)
+      >>> report.layers[0].computed_fraction, report.attention_density  # causal: 36 of 64
+      (1.0, 0.5625)
     """
     caller = "model_flops"
     seq_len = check_int(seq_len, "seq_len", caller)

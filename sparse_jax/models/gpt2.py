@@ -76,7 +76,19 @@ PRESETS = {
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
-    """Sizes of a GPT-2 (Hugging Face's ``GPT2Config`` fields of the same names)."""
+    """Sizes of a GPT-2 (Hugging Face's ``GPT2Config`` fields of the same names).
+
+    Example:
+      >>> cfg = GPT2Config.preset("tiny")
+      >>> cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.inner(0)  # D, blocks, N, H, U
+      (48, 2, 3, 16, 192)
+      >>> cfg.n_positions, cfg.vocab_size  # ids [B, T] with T <= 37 -> logits [B, T, 101]
+      (37, 101)
+      >>> GPT2Config(n_embd=48, n_head=5)
+      Traceback (most recent call last):
+      ...
+      ValueError: GPT2Config: `n_embd` (48) must be divisible by `n_head` (5)
+    """
 
     vocab_size: int = 50257  # tokens
     n_positions: int = 1024  # longest sequence (learned position embeddings)
@@ -182,6 +194,18 @@ class AttentionSpec:
     ``head_gate`` / ``ffn_gate`` add a gate per head / FFN unit (``"sigmoid_ste"``,
     ``"sigmoid"``, ``"hard_concrete"``; ``"score_scaling"`` for heads scales the scores instead,
     the CANDS code's variant).
+
+    Example:
+      >>> from flax import nnx
+      >>> from sparse_jax.masks import causal, local
+      >>> spec = AttentionSpec(mask=causal() & local(3, 0), normalizer="sparsemax")
+      >>> model = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))  # every block
+      >>> type(model.h[0].attn.core).__name__, float(model.attention_density(8))  # 26 of 64
+      ('FixedAttention', 0.40625)
+      >>> student = GPT2(GPT2Config.preset("tiny"), AttentionSpec(kind="candidates",
+      ...                granularity="head"), rngs=nnx.Rngs(0))  # the default bank of 7
+      >>> [w.shape for w in student.candidate_weights()]  # [N, C] per block
+      [(3, 7), (3, 7)]
     """
 
     kind: Literal["fixed", "candidates"] = "fixed"
@@ -374,6 +398,14 @@ class GPT2(nnx.Module):
     (``mask_l1``, ``mask_density``, ``mask_expected_density``, ``mask_expected_cost``,
     ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard
     Concrete gates (training); without it gates are deterministic.
+
+    Example:
+      >>> from flax import nnx
+      >>> spec = AttentionSpec(head_gate="sigmoid_ste")  # a gate per head, every block
+      >>> model = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+      >>> logits, aux = model(jnp.zeros((2, 5), jnp.int32), return_aux=True)  # ids [B, T]
+      >>> logits.shape, logits.dtype, sorted(aux)  # logits [B, T, V]
+      ((2, 5, 101), dtype('float32'), ['head_gate'])
     """
 
     def __init__(

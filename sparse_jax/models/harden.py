@@ -131,7 +131,26 @@ def harden_plan(
     length=None,
     price: str = "density",
 ) -> HardenReport:
-    """Decides what :func:`harden` keeps (see there for the arguments)."""
+    """Decides what :func:`harden` keeps (see there for the arguments).
+
+    Per block of ``N`` heads and ``C`` candidates, the report holds the kept heads and FFN
+    units (index arrays), the kept heads' masks and the kept candidates (bool ``[N, C]``).
+
+    Example:
+      >>> from sparse_jax.masks import causal, local, sink
+      >>> from sparse_jax.models.gpt2 import GPT2Config
+      >>> cands = (sink(2) & causal(), causal() & local(3, 0), causal())
+      >>> spec = AttentionSpec(kind="candidates", candidates=cands, granularity="head")
+      >>> student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))  # 3 heads a block
+      >>> for block in student.h:  # logits [N, C]: weights sigmoid(2, 1, -1) = 0.88, 0.73, 0.27
+      ...     block.attn.core.logits[...] = jnp.array([[2.0, 1.0, -1.0]] * 3)
+      >>> plan = harden_plan(student, length=8)  # weight >= 0.5: the sink and the window
+      >>> plan.kept_candidates[0].astype(int).tolist(), plan.density  # [N, C]; density at 8
+      ([[1, 1, 0], [1, 1, 0], [1, 1, 0]], 0.515625)
+      >>> plan = harden_plan(student, budget=0.3, length=8)  # the lowest threshold that fits
+      >>> round(plan.threshold, 3), plan.density, plan.kept_candidates[0][0].tolist()
+      (0.881, 0.234375, [True, False, False])
+    """
     caller = "harden"
     if price not in ("density", "blocks"):
         raise ValueError(f"{caller}: unknown `price`={price!r}; allowed: 'density', 'blocks'")
@@ -245,7 +264,22 @@ def harden(
         block costs what causal costs.
 
     Returns:
-      A new :class:`GPT2` with ``heads_per_layer``/``inner_per_layer`` set and fixed masks.
+      A new :class:`GPT2` with ``heads_per_layer``/``inner_per_layer`` set and fixed masks
+      (like ``model``, it maps ids ``[B, T]`` to logits ``[B, T, V]``).
+
+    Example:
+      >>> from sparse_jax.masks import causal, local, sink
+      >>> from sparse_jax.models.gpt2 import GPT2Config
+      >>> cands = (sink(2) & causal(), causal() & local(3, 0), causal())
+      >>> spec = AttentionSpec(kind="candidates", candidates=cands, granularity="head")
+      >>> student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+      >>> for block in student.h:  # candidate weights sigmoid(2, 1, -1) = 0.88, 0.73, 0.27
+      ...     block.attn.core.logits[...] = jnp.array([[2.0, 1.0, -1.0]] * 3)
+      >>> hard = harden(student)  # keeps weights >= 0.5: the union of the sink and the window
+      >>> hard.config.heads_per_layer, hard.h[0].attn.core.mask
+      ((3, 3), ((Sink(n=2) & Causal()) | (Causal() & Local(left=3, right=0))))
+      >>> float(hard.attention_density(8))
+      0.515625
     """
     plan = harden_plan(model, threshold=threshold, budget=budget, length=length, price=price)
     cfg = model.config

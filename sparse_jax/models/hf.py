@@ -68,6 +68,17 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPT2Config:
 
     Raises ``TypeError`` when ``hf`` is not a dict and ``ValueError`` naming what is wrong: a
     missing key, another ``model_type``, an unsupported option or a value GPT2Config refuses.
+
+    Example:
+      >>> hf = {"vocab_size": 101, "n_positions": 37, "n_embd": 48, "n_layer": 2, "n_head": 3}
+      >>> config_from_hf(hf) == GPT2Config.preset("tiny")
+      True
+      >>> config_from_hf(hf, n_positions=64).n_positions  # overrides win
+      64
+      >>> config_from_hf({**hf, "model_type": "bert"})
+      Traceback (most recent call last):
+      ...
+      ValueError: config.json: model_type 'bert' is not 'gpt2'
     """
     if not isinstance(hf, dict):
         raise TypeError(
@@ -157,6 +168,12 @@ def from_pretrained(
         safetensors file, or holds tensors that do not fit ``config.json``. The message names
         the file, what is wrong and what to do.
       ValueError: a pickled checkpoint only (refused).
+
+    Example (a round trip through a folder: see :func:`save_pretrained`):
+      >>> from_pretrained("/no/such/folder")
+      Traceback (most recent call last):
+      ...
+      FileNotFoundError: from_pretrained: folder '/no/such/folder' does not exist
     """
     folder = _resolve(path_or_name)
     weights_file, config_file = folder / "model.safetensors", folder / "config.json"
@@ -184,7 +201,23 @@ def from_pretrained(
 
 def read_config(config_file: str | os.PathLike) -> GPT2Config:
     """The GPT2Config of a Hugging Face ``config.json``; :class:`PretrainedFileError` (naming the
-    file) when it cannot be read, is not JSON, or does not describe a GPT-2 this package runs."""
+    file) when it cannot be read, is not JSON, or does not describe a GPT-2 this package runs.
+
+    Example:
+      >>> import tempfile
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = pathlib.Path(tmp.name) / "config.json"
+      >>> hf = {"vocab_size": 101, "n_positions": 37, "n_embd": 48, "n_layer": 2, "n_head": 3}
+      >>> _ = path.write_text(json.dumps(hf))
+      >>> read_config(path) == GPT2Config.preset("tiny")
+      True
+      >>> _ = path.write_text("{")
+      >>> read_config(path)
+      Traceback (most recent call last):
+      ...
+      sparse_jax.models.hf.PretrainedFileError: from_pretrained: ...config.json: is not valid ...
+      >>> tmp.cleanup()
+    """
     config_file = pathlib.Path(config_file)
     try:
         text = config_file.read_text()
@@ -205,7 +238,23 @@ def read_config(config_file: str | os.PathLike) -> GPT2Config:
 
 def check_weights_file(weights_file: str | os.PathLike) -> None:
     """Reads the header of a ``model.safetensors`` (not its tensors):
-    :class:`PretrainedFileError` when the file is empty, truncated or not safetensors."""
+    :class:`PretrainedFileError` when the file is empty, truncated or not safetensors.
+
+    Example:
+      >>> import tempfile
+      >>> from safetensors.numpy import save_file
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> good = pathlib.Path(tmp.name) / "model.safetensors"
+      >>> save_file({"wte.weight": np.zeros((5, 4), np.float32)}, str(good))  # [V, D]
+      >>> check_weights_file(good)  # a readable header: returns None
+      >>> empty = pathlib.Path(tmp.name) / "empty.safetensors"
+      >>> _ = empty.write_bytes(b"")
+      >>> check_weights_file(empty)
+      Traceback (most recent call last):
+      ...
+      sparse_jax.models.hf.PretrainedFileError: from_pretrained: .../empty.safetensors: is empty ...
+      >>> tmp.cleanup()
+    """
     from safetensors import SafetensorError, safe_open
 
     weights_file = pathlib.Path(weights_file)
@@ -317,6 +366,21 @@ def save_pretrained(
     with parameters beyond GPT-2's (gates, candidate weights, learned α), are refused (save
     them with the training checkpoints instead). The attention spec is not stored: loading gives
     the dense causal softmax model unless another spec is passed.
+
+    Example (a round trip with :func:`from_pretrained`):
+      >>> import tempfile
+      >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> folder = save_pretrained(model, pathlib.Path(tmp.name) / "gpt2-tiny")
+      >>> sorted(p.name for p in folder.iterdir())
+      ['config.json', 'model.safetensors']
+      >>> loaded = from_pretrained(folder)
+      >>> loaded.config == model.config
+      True
+      >>> w, w2 = model.wte.embedding[...], loaded.wte.embedding[...]  # [V, D]
+      >>> w2.shape, bool((w == w2).all())
+      ((101, 48), True)
+      >>> tmp.cleanup()
     """
     from safetensors.numpy import save_file
 

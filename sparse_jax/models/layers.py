@@ -169,6 +169,17 @@ class FixedAttention(nnx.Module):
         when it is a float, else 1.5); ``normalizer`` must then be a float or ``"entmax15"``.
       impl, block_size: passed to :func:`sparse_jax.attention` (``"auto"``: the block-sparse
         kernel when the mask leaves enough out).
+
+    Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``.
+
+    Example:
+      >>> from sparse_jax.masks import causal, local
+      >>> attn = FixedAttention(2, mask=causal() & local(1, 0))  # 2 heads, windows of 2 keys
+      >>> q = jnp.ones((1, 16, 2, 8))  # [B, T, N, H]
+      >>> v = jnp.broadcast_to(jnp.arange(16.0)[None, :, None, None], q.shape)  # v = position
+      >>> out, aux = attn(q, q, v)
+      >>> out.shape, out[0, :4, 0, 0].tolist(), aux  # equal scores: the window's mean value
+      ((1, 16, 2, 8), [0.0, 0.5, 1.5, 2.5], {})
     """
 
     def __init__(
@@ -314,6 +325,20 @@ class CandidateMaskAttention(nnx.Module):
         ``expected_cost`` penalty (a serving length); None: the call's own length.
       block_size: ``(block_q, block_kv)`` of the block-sparse kernel whose blocks are priced.
       rngs: unused (weights start equal); accepted for the NNX constructor convention.
+
+    Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], aux)``, ``aux`` a
+    dict of scalar penalties.
+
+    Example:
+      >>> from sparse_jax.masks import causal, local, sink
+      >>> cands = [sink(1) & causal(), causal() & local(1, 0), causal()]
+      >>> attn = CandidateMaskAttention(2, cands, granularity="head")  # N = 2 heads, C = 3
+      >>> attn.candidate_weights().shape  # [N, C], each sigmoid(3) = 0.95 at the start
+      (2, 3)
+      >>> q = jnp.ones((1, 16, 2, 8))  # [B, T, N, H]
+      >>> out, aux = attn(q, q, q)
+      >>> out.shape, round(float(aux["l1"]), 2)  # l1 = the sum of the 6 weights
+      ((1, 16, 2, 8), 5.72)
     """
 
     def __init__(
@@ -631,6 +656,16 @@ class Gate(nnx.Module):
         expected L0 ``Σ P(gate != 0)``), or ``"score_scaling"`` (the CANDS code's variant,
         applied by the attention layer to the queries, i.e. to the scores: a temperature).
       init: initial logit / log α (``3.0``: open gates, ``sigmoid(3) = 0.95``).
+
+    Call: ``x [..., units]`` -> ``x * gate`` of the same shape.
+
+    Example:
+      >>> gate = Gate(3)  # "sigmoid_ste": hard 0/1 forward
+      >>> gate.logits[...] = jnp.array([3.0, -1.0, 2.0])
+      >>> gate(jnp.ones((2, 3))).tolist()  # [..., units]: unit 1 is closed
+      [[1.0, 0.0, 1.0], [1.0, 0.0, 1.0]]
+      >>> gate.hard_values().tolist(), round(float(gate.penalty()), 3)  # Σ sigmoid(z)
+      ([1.0, 0.0, 1.0], 2.102)
     """
 
     def __init__(self, num_units: int, kind: str = "sigmoid_ste", *, init: float = 3.0):

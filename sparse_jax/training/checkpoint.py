@@ -189,6 +189,15 @@ def abstract_like(tree: Any) -> Any:
     without a sharding, like a NumPy array, is restored as a NumPy array). Use it on a freshly
     initialised, already sharded state (or on ``jax.eval_shape`` output with shardings attached)
     to restore a checkpoint onto the current mesh.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tree = {"w": jnp.zeros((2, 3)), "n": np.zeros(2, np.int32)}  # w [2, 3], n [2]
+      >>> target = abstract_like(tree)
+      >>> target["w"].shape, target["w"].dtype, target["w"].sharding == tree["w"].sharding
+      ((2, 3), dtype('float32'), True)
+      >>> target["n"] is tree["n"]  # NumPy arrays are kept as they are
+      True
     """
 
     def leaf(x: Any) -> Any:
@@ -263,6 +272,19 @@ class Checkpointer:
       async_save: write in a background thread (Orbax async checkpointing); :meth:`save` returns
         once the arrays are copied off the device. Call :meth:`wait` or :meth:`close` before
         reading the files or exiting.
+
+    Example (keep the last 2 of 3 checkpoints, restore the latest onto a target):
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> state = {"w": jnp.arange(6.0).reshape(2, 3)}  # any pytree of arrays
+      >>> with tempfile.TemporaryDirectory() as tmp:
+      ...     with Checkpointer(tmp, save_every=1, keep_last=2, keep_best=False) as ckpt:
+      ...         for step in (1, 2, 3):
+      ...             _ = ckpt.save(step, state, data_state={"index": 4 * step}, rng=None)
+      ...         steps = ckpt.all_steps()
+      ...         restored, data_state, rng, step = ckpt.restore(target=abstract_like(state))
+      >>> steps, step, data_state, restored["w"].shape
+      ([2, 3], 3, {'index': 12}, (2, 3))
     """
 
     def __init__(

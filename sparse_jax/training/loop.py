@@ -55,7 +55,17 @@ __all__ = ["TrainConfig", "Trainer", "append_jsonl", "trainable_filter"]
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation settings of one training phase."""
+    """Optimisation settings of one training phase.
+
+    Example:
+      >>> config = TrainConfig(steps=100, batch_size=8, grad_accum=2)
+      >>> config.batch_size // config.grad_accum  # rows of a micro-batch [4, ...]
+      4
+      >>> TrainConfig(batch_size=8, grad_accum=3)
+      Traceback (most recent call last):
+      ...
+      ValueError: TrainConfig: `grad_accum`=3 must divide `batch_size`=8 (each update's ...
+    """
 
     steps: int = 200  # optimizer updates
     batch_size: int = 8  # global batch (sequences) of one update
@@ -168,6 +178,19 @@ class Trainer:
       mesh: a ``("data", "model")`` mesh (default: all devices on ``data``).
       rules: parameter partition rules (:data:`sparse_jax.training.sharding.DEFAULT_RULES`).
       checkpointer: a :class:`~sparse_jax.training.checkpoint.Checkpointer` or None.
+
+    Example (only the parameters ``trainable`` names move):
+      >>> model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(model, batch, rng):  # batch: int32 [batch_size, 4]
+      ...     return jnp.mean(model(batch.astype(jnp.float32)) ** 2), {}
+      >>> config = TrainConfig(steps=2, batch_size=2, warmup_steps=0, trainable="bias")
+      >>> trainer = Trainer(model, loss_fn, config)
+      >>> kernel = np.array(model.kernel[...])
+      >>> metrics = list(trainer.fit([np.ones((2, 4), np.int32)] * 2))  # a batch per update
+      >>> trainer.step, sorted(metrics[0]), metrics[1]["loss"] < metrics[0]["loss"]
+      (2, ['grad_norm', 'loss', 'tokens_per_s'], True)
+      >>> bool((model.kernel[...] == kernel).all()), bool((model.bias[...] != 0).all())
+      (True, True)
     """
 
     def __init__(
@@ -392,6 +415,18 @@ class Trainer:
 
 
 def append_jsonl(path, record: Mapping[str, Any]) -> None:
-    """Appends one JSON line (floats, ints, strings, lists)."""
+    """Appends one JSON line (floats, ints, strings, lists).
+
+    Example:
+      >>> import tempfile
+      >>> from pathlib import Path
+      >>> with tempfile.TemporaryDirectory() as tmp:
+      ...     path = Path(tmp) / "metrics.jsonl"
+      ...     append_jsonl(path, {"step": 1, "loss": np.float32(0.5)})  # numpy scalars: floats
+      ...     append_jsonl(path, {"step": 2, "loss": 0.25})
+      ...     print(path.read_text(), end="")
+      {"step": 1, "loss": 0.5}
+      {"step": 2, "loss": 0.25}
+    """
     with open(path, "a") as f:
         f.write(json.dumps(record, default=float) + "\n")

@@ -285,7 +285,15 @@ def _data_size(mesh: Mesh, caller: str) -> int:
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """``NamedSharding(mesh, P("data"))``: ``[batch, ...]`` arrays split on their first axis
-    over the data axis and replicated over the model axis."""
+    over the data axis and replicated over the model axis.
+
+    Example:
+      >>> sharding = batch_sharding(make_mesh())
+      >>> sharding.spec
+      P('data',)
+      >>> sharding.shard_shape((2 * jax.device_count(), 3))  # each device: [2, 3] of [batch, 3]
+      (2, 3)
+    """
     _data_size(mesh, "batch_sharding")
     return NamedSharding(mesh, PartitionSpec("data"))
 
@@ -473,7 +481,12 @@ def maybe_initialize_distributed(*, force: bool = False, environ=None) -> bool:
 
 
 def is_primary() -> bool:
-    """True on the process that writes shared files (process 0; always True on one process)."""
+    """True on the process that writes shared files (process 0; always True on one process).
+
+    Example:
+      >>> is_primary()  # a single process is the primary
+      True
+    """
     return jax.process_index() == 0
 
 
@@ -523,6 +536,12 @@ def local_model(model: nnx.Module) -> nnx.Module:
     """``model`` with its state on this process's default device (a new module), for work
     that each process does alone: evaluation, measurement, generation, saving. On a single
     process the model is returned as it is (its arrays are addressable already).
+
+    Example:
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))  # kernel [2, 3]
+      >>> local = local_model(model)
+      >>> local is model, local.kernel[...].shape  # one process: the model itself
+      (True, (2, 3))
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"local_model: `model` must be an nnx.Module; got {type(model).__name__}")
