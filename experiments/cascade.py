@@ -2,7 +2,8 @@
 FFN units and tokens, against a dense GPT-2 of the same shape, data, steps and seed.
 
     python -m experiments.cascade                       # the embedded corpus, a few minutes
-    python -m experiments.cascade --data.source ../shared/data/wikitext-2 --train.steps 1500
+    python -m experiments.cascade --data.source ../shared/data/wikitext-2 --train.steps 1500 \
+        --model.final-keep 0.3                          # the WikiText-2 study
     python -m experiments.cascade --sweep 0.8 0.6 0.4   # Pareto: perplexity against FLOPs
 
 Phases: the dense baseline (``GPT2``), the cascade (:class:`sparse_jax.models.cascade.CascadeLM`,
@@ -63,8 +64,9 @@ class Model:
     keep_ratios: tuple[float, ...] | None = None
     """Target kept fraction of tokens, heads and units per block, r_1 = 1 >= r_2 >= ... (None:
     from 1 down to --model.final-keep, linearly)."""
-    final_keep: float = 0.7
-    """The last block's target when --model.keep-ratios is not given."""
+    final_keep: float = 0.4
+    """The last block's target when --model.keep-ratios is not given (how it was chosen:
+    docs/results.md, the cascade)."""
     gate: Literal["hard_concrete", "sigmoid_ste"] = "hard_concrete"
     """Gate kind: Hard Concrete L0 gates, or the published sigmoid with a straight-through
     estimator."""
@@ -91,8 +93,9 @@ class Train:
     """Updates of each model."""
     lr: float = 3e-3
     """Peak learning rate (warm-up, cosine decay)."""
-    gate_lr_multiplier: float = 10.0
-    """Learning-rate multiplier of the gates, routers and Lagrange multipliers."""
+    gate_lr_multiplier: float = 1.0
+    """Learning-rate multiplier of the gates, routers and Lagrange multipliers (faster
+    multipliers oscillate: docs/results.md, the cascade)."""
 
 
 @dataclasses.dataclass(frozen=True)
