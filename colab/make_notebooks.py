@@ -656,7 +656,7 @@ if SMALL:
         "--train.steps", "2", "--run.checkpoint-every", "2", "--run.eval-batches", "1",
     ]  # fmt: skip
 else:
-    args = ["--sweep", "0.8", "0.6", "0.4"]
+    args = ["--sweep", "0.7", "0.5", "0.3"]
     if BACKEND != "cpu":
         args += ["--train.steps", "1000"]
 RUN_DIR = WORK_DIR / ("cascade-small" if SMALL else "cascade")

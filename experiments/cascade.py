@@ -4,7 +4,7 @@ FFN units and tokens, against a dense GPT-2 of the same shape, data, steps and s
     python -m experiments.cascade                       # the embedded corpus, a few minutes
     python -m experiments.cascade --data.source ../shared/data/wikitext-2 --train.steps 1500 \
         --model.final-keep 0.3                          # the WikiText-2 study
-    python -m experiments.cascade --sweep 0.8 0.6 0.4   # Pareto: perplexity against FLOPs
+    python -m experiments.cascade --sweep 0.7 0.5 0.3   # Pareto: perplexity against FLOPs
 
 Phases: the dense baseline (``GPT2``), the cascade (:class:`sparse_jax.models.cascade.CascadeLM`,
 cross entropy plus the Lagrangian that drives each block's expected keep ratios to their
