@@ -158,7 +158,7 @@ class Model:
 
 @dataclasses.dataclass(frozen=True)
 class Train:
-    steps: int = 1200
+    steps: int = 2400
     """Updates of each model."""
     batch_size: int = 16
     """Problems per update."""
