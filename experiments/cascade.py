@@ -32,17 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 from flax import nnx
-from tqdm import tqdm
 
 from experiments import measure
 from experiments.distill_run import write_text_atomically
+from experiments.phase import train_phase
 from sparse_jax.data import text
-from sparse_jax.data.text import BatchIterator
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.models.cascade import CascadeConfig, CascadeLM, cascade_flops
 from sparse_jax.models.gpt2 import PRESETS
-from sparse_jax.training.checkpoint import Checkpointer
-from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
+from sparse_jax.training.loop import TrainConfig
 from sparse_jax.training.losses import cross_entropy_loss
 
 
@@ -228,7 +226,7 @@ def _cascade_loss(model, batch, rng):
 
 
 def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_fn, data):
-    """Trains (or resumes) one model with the project's trainer, checkpoints and a bar."""
+    """Trains (or resumes) one model (:func:`experiments.phase.train_phase`)."""
     t = cfg.train
     tc = TrainConfig(
         steps=t.steps,
@@ -239,29 +237,10 @@ def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_
         fast_lr_multiplier=t.gate_lr_multiplier,
         seed=cfg.run.seed,
     )
-    ckpt = Checkpointer(
-        folder / "checkpoints" / name, save_every=cfg.run.checkpoint_every, keep_last=2
-    )
-    trainer = Trainer(model, loss_fn, tc, checkpointer=ckpt)
-    state = trainer.restore() if cfg.run.resume else None
-    if state is not None:
-        log(f"{name}: resumed at step {trainer.step}")
-        iterator = BatchIterator.from_state(data.train, state["iterator"])
-    else:
-        iterator = BatchIterator(data.train, cfg.data.batch_size, seed=cfg.run.seed)
-    bar = tqdm(total=t.steps, initial=trainer.step, desc=name, file=sys.stderr)
-
-    def on_step(step, metrics):
-        bar.set_postfix({"ce": f"{metrics.get('ce', 0.0):.3g}"})
-        bar.update(1)
-        append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
-
-    for _ in trainer.fit(
-        iterator, data_state=lambda: {"iterator": iterator.state()}, on_step=on_step
-    ):
-        pass
-    bar.close()
-    ckpt.close()
+    trainer, _ = train_phase(
+        model, loss_fn, tc, data.train, folder=folder, name=name,
+        checkpoint_every=cfg.run.checkpoint_every, resume=cfg.run.resume, log=log, shown="ce",
+    )  # fmt: skip
     return trainer.sync_model()
 
 

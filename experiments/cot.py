@@ -40,15 +40,13 @@ import jax
 import numpy as np
 import tyro
 from flax import nnx
-from tqdm import tqdm
 
 from experiments.distill_run import write_text_atomically
+from experiments.phase import train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
-from sparse_jax.data.text import BatchIterator
 from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
-from sparse_jax.training.checkpoint import Checkpointer
-from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
+from sparse_jax.training.loop import TrainConfig
 
 MODELS = ("sparse", "dense")
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
@@ -406,44 +404,22 @@ def _configs(cfg: TrainCommand) -> dict[str, tuple[EncDecConfig, TrainConfig]]:
 
 
 def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, rows, val_rows):
-    """Trains (or resumes) one model with the project's trainer, checkpoints and a bar."""
+    """Trains (or resumes) one model (:func:`experiments.phase.train_phase`); its seconds."""
     model_config, tc = configs[name]
     model = EncoderDecoder(model_config, rngs=nnx.Rngs(cfg.run.seed))
     loss = functools.partial(cot.loss_fn, source_len=fmt.source_len)
     graphdef = nnx.graphdef(model)
     val_loss = jax.jit(lambda state, r: loss(nnx.merge(graphdef, state), r)[0])
-    ckpt = Checkpointer(
-        folder / "checkpoints" / name, save_every=cfg.run.checkpoint_every, keep_last=2
-    )
-    trainer = Trainer(model, loss, tc, checkpointer=ckpt)
-    state = trainer.restore() if cfg.run.resume else None
-    if state is not None:
-        log(f"{name}: resumed at step {trainer.step} of {tc.steps}")
-        iterator = BatchIterator.from_state(rows, state["iterator"])
-    else:
-        iterator = BatchIterator(rows, tc.batch_size, seed=cfg.run.seed)
-    bar = tqdm(total=tc.steps, initial=trainer.step, desc=name, file=sys.stderr)
-
-    def on_step(step, metrics):
-        bar.set_postfix({"loss": f"{metrics['loss']:.3g}"})
-        bar.update(1)
-        append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
 
     def evaluate(m):
         return {"loss": float(val_loss(nnx.state(m), val_rows))}
 
-    started = time.perf_counter()
-    for _ in trainer.fit(
-        iterator,
-        data_state=lambda: {"iterator": iterator.state()},
-        on_step=on_step,
+    _, seconds = train_phase(
+        model, loss, tc, rows, folder=folder, name=name,
+        checkpoint_every=cfg.run.checkpoint_every, resume=cfg.run.resume, log=log,
         evaluate=evaluate,
-        eval_every=cfg.run.checkpoint_every,
-    ):
-        pass
-    bar.close()
-    ckpt.close()
-    return time.perf_counter() - started
+    )  # fmt: skip
+    return seconds
 
 
 def train(cfg: TrainCommand) -> pathlib.Path:

@@ -1,0 +1,66 @@
+"""One training phase of an experiment's run folder: the project's trainer with checkpoints,
+resumption, a progress bar and ``metrics.jsonl`` (what ``experiments.cascade`` and
+``experiments.cot`` share; the main job's phases add sharding and live in ``distill_run``)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from sparse_jax.data.text import BatchIterator
+from sparse_jax.training.checkpoint import Checkpointer
+from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
+
+
+def train_phase(
+    model,
+    loss_fn,
+    config: TrainConfig,
+    rows: np.ndarray,
+    *,
+    folder: pathlib.Path,
+    name: str,
+    checkpoint_every: int,
+    resume: bool,
+    log: Callable[[str], None],
+    shown: str = "loss",
+    evaluate=None,
+) -> tuple[Trainer, float]:
+    """Trains ``model`` on batches of ``rows`` (``config.batch_size`` rows, shuffled with
+    ``config.seed``) for ``config.steps`` updates, checkpointed every ``checkpoint_every`` in
+    ``folder/checkpoints/<name>`` (``resume``: from the last one, batches included); each
+    update's metrics go to ``folder/metrics.jsonl`` under ``"phase": name`` and metric
+    ``shown`` to the bar. ``evaluate(model) -> dict`` runs at each checkpoint. Returns the
+    trainer (``sync_model()`` gives the trained model) and the phase's seconds."""
+    started = time.perf_counter()
+    ckpt = Checkpointer(folder / "checkpoints" / name, save_every=checkpoint_every, keep_last=2)
+    trainer = Trainer(model, loss_fn, config, checkpointer=ckpt)
+    state = trainer.restore() if resume else None
+    if state is not None:
+        log(f"{name}: resumed at step {trainer.step} of {config.steps}")
+        iterator = BatchIterator.from_state(rows, state["iterator"])
+    else:
+        iterator = BatchIterator(rows, config.batch_size, seed=config.seed)
+    bar = tqdm(total=config.steps, initial=trainer.step, desc=name, file=sys.stderr)
+
+    def on_step(step, metrics):
+        bar.set_postfix({shown: f"{metrics.get(shown, 0.0):.3g}"})
+        bar.update(1)
+        append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
+
+    for _ in trainer.fit(
+        iterator,
+        data_state=lambda: {"iterator": iterator.state()},
+        on_step=on_step,
+        evaluate=evaluate,
+        eval_every=checkpoint_every if evaluate is not None else 0,
+    ):
+        pass
+    bar.close()
+    ckpt.close()
+    return trainer, time.perf_counter() - started
