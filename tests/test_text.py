@@ -7,6 +7,7 @@ Everything runs offline (socket connections refused) and writes only under pytes
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from sparse_jax.data import text as text_module
 from sparse_jax.data.text import (
     BatchIterator,
     PreparedData,
@@ -300,6 +302,31 @@ def test_cache_is_written_once_and_rebuilt_on_change(tmp_path):
     assert changed.built and changed.dataset_dir not in (first.dataset_dir, longer.dataset_dir)
     assert {p.stat().st_mtime_ns for p in records} == set(mtimes.values())
     assert len(list((cache / "sparse_jax_text").iterdir())) == 3
+
+
+def test_two_runs_preparing_one_dataset_at_once(tmp_path, monkeypatch):
+    # Two runs started together on one cache both build the dataset; the later one's final
+    # rename finds the folder the other wrote. Played here deterministically: while this
+    # process writes, "the other" finishes (its folder copied into place).
+    path = tmp_path / "corpus.txt"
+    path.write_text(_lines(200))
+    other = prepare(path, "byte", 64, data_dir=tmp_path / "other")
+    cache = tmp_path / "cache"
+    written = cache / other.dataset_dir.relative_to(tmp_path / "other")
+    real = text_module.SparseJaxText._download_and_prepare
+
+    def meanwhile_the_other_finishes(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        shutil.copytree(other.dataset_dir, written)
+        return out
+
+    monkeypatch.setattr(
+        text_module.SparseJaxText, "_download_and_prepare", meanwhile_the_other_finishes
+    )
+    data = prepare(path, "byte", 64, data_dir=cache)
+    assert data.dataset_dir == written and data.stats == other.stats
+    np.testing.assert_array_equal(data.train[3], other.train[3])
+    assert [p.name for p in written.parent.iterdir()] == [written.name]  # no leftover
 
 
 def test_default_data_dir_from_environment(tmp_path, monkeypatch):

@@ -1823,9 +1823,7 @@ def prepare(
     False
     >>> tmp.cleanup()
     """
-    import tensorflow_datasets as tfds
-
-    from sparse_jax.data.text import _quiet_tfds, default_data_dir
+    from sparse_jax.data.text import _prepare_once, _quiet_tfds, default_data_dir
 
     sizes = {
         name: check_int(value, name, "prepare", low=1)
@@ -1863,9 +1861,7 @@ def prepare(
                 file_format="array_record",
                 problems=make_splits(**sizes, seed=seed, config=cfg),
             )
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(try_download_gcs=False)
-            )
+            _prepare_once(builder)
         sources = builder.as_data_source()
     return LinalgCotData(
         **{split: ProblemSource(sources[split], split) for split in SPLITS},

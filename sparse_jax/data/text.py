@@ -748,6 +748,24 @@ class PreparedData:
         )
 
 
+def _prepare_once(builder) -> None:
+    """``builder.download_and_prepare()`` (local files only), tolerating a process that prepared
+    the same dataset meanwhile: two runs started together on one cache both build it, and TFDS's
+    final rename then fails in the later one with ``FileExistsError`` although the folder it
+    wanted is there, complete. Any other failure, or that error without a prepared dataset,
+    propagates.
+    """
+    import tensorflow_datasets as tfds
+
+    try:
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False)
+        )
+    except FileExistsError:
+        if not builder.is_prepared():
+            raise
+
+
 @contextlib.contextmanager
 def _quiet_tfds(verbose: bool) -> Iterator[None]:
     """TFDS's progress bars on (``verbose``) or off, and off its log lines below errors (e.g.
@@ -885,9 +903,7 @@ def prepare(
                 file_format="array_record",
                 windows=windows,
             )
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(try_download_gcs=False)
-            )
+            _prepare_once(builder)
         # Read back through tfds.data_source: it finds the files by name (the builder class has
         # no such config, so TFDS opens the dataset from its files).
         sources = tfds.data_source(name, data_dir=root, download=False)
