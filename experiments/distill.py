@@ -112,8 +112,18 @@ def run(config: DistillConfig) -> dict:
         pattern = distill_phases.planted_pattern(config)
         bank = spec.candidates
         swaps = distill_phases.planted_swaps(r, teacher, student)
+        specs = distill_phases.planted_specs(config)
         summary |= measure.planted_recovery(
-            student, hard, pattern, bank, lengths[-1], swaps, config.measure.planted_tolerance
+            student,
+            hard,
+            pattern,
+            bank,
+            lengths[-1],
+            swaps,
+            config.measure.planted_tolerance,
+            union_swap=lambda i, h, mask: measure.swap_kl(
+                teacher, specs, i, h, mask, r.eval_windows
+            ),
         )
     if r.primary:
         text = json.dumps(summary, indent=2, default=float) + "\n"

@@ -39,6 +39,8 @@ from sparse_jax.models.hf import (
 
 __all__ = [
     "OLD_FLAGS",
+    "RAMP_BEFORE_SEARCH",
+    "TRAIN_BEFORE_SEARCH",
     "DataConfig",
     "DistillConfig",
     "HardenConfig",
@@ -307,6 +309,13 @@ class LossConfig(_Group):
     = 1; see --student.serve-len-factor)."""
     gate_l1: float = 0.0005
     """Weight of the head/FFN gate penalties."""
+    penalty_ramp: tuple[float, float] = (0.5, 0.75)
+    """START END, fractions of the student's updates: the mask penalties are off before START,
+    grow linearly from 0 at START to their weights at END ((0, 0): at full weight from the
+    first update). Off at first, the KL alone decides which candidates a head needs; the price
+    then chooses among those it is indifferent to (at full weight from the start, its steady
+    gradient pushes needed candidates out of the sparsemax support before the KL's gradient,
+    small near uniform weights, can keep them: docs/results.md)."""
 
     def __post_init__(self):
         self.number("temperature", positive=True)
@@ -318,6 +327,20 @@ class LossConfig(_Group):
             "gate_l1",
         ):
             self.number(name, positive=False)
+        ramp = self.penalty_ramp
+        ok = len(ramp) == 2 and all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool) for x in ramp
+        )
+        if not (ok and 0 <= ramp[0] <= ramp[1] <= 1):
+            raise ValueError(
+                f"{self.flag('penalty_ramp')} must be two fractions START <= END in [0, 1]; "
+                f"got {ramp!r}"
+            )
+        object.__setattr__(self, "penalty_ramp", (float(ramp[0]), float(ramp[1])))
+
+    def ramp_steps(self, steps: int) -> tuple[int, int]:
+        """--loss.penalty-ramp in updates of a phase of ``steps``."""
+        return round(self.penalty_ramp[0] * steps), round(self.penalty_ramp[1] * steps)
 
     def penalty_weights(self) -> dict[str, float]:
         """The penalty weights by the names of the models' aux outputs."""
@@ -331,6 +354,13 @@ class LossConfig(_Group):
         }
 
 
+# The student phase before the search defaults (all weights trained with the candidate logits,
+# Adam's usual epsilon, logits at 10x the rate, penalties at full weight from the first update):
+# the study configs recorded with it pin these, so that their commands mean what they meant.
+TRAIN_BEFORE_SEARCH = {"trainable": ".*", "fast_lr_multiplier": 10.0, "fast_eps": 1e-8}
+RAMP_BEFORE_SEARCH = (0.0, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Group):
     """The student's distillation updates (the hardened fine-tune uses the same rates)."""
@@ -341,16 +371,21 @@ class TrainConfig(_Group):
     """Distillation updates of the student."""
     lr: float = 3e-3
     """Peak learning rate of the student (and of the hardened fine-tune)."""
-    trainable: str = ".*"
-    """Regex of the student parameters trained (e.g. 'core/logits': only the mask weights)."""
+    trainable: str = "auto"
+    """Regex of the student parameters trained, or 'auto': for --student.kind candidates only
+    the candidate logits ('core/logits': the student searches where to attend on the teacher's
+    own weights, which the hardened fine-tune then adapts; trained together, the weights absorb
+    the masks' differences and the search finds the cheapest masks, not the needed ones), for
+    the other kinds everything ('.*')."""
     fast_params: str = "core/logits|gate/logits|alpha_logit"
     """Regex of parameters trained at --train.fast-lr-multiplier x the rate (mask weights,
     gates)."""
-    fast_lr_multiplier: float = 10.0
+    fast_lr_multiplier: float = 50.0
     """Learning-rate multiplier of --train.fast-params."""
-    fast_eps: float = 1e-8
-    """Adam's epsilon for --train.fast-params: above the size of their gradients (e.g. 1e-3)
-    the step follows the gradient's size instead of moving every logit at the full rate."""
+    fast_eps: float = 1e-4
+    """Adam's epsilon for --train.fast-params: above the size of their gradients, so that each
+    step follows the gradient's size instead of moving every logit at the full rate (1e-8, the
+    usual value, makes the logits random-walk on batch noise)."""
 
     def __post_init__(self):
         self.int_at_least("steps", 1)
@@ -559,6 +594,7 @@ OLD_FLAGS = {
     "mask_expected_density": "loss.mask_expected_density",
     "mask_expected_cost": "loss.mask_expected_cost",
     "gate_l1": "loss.gate_l1",
+    "penalty_ramp": "loss.penalty_ramp",
     "steps": "train.steps",
     "learning_rate": "train.lr",
     "trainable": "train.trainable",

@@ -30,6 +30,7 @@ import shlex
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -65,6 +66,7 @@ __all__ = [
     "student_spec",
     "teacher",
     "teacher_key",
+    "trainable",
 ]
 
 
@@ -255,13 +257,19 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
     return AttentionSpec(mask=mask, normalizer=norm, block_size=blocks)
 
 
-def objective(config: DistillConfig):
-    """``loss_fn(student, batch, rng, teacher=...)``: KL to the teacher plus the penalties,
-    with the progress metrics (density if hardened now, candidate weights)."""
+_MASK_PENALTIES = ("mask_l1", "mask_density", "mask_expected_density", "mask_expected_cost")
+
+
+def objective(config: DistillConfig, ramp: tuple[int, int] = (0, 0)):
+    """``loss_fn(student, batch, rng, teacher=..., step=...)``: KL to the teacher plus the
+    penalties, with the progress metrics (density if hardened now, candidate weights). The mask
+    penalties are off before update ``ramp[0]`` and grow linearly to full weight at ``ramp[1]``
+    (--loss.penalty-ramp)."""
+    start, end = ramp
     weights = config.loss.penalty_weights()
     temperature, direction = config.loss.temperature, config.loss.direction
 
-    def loss_fn(model, batch, rng, teacher):
+    def loss_fn(model, batch, rng, teacher, step):
         ids = batch[:, :-1]
         teacher_logits = jax.lax.stop_gradient(teacher(ids))
         logits, aux = model(ids, rngs=nnx.Rngs(gates=rng), return_aux=True)
@@ -270,12 +278,25 @@ def objective(config: DistillConfig):
         )
         present = {k: w for k, w in weights.items() if k in aux}
         penalty, pen_metrics = sparsity_penalty(aux, present) if present else (0.0, {})
+        on_masks = {k: w for k, w in present.items() if k in _MASK_PENALTIES}
+        if end and on_masks:  # the mask penalties' part of the total, ramped
+            scale = jnp.clip((step + 1 - start) / max(end - start, 1), 0.0, 1.0)
+            penalty = penalty - (1.0 - scale) * sparsity_penalty(aux, on_masks)[0]
+            pen_metrics["total"] = penalty
         metrics = {**metrics, **{f"penalty_{k}": v for k, v in pen_metrics.items()}}
         metrics["density"] = model.attention_density(ids.shape[1])  # if hardened now
         metrics.update(measure.weight_metrics(model))
         return kl_loss + penalty, metrics
 
     return loss_fn
+
+
+def trainable(config: DistillConfig) -> str:
+    """The regex of the student parameters its phase trains (--train.trainable, 'auto'
+    resolved: the candidate logits of a candidates student, else everything)."""
+    if config.train.trainable != "auto":
+        return config.train.trainable
+    return "core/logits" if config.student.kind == "candidates" else ".*"
 
 
 def _train_config(config: DistillConfig) -> loop.TrainConfig:
@@ -285,7 +306,7 @@ def _train_config(config: DistillConfig) -> loop.TrainConfig:
         batch_size=config.data.batch_size,
         learning_rate=t.lr,
         warmup_steps=min(30, t.steps // 10),
-        trainable=t.trainable,
+        trainable=trainable(config),
         fast_params=t.fast_params,
         fast_lr_multiplier=t.fast_lr_multiplier,
         fast_eps=t.fast_eps,
@@ -305,10 +326,11 @@ def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
     """The distilled student (soft masks or gates) and the spec it was built from."""
     spec = student_spec(run.config)
     model = student_from_teacher(teacher, spec)
+    c = run.config
     model = run.train_phase(
         "student",
         model,
-        objective(run.config),
+        objective(c, c.loss.ramp_steps(c.train.steps)),
         _train_config(run.config),
         frozen={"teacher": teacher},
         evaluate=_evaluate_against(run, teacher),

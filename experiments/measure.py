@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,8 +22,10 @@ import numpy as np
 from flax import nnx
 
 from experiments import timing
+from sparse_jax import masks
 from sparse_jax.data.tokenizers import get_tokenizer
 from sparse_jax.models import AttentionSpec, generate, student_from_teacher
+from sparse_jax.models.flops import mask_block_cost
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss
 from sparse_jax.training.sharding import local_model
 
@@ -241,6 +244,20 @@ def planted_swaps(teacher, student, pattern: np.ndarray, windows: np.ndarray) ->
     return out
 
 
+def swap_kl(teacher, specs, block: int, head: int, mask, windows: np.ndarray) -> float:
+    """KL(planted teacher ‖ the same teacher with head ``head`` of block ``block`` under
+    ``mask``), nats/token on ``windows``: :func:`planted_swaps` for any static mask (e.g. a
+    union of candidates a student learned). ``specs`` are the planted teacher's
+    AttentionSpecs, one per block, each with a per-head mask."""
+    specs = list(specs)
+    spec = specs[block]
+    row = [spec.mask.for_head(h) for h in range(spec.mask.num_heads)]
+    row[head] = mask
+    specs[block] = dataclasses.replace(spec, mask=masks.per_head(row))
+    swapped = student_from_teacher(teacher, specs)
+    return max(evaluate_lm(swapped, windows, teacher)[1], 0.0)
+
+
 def _one_hot_spec(core):
     """An AttentionSpec whose candidate weights can be set exactly one-hot: the candidates of
     ``core`` per head, sparsemax weights (exact zeros), noisy-OR combine (a single weight-1
@@ -257,49 +274,83 @@ def _one_hot_spec(core):
 
 
 def planted_recovery(
-    student, hard, pattern: np.ndarray, bank, seq_len: int, swaps=None, tolerance: float = 0.0
+    student,
+    hard,
+    pattern: np.ndarray,
+    bank,
+    seq_len: int,
+    swaps=None,
+    tolerance: float = 0.0,
+    union_swap=None,
 ) -> dict:
-    """How well the student found the planted teacher's masks: per block and head the planted
-    candidate, the student's strongest (``argmax`` of its weights) and whether the hardened head
-    runs exactly the planted mask at ``seq_len``; ``planted_recovered`` (the fraction of heads
-    whose strongest candidate is the planted one) and ``planted_hardened`` (the fraction whose
-    hardened mask is the planted one).
+    """How well the student found the planted teacher's masks.
+
+    A head's *learned mask* is the union of the candidates its weights keep
+    (``kept_candidates()``: the support of a sparsemax/entmax15 distribution; weight >= 0.5 and
+    the strongest for sigmoid/softmax weights). Under the soft union that is exactly where the
+    head can attend; the weights re-weight positions inside it (window(8) beside window(16) adds
+    weight to the nearest 8 of the 16 keys). Its *pick* is the candidate of ``bank`` whose mask
+    at ``seq_len`` equals the learned mask (-1 when no candidate does).
+
+    Returns ``planted`` (per block and head ``[planted, picked]``), ``planted_support`` (per
+    block and head the kept candidates), ``planted_recovered`` (the fraction of heads that
+    picked the planted candidate), ``planted_strongest`` (the fraction whose largest weight is
+    the planted candidate's) and ``planted_hardened`` (the fraction whose hardened head runs
+    exactly the planted mask at ``seq_len``).
 
     With ``swaps`` (:func:`planted_swaps`), a head that picked another candidate counts as
     *equivalent* when that candidate costs no more kernel blocks at ``seq_len`` than the planted
     one and swapping it into the teacher changes the teacher's output by at most ``tolerance``
     nats/token: ``planted_equivalent`` is the fraction of heads that picked the planted
     candidate or an equivalent one, and ``planted_swap_kl`` the picked candidate's swap KL per
-    block and head.
+    block and head. A learned mask that no candidate equals (a union) has its swap KL from
+    ``union_swap(block, head, mask)`` (e.g. :func:`swap_kl`) and its cost from its own blocks;
+    without ``union_swap`` it is None and the head is not equivalent.
 
     ``pattern`` is int ``[n_layer, n_head]`` (indices into ``bank``, the student's candidates)."""
-    planted, picked_right, hardened_right, equivalent, swap_kl = {}, [], [], [], {}
+    dense = [np.asarray(c.dense(seq_len, seq_len)) for c in bank]
+
+    def candidate_equal_to(mask) -> int:
+        m = np.asarray(mask.dense(seq_len, seq_len))
+        return next((c for c, d in enumerate(dense) if np.array_equal(m, d)), -1)
+
+    planted, support, swap_kl = {}, {}, {}
+    picked_right, strongest_right, hardened_right, equivalent = [], [], [], []
     for i, w in enumerate(student.candidate_weights()):
         w = np.broadcast_to(np.asarray(w), (pattern.shape[1], len(bank)))
         core = student.h[i].attn.core
         costs = core.block_costs(seq_len)
+        kept = np.asarray(core.kept_candidates())
+        learned = core.head_masks(kept)
         hard_masks = hard.h[i].attn.core.head_masks() if hard.h[i].attn.num_heads else ()
         rows, kls = [], []
         for h, want in enumerate(pattern[i]):
-            picked = int(np.argmax(w[h]))
-            same = h < len(hard_masks) and np.array_equal(
-                hard_masks[h].dense(seq_len, seq_len), bank[want].dense(seq_len, seq_len)
-            )
+            picked = candidate_equal_to(learned[h])
             rows.append([int(want), picked])
             picked_right.append(picked == want)
-            hardened_right.append(bool(same))
+            strongest_right.append(int(np.argmax(w[h])) == want)
+            hardened_right.append(h < len(hard_masks) and candidate_equal_to(hard_masks[h]) == want)
             if swaps is not None:
-                kl = float(swaps[i, h, picked])
+                if picked >= 0:
+                    kl, cost = float(swaps[i, h, picked]), costs[picked]
+                elif union_swap is not None:
+                    kl = float(union_swap(i, h, learned[h]))
+                    cost = mask_block_cost(learned[h], seq_len, core.block_size)
+                else:
+                    kl, cost = None, np.inf
                 kls.append(kl)
-                cheaper = costs[picked] <= costs[want] + 1e-12
+                cheaper = cost <= costs[want] + 1e-12
                 equivalent.append(picked == want or (cheaper and kl <= tolerance))
         planted[f"block{i}"] = rows
+        support[f"block{i}"] = [np.flatnonzero(row).tolist() for row in kept]
         if swaps is not None:
             swap_kl[f"block{i}"] = kls
     out = {
         "planted_recovered": float(np.mean(picked_right)),
+        "planted_strongest": float(np.mean(strongest_right)),
         "planted_hardened": float(np.mean(hardened_right)),
         "planted": planted,
+        "planted_support": support,
     }
     if swaps is not None:
         out |= {

@@ -186,17 +186,21 @@ def _planted_lines(summary) -> list[str]:
     names = summary.get("candidates") or []
 
     def name(j):
-        return f"`{_short(names[j])}`" if j < len(names) else str(j)
+        return f"`{_short(names[j])}`" if 0 <= j < len(names) else str(j)
 
     lines = ["## Planted masks: did the student find them?", ""]
     lines += [
         f"The teacher was trained with one candidate mask per head; the student, starting from "
-        f"its weights with every candidate open, picked the planted one (largest weight) in "
-        f"**{summary['planted_recovered']:.0%}** of the heads, and hardening by threshold gave "
-        f"exactly the planted mask in {summary['planted_hardened']:.0%}.",
+        f"its weights with every candidate open, learned exactly the planted mask (the union "
+        f"of the candidates its weights keep) in **{summary['planted_recovered']:.0%}** of the "
+        f"heads, put its largest weight on the planted candidate in "
+        f"{summary['planted_strongest']:.0%}, and hardening by threshold gave exactly the "
+        f"planted mask in {summary['planted_hardened']:.0%}.",
         "",
     ]
     swap_kl = summary.get("planted_swap_kl")
+    head = "| block | head | planted | picked (kept candidates) | weight of the planted |"
+    rule = "|:--|--:|:--|:--|--:|"
     if swap_kl is not None:
         tol = summary["planted_tolerance"]
         lines += [
@@ -207,16 +211,12 @@ def _planted_lines(summary) -> list[str]:
             f"or an equivalent one. *Nearest* is the smallest swap KL of any other candidate: "
             f"where it is below the tolerance, the data cannot tell the planted mask apart.",
             "",
-            "| block | head | planted | picked (largest weight) | weight of the planted "
-            "| swap KL of the picked | nearest other |",
-            "|:--|--:|:--|:--|--:|--:|--:|",
         ]
-    else:
-        lines += [
-            "| block | head | planted | picked (largest weight) | weight of the planted |",
-            "|:--|--:|:--|:--|--:|",
-        ]
+        head += " swap KL of the picked | nearest other |"
+        rule += "--:|--:|"
+    lines += [head, rule]
     weights = summary.get("candidate_weights") or {}
+    support = summary.get("planted_support") or {}
     swaps = summary.get("planted_swaps")
     for i, (block, pairs) in enumerate(summary["planted"].items()):
         for h, (want, got) in enumerate(pairs):
@@ -224,10 +224,16 @@ def _planted_lines(summary) -> list[str]:
             w = w[h] if h < len(w) else w[0]
             share = f"{w[want]:.3f}" if want < len(w) else "?"
             mark = "" if want == got else " ✗"
-            row = f"| {block} | {h} | {name(want)} | {name(got)}{mark} | {share} |"
+            kept = support.get(block, [])
+            kept = " ∪ ".join(name(c) for c in kept[h]) if h < len(kept) else ""
+            picked = name(got) if got >= 0 else "no single candidate"
+            if kept and kept != picked:
+                picked += f" ({kept})"
+            row = f"| {block} | {h} | {name(want)} | {picked}{mark} | {share} |"
             if swap_kl is not None:
                 others = [kl for c, kl in enumerate(swaps[i][h]) if c != want]
-                row += f" {swap_kl[block][h]:.4f} | {min(others):.4f} |"
+                kl = swap_kl[block][h]
+                row += f" {'–' if kl is None else f'{kl:.4f}'} | {min(others):.4f} |"
             lines.append(row)
     return [*lines, ""]
 

@@ -462,24 +462,31 @@ def test_two_processes_follow_the_one_process_run(whole_run):
         return {(r["phase"], r["step"]): (r["loss"], r["tokens"]) for r in records if "loss" in r}
 
     # The same updates up to the order of float sums (batch means and projections split over
-    # devices). Measured relative differences: teacher (cross-entropy) <= 2e-7; student (KL of
-    # ~0.03 + penalty) <= 9e-4, since Adam turns tiny gradient differences into whole steps.
+    # devices). Measured relative differences: teacher (cross-entropy) <= 2e-7; student (KL +
+    # penalty) <= 9e-4 where the KL is ~0.03, since Adam turns tiny gradient differences into
+    # whole steps; with only the candidate logits trained from the teacher's own weights (the
+    # default since the search) the KL here is ~1e-7, and 3e-8 apart.
     # The hardened model starts from those slightly different weights (and harden() ranks
     # near-equal candidate weights), then fine-tunes on a KL of 0.002-0.01 that its first
     # updates make jump: measured up to 2e-4 apart in absolute terms (10% relative), so that
     # phase is only checked to be in the same place.
     one, two = steps(tmp_path / "run"), steps(run_dir)
     assert two.keys() == one.keys()  # one line per step: only process 0 writes
-    tolerance = {"teacher": (1e-5, 0.0), "student": (5e-3, 0.0), "hardened": (0.0, 2e-3)}
+    tolerance = {"teacher": (1e-5, 0.0), "student": (5e-3, 1e-6), "hardened": (0.0, 2e-3)}
     for key, (loss, tokens) in one.items():
         assert two[key][1] == tokens, key  # the global batch: each process read its own rows
         rtol, atol = tolerance[key[0]]
         np.testing.assert_allclose(two[key][0], loss, rtol=rtol, atol=atol, err_msg=str(key))
     two_summary = json.loads((run_dir / "summary.json").read_text())
     assert two_summary["device"] == "cpu x4"
-    np.testing.assert_allclose(two_summary["student_kl"], summary["student_kl"], rtol=5e-3)
+    np.testing.assert_allclose(
+        two_summary["student_kl"], summary["student_kl"], rtol=5e-3, atol=1e-6
+    )
     np.testing.assert_allclose(two_summary["hardened_kl"], summary["hardened_kl"], atol=2e-3)
-    np.testing.assert_allclose(two_summary["hardened_ppl"], summary["hardened_ppl"], rtol=0.05)
+    # Same hardened masks; the fine-tune of every weight of this barely trained tiny model then
+    # moves its perplexity (~130) by a few percent on summation-order noise (measured 5.6%).
+    assert two_summary["hardened_masks"] == summary["hardened_masks"]
+    np.testing.assert_allclose(two_summary["hardened_ppl"], summary["hardened_ppl"], rtol=0.1)
     assert (run_dir / "report.md").exists()
 
 

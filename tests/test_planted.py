@@ -18,16 +18,13 @@ from sparse_jax.models.flops import mask_block_cost
 
 # Tiny, but long enough for the teacher's heads to depend on their masks and for the student's
 # weights to settle: a 2-block, 3-head GPT-2 on 16-token windows, candidates sink(4),
-# window(4), window(8), strided(4) and causal. Only the candidate logits train, on the KL alone,
-# with Adam's epsilon above their gradients' size (steps that follow the gradient): does the KL
-# point at the planted masks? (The default objective, where the weights adapt and the block
-# price pulls towards sink(4), is measured in docs/results.md.)
+# window(4), window(8), strided(4) and causal, distilled with the default objective (the
+# candidate logits searched on the teacher's weights, KL first, then the block price). No
+# fine-tune: it adapts the weights to the hardened masks and cannot change them.
 PLANTED = [
     "--teacher.source", "planted", "--teacher.size", "tiny", "--teacher.steps", "150",
     "--data.seq-len", "16", "--data.batch-size", "8", "--student.windows", "4", "8",
     "--student.block-size", "4", "--train.steps", "150", "--harden.finetune-steps", "0",
-    "--train.trainable", "core/logits", "--loss.mask-expected-cost", "0",
-    "--train.fast-eps", "1e-4", "--train.fast-lr-multiplier", "50",
     "--measure.eval-batches", "2", "--measure.report-prompts", "1",
     "--run.checkpoint-every", "1000",
 ]  # fmt: skip
@@ -92,14 +89,26 @@ def test_planted_teacher_runs_its_masks_and_the_student_finds_them(planted_run):
     # The summary's figures, recomputed from its own per-head pairs and weights.
     pairs = [pair for block in summary["planted"].values() for pair in block]
     assert [p[0] for p in pairs] == pattern.ravel().tolist()
+    # Each pick is the candidate equal to the union of the head's kept candidates (its support,
+    # recomputed from the weights), the strongest figure the weights' argmax.
     weights = [w for block in summary["candidate_weights"].values() for w in block]
-    assert [p[1] for p in pairs] == [int(np.argmax(w)) for w in weights]
+    support = [kept for block in summary["planted_support"].values() for kept in block]
+    assert support == [np.flatnonzero(np.asarray(w) > 0).tolist() for w in weights]
+    dense = [m.dense(16, 16) for m in bank]
+    for (_, picked), kept in zip(pairs, support, strict=True):
+        union = np.any([dense[c] for c in kept], axis=0)
+        equal = [c for c, d in enumerate(dense) if np.array_equal(d, union)]
+        assert picked == (equal[0] if equal else -1)
     assert summary["planted_recovered"] == pytest.approx(np.mean([p == q for p, q in pairs]))
-    # Measured: 6 of 6, hardened exactly (with Adam's default epsilon: 5 of 6, the sixth, a
-    # causal head that any other candidate replaces within 8e-5 nats/token, read sink(4));
-    # chance would give about 1.2 of the 6.
-    assert summary["planted_recovered"] == 1.0, summary["planted"]
-    assert summary["planted_hardened"] == 1.0, summary["hardened_masks"]
+    strongest = [want == int(np.argmax(w)) for (want, _), w in zip(pairs, weights, strict=True)]
+    assert summary["planted_strongest"] == pytest.approx(np.mean(strongest))
+    # Measured: 5 of 6 exactly, hardened exactly; the sixth, a causal head, learned
+    # sink(4) | window(4), which no candidate equals, cheaper, and within 2e-5 nats/token of the
+    # planted teacher (every candidate is, there: the data cannot tell them apart), so it counts
+    # as equivalent (below). Chance would give about 1.2 of the 6.
+    assert summary["planted_recovered"] >= 5 / 6, summary["planted"]
+    assert summary["planted_hardened"] == summary["planted_recovered"]
+    assert summary["planted_equivalent"] == 1.0, summary["planted_swap_kl"]
     # The swap table: one entry recomputed with a teacher whose head runs the other candidate
     # as a fixed mask (not the one-hot candidate layer the job uses), the planted entries 0.
     swaps = np.asarray(summary["planted_swaps"])
@@ -118,10 +127,26 @@ def test_planted_teacher_runs_its_masks_and_the_student_finds_them(planted_run):
     costs = [mask_block_cost(m, 64, (4, 4)) for m in bank]
     tol = summary["planted_tolerance"]
     flat = pattern.reshape(-1)
-    eq = [
-        want == got or (costs[got] <= costs[want] and swaps.reshape(-1, len(bank))[k, got] <= tol)
-        for k, (want, got) in enumerate(pairs)
-    ]
+    swap_kl = [kl for block in summary["planted_swap_kl"].values() for kl in block]
+    eq = []
+    for k, ((want, got), kept) in enumerate(zip(pairs, support, strict=True)):
+        if got >= 0:
+            assert swap_kl[k] == pytest.approx(swaps.reshape(-1, len(bank))[k, got], abs=1e-5)
+            cost = costs[got]
+        else:  # a union: its own blocks, and its swap KL recomputed as above
+            union = bank[kept[0]]
+            for c in kept[1:]:
+                union = union | bank[c]
+            cost = mask_block_cost(union, 64, (4, 4))
+            i, h = divmod(k, pattern.shape[1])
+            specs = distill_phases.planted_specs(config)
+            row = [bank[c] for c in pattern[i]]
+            row[h] = union
+            specs[i] = AttentionSpec(mask=masks.per_head(row))
+            swapped = distill_phases.load_cached_teacher(folder, specs)
+            expect = max(measure.evaluate_lm(swapped, windows, teacher)[1], 0.0)
+            assert swap_kl[k] == pytest.approx(expect, rel=1e-3, abs=1e-6)
+        eq.append(want == got or (cost <= costs[want] and swap_kl[k] <= tol))
     assert flat.tolist() == [p[0] for p in pairs]
     assert summary["planted_equivalent"] == pytest.approx(np.mean(eq))
     saved = json.loads((root / "run" / "summary.json").read_text())

@@ -54,6 +54,26 @@ def test_bad_configuration_is_refused():
         Trainer(model, lm_loss, TrainConfig(trainable="nothing-here"))
 
 
+def test_a_loss_with_a_step_parameter_gets_the_update_index(tmp_path):
+    # Resumed halfway, the index goes on from the restored step: a schedule does not restart.
+    model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch, rng, step):
+        loss, metrics = lm_loss(model, batch, rng)
+        return loss, {**metrics, "seen_step": step}
+
+    def fit(steps):
+        config = TrainConfig(steps=steps, batch_size=4, warmup_steps=0)
+        trainer = Trainer(model, loss_fn, config, checkpointer=Checkpointer(tmp_path, save_every=2))
+        trainer.restore()
+        return [int(m["seen_step"]) for m in trainer.fit(batches(4), data_state=lambda: {})]
+
+    assert fit(2) == [0, 1]
+    assert fit(4) == [2, 3]
+    with pytest.raises(ValueError, match="may not hold a model named 'step'"):
+        Trainer(model, loss_fn, TrainConfig(), frozen_models={"step": model})
+
+
 def test_nan_loss_stops_with_the_step_and_last_checkpoint(tmp_path):
     model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
 

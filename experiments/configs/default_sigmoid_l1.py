@@ -9,13 +9,22 @@ candidate weights nearly equal (the collapse). Those figures were measured with 
 trained in the run (float32); the bundled teacher (float16) changes the run's path slightly.
 """
 
-from experiments.distill_config import DistillConfig, HardenConfig, LossConfig, StudentConfig
+from experiments.distill_config import (
+    RAMP_BEFORE_SEARCH,
+    TRAIN_BEFORE_SEARCH,
+    DistillConfig,
+    HardenConfig,
+    LossConfig,
+    StudentConfig,
+    TrainConfig,
+)
 
 
 def get_config() -> DistillConfig:
     return DistillConfig(
         config="default_sigmoid_l1",
         student=StudentConfig(weighting="sigmoid"),
-        loss=LossConfig(mask_l1=0.02, mask_expected_cost=0.0),
+        loss=LossConfig(mask_l1=0.02, mask_expected_cost=0.0, penalty_ramp=RAMP_BEFORE_SEARCH),
+        train=TrainConfig(**TRAIN_BEFORE_SEARCH),
         harden=HardenConfig(budget=0.3, price="density"),
     )

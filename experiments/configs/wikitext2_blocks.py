@@ -13,7 +13,12 @@ lower; in 14 of 16 heads a largest weight >= 0.5, in all a smallest <= 0.1.
 import dataclasses
 
 from experiments.configs import wikitext2_study
-from experiments.distill_config import DistillConfig, HardenConfig, LossConfig
+from experiments.distill_config import (
+    RAMP_BEFORE_SEARCH,
+    DistillConfig,
+    HardenConfig,
+    LossConfig,
+)
 
 
 def get_config() -> DistillConfig:
@@ -22,6 +27,11 @@ def get_config() -> DistillConfig:
         study,
         config="wikitext2_blocks",
         student=dataclasses.replace(study.student, weighting="sparsemax"),
-        loss=LossConfig(mask_l1=0.0, mask_density=0.0, mask_expected_cost=0.003),
+        loss=LossConfig(
+            mask_l1=0.0,
+            mask_density=0.0,
+            mask_expected_cost=0.003,
+            penalty_ramp=RAMP_BEFORE_SEARCH,
+        ),
         harden=HardenConfig(budget=None, price="blocks", finetune_steps=200),
     )

@@ -13,7 +13,7 @@ rounding (docs/results.md, "The embedded default").
 import dataclasses
 
 from experiments.configs import wikitext2_study
-from experiments.distill_config import DistillConfig, LossConfig
+from experiments.distill_config import RAMP_BEFORE_SEARCH, DistillConfig, LossConfig
 
 
 def get_config() -> DistillConfig:
@@ -21,6 +21,10 @@ def get_config() -> DistillConfig:
         wikitext2_study.get_config(),
         config="wikitext2_expected",
         loss=LossConfig(
-            mask_l1=0.0, mask_density=0.0, mask_expected_density=0.02, mask_expected_cost=0.0
+            mask_l1=0.0,
+            mask_density=0.0,
+            mask_expected_density=0.02,
+            mask_expected_cost=0.0,
+            penalty_ramp=RAMP_BEFORE_SEARCH,
         ),
     )

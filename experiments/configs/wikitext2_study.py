@@ -16,6 +16,8 @@ rounding (docs/results.md, "The embedded default").
 """
 
 from experiments.distill_config import (
+    RAMP_BEFORE_SEARCH,
+    TRAIN_BEFORE_SEARCH,
     DataConfig,
     DistillConfig,
     HardenConfig,
@@ -34,9 +36,13 @@ def get_config() -> DistillConfig:
         teacher=TeacherConfig(source="train", size="cpu-long", steps=1200),
         student=StudentConfig(windows=(16, 32, 64, 128), weighting="sigmoid"),
         loss=LossConfig(
-            mask_l1=0.0, mask_density=0.02, mask_expected_density=0.0, mask_expected_cost=0.0
+            mask_l1=0.0,
+            mask_density=0.02,
+            mask_expected_density=0.0,
+            mask_expected_cost=0.0,
+            penalty_ramp=RAMP_BEFORE_SEARCH,
         ),
-        train=TrainConfig(steps=500),
+        train=TrainConfig(steps=500, **TRAIN_BEFORE_SEARCH),
         harden=HardenConfig(budget=0.15, price="density", finetune_steps=200),
         measure=MeasureConfig(eval_batches=16),
     )

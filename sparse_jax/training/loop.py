@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import re
@@ -172,7 +173,9 @@ class Trainer:
     Args:
       model: an NNX module; the parameters ``config.trainable`` names are trained.
       loss_fn: ``loss_fn(model, batch, rng, **frozen_models) -> (loss, metrics)`` where
-        ``batch`` is the (sharded) int32 array of a step and metrics a dict of scalars.
+        ``batch`` is the (sharded) int32 array of a step and metrics a dict of scalars. A
+        ``loss_fn`` with a parameter named ``step`` also gets the index of the update it
+        computes (traced int32 scalar, 0 for the first): for a penalty that follows a schedule.
       config: :class:`TrainConfig`.
       frozen_models: other modules the loss reads (e.g. ``teacher=...``); not trained.
       mesh: a ``("data", "model")`` mesh (default: all devices on ``data``).
@@ -218,6 +221,12 @@ class Trainer:
             )
         self.tx = _optimizer(config)
         frozen_models = dict(frozen_models or {})
+        self._pass_step = "step" in inspect.signature(loss_fn).parameters
+        if self._pass_step and "step" in frozen_models:
+            raise ValueError(
+                "Trainer: `frozen_models` may not hold a model named 'step': `loss_fn` takes "
+                "`step`, the index of the update"
+            )
         self.frozen_defs = {k: nnx.split(m) for k, m in frozen_models.items()}
         # Placement: parameters and moments by the rules, batches on "data".
         place = lambda tree: sharding_lib.param_shardings(tree, self.mesh, rules)[0]
@@ -248,10 +257,12 @@ class Trainer:
     def _compile_step(self):
         graphdefs = {k: g for k, (g, _) in self.frozen_defs.items()}
 
-        def step(params, rest, opt_state, frozen, batch, key):
+        def step(params, rest, opt_state, frozen, batch, key, index):
             def objective(params, rows=batch):
                 model = nnx.merge(self.graphdef, params, rest)
                 others = {k: nnx.merge(graphdefs[k], s) for k, s in frozen.items()}
+                if self._pass_step:
+                    others["step"] = index
                 loss, metrics = self.loss_fn(model, rows, key, **others)
                 return loss, metrics
 
@@ -279,7 +290,7 @@ class Trainer:
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         return jax.jit(
             step,
-            in_shardings=(p, r, o, f, self._batch_sharding, replicated),
+            in_shardings=(p, r, o, f, self._batch_sharding, replicated, replicated),
             out_shardings=(p, o, replicated),
             donate_argnums=(0, 2),
         )
@@ -366,8 +377,9 @@ class Trainer:
         while self.step < self.config.steps:
             batch = self._put_batch(next(iterator))
             key = jax.random.fold_in(self.rng, self.step)
+            index = jnp.asarray(self.step, jnp.int32)
             self.params, self.opt_state, metrics = self._step_fn(
-                self.params, self.rest, self.opt_state, self.frozen_states, batch, key
+                self.params, self.rest, self.opt_state, self.frozen_states, batch, key, index
             )
             self.step += 1
             pending.append((self.step, metrics))
