@@ -1,6 +1,6 @@
 """The main job: distil a dense GPT-2 teacher into a sparse student, harden it, measure both.
 
-    python -m experiments.distill                       # the embedded default, ~5 min on 2 cores
+    python -m experiments.distill                       # the embedded default, ~3 min on 2 cores
     python -m experiments.distill --config wikitext2_study   # a named study (experiments/configs)
     python -m experiments.distill --teacher.source planted   # does the student find planted masks?
     python -m experiments.distill --data.source ../shared/data/wikitext-2 --data.seq-len 512
@@ -12,9 +12,11 @@ Phases (experiments.distill_phases; each checkpointed under ``<run.dir>/checkpoi
 and resumable): the teacher (by default the small GPT-2 bundled with the package, trained by
 ``python -m experiments.bundle_teacher``; or one trained here and cached under
 ``--run.cache-dir``, densely or with a planted mask per head; or a Hugging Face GPT-2), the
-student (the teacher's weights with learned candidate
-masks, gates or a fixed sparse mask, trained on KL(teacher || student) plus the sparsity
-penalties), and the hardened student (fixed masks meeting ``--harden.budget``, fine-tuned).
+student (the teacher's weights with learned candidate masks, gates or a fixed sparse mask,
+trained on KL(teacher || student) plus the sparsity penalties; a candidates student trains only
+its candidate logits, the KL alone first, then the price ramped in: ``--train.trainable``,
+``--loss.penalty-ramp``), and the hardened student (fixed masks: each head's support or
+``--harden.budget``; then every weight fine-tuned).
 
 The run folder (experiments.distill_run) gets ``config.json``, ``metrics.jsonl`` (one line per
 step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.md`` with its plots
