@@ -249,6 +249,10 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
         (["--student.windows", "0"], "--student.windows must be ints >= 1; got (0,)"),
         (["--loss.mask-density", "-1"], "--loss.mask-density must be a number >= 0; got -1.0"),
         (["--loss.temperature", "nan"], "--loss.temperature must be a number > 0; got nan"),
+        (
+            ["--loss.penalty-ramp", "0.8", "0.5"],
+            "--loss.penalty-ramp must be two fractions START <= END in [0, 1]; got (0.8, 0.5)",
+        ),
         (["--measure.report-prompts", "-1"], "--measure.report-prompts must be an int >= 0"),
         (
             ["--student.anchor-self", "--student.combine", "mixture"],
@@ -267,6 +271,33 @@ def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys)
     message = " ".join(message.replace("│", " ").split())  # tyro boxes and wraps the message
     assert match in message
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_the_mask_price_is_off_then_ramped_in():
+    # --loss.penalty-ramp 0.25 0.75 over 8 updates: off for updates 0-1, then linear, full
+    # from update 5 on (index 5 is the 6th update); the loss differs from the KL by exactly
+    # that share of the weighted penalty the model returns.
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparse_jax.models import GPT2, GPT2Config
+
+    config = distill.parse([*TINY, "--loss.penalty-ramp", "0.25", "0.75"])
+    assert config.loss.ramp_steps(config.train.steps) == (2, 6)
+    spec = distill_phases.student_spec(config)
+    teacher = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(1))
+    loss_fn = distill_phases.objective(config, config.loss.ramp_steps(config.train.steps))
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 101, (2, 17)), jnp.int32)
+    rng = jax.random.key(0)
+    _, aux = student(batch[:, :-1], return_aux=True)
+    price = config.loss.mask_expected_cost * float(aux["mask_expected_cost"])
+    assert price > 0
+    for step, share in [(0, 0.0), (1, 0.0), (2, 0.25), (3, 0.5), (5, 1.0), (7, 1.0)]:
+        loss, metrics = loss_fn(student, batch, rng, teacher, jnp.int32(step))
+        np.testing.assert_allclose(
+            float(loss) - float(metrics["kl"]), share * price, rtol=1e-4, atol=1e-9
+        )
 
 
 def test_unknown_student_kind_is_a_usage_error(tmp_path, capsys):
