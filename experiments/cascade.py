@@ -35,6 +35,7 @@ from flax import nnx
 
 from experiments import measure
 from experiments.distill_run import write_text_atomically
+from experiments.flags import changed_flags, set_ints_at_least
 from experiments.phase import train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
@@ -126,15 +127,9 @@ class CascadeExperiment:
 
     def __post_init__(self):
         d, t = self.data, self.train
-        for name, value, low in (
-            ("--data.seq-len", d.seq_len, 2),
-            ("--data.batch-size", d.batch_size, 1),
-            ("--train.steps", t.steps, 1),
-            ("--run.checkpoint-every", self.run.checkpoint_every, 1),
-            ("--run.eval-batches", self.run.eval_batches, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
+        set_ints_at_least(d, "data", seq_len=2, batch_size=1)
+        set_ints_at_least(t, "train", steps=1)
+        set_ints_at_least(self.run, "run", checkpoint_every=1, eval_batches=1)
         if self.model.size not in PRESETS:
             raise ValueError(
                 f"--model.size {self.model.size!r} is not a preset; allowed: {list(PRESETS)}"
@@ -330,16 +325,6 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
 _RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _check_resume(cfg: CascadeExperiment, folder: pathlib.Path) -> None:
     """Refuses ``--run.resume`` when ``folder``'s run was made with other flags (by name)."""
     record = folder / "config.json"
@@ -348,16 +333,14 @@ def _check_resume(cfg: CascadeExperiment, folder: pathlib.Path) -> None:
             f"--run.resume: {str(folder)!r} holds no cascade run (no config.json); start one "
             "without --run.resume"
         )
-    have = _flat(json.loads(record.read_text()))
-    want = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
-    changed = sorted(
-        k for k in want if k.startswith(_RESUME_FIXED) and k in have and have[k] != want[k]
-    )
+    have = json.loads(record.read_text())
+    want = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    changed = changed_flags(have, want, only=_RESUME_FIXED)
     if changed:
-        flags = ", ".join(f"--{k.replace('_', '-')} {have[k]!r} -> {want[k]!r}" for k in changed)
         raise ValueError(
-            f"--run.resume: the flags differ from those of the run in {str(folder)!r} ({flags}); "
-            "resume with the run's own flags (its config.json), or start another --run.dir"
+            f"--run.resume: the flags differ from those of the run in {str(folder)!r} "
+            f"({'; '.join(changed)}); resume with the run's own flags (its config.json), or "
+            "start another --run.dir"
         )
 
 

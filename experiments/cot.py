@@ -42,6 +42,7 @@ import tyro
 from flax import nnx
 
 from experiments.distill_run import write_text_atomically
+from experiments.flags import changed_flags, set_ints_at_least
 from experiments.phase import train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
@@ -73,11 +74,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def _int_at_least(value: Any, flag: str, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{flag} must be an int >= {low}; got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Data:
     kinds: tuple[str, ...] = ("rref", "solvability", "column_space")
@@ -102,8 +98,7 @@ class Data:
                 f"--data.kinds must be distinct kinds of {list(linalg_cot.KINDS)}; got "
                 f"{list(kinds)}"
             )
-        for name, low in (("train", 1), ("validation", 1), ("test", 1), ("seed", 0)):
-            _int_at_least(getattr(self, name), f"--data.{name}", low)
+        set_ints_at_least(self, "data", train=1, validation=1, test=1, seed=0)
 
     def generator(self) -> linalg_cot.GeneratorConfig:
         return linalg_cot.GeneratorConfig(kinds=tuple(self.kinds), **SIZES[self.sizes])
@@ -166,9 +161,7 @@ class Train:
     """Warm-up updates."""
 
     def __post_init__(self):
-        _int_at_least(self.steps, "--train.steps", 1)
-        _int_at_least(self.batch_size, "--train.batch-size", 1)
-        _int_at_least(self.warmup, "--train.warmup", 0)
+        set_ints_at_least(self, "train", steps=1, batch_size=1, warmup=0)
         if isinstance(self.lr, bool) or not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--train.lr must be a number > 0; got {self.lr!r}")
 
@@ -196,8 +189,7 @@ class Run:
     """Where the generated splits are written once (TFDS array_record files)."""
 
     def __post_init__(self):
-        _int_at_least(self.seed, "--run.seed", 0)
-        _int_at_least(self.checkpoint_every, "--run.checkpoint-every", 1)
+        set_ints_at_least(self, "run", seed=0, checkpoint_every=1)
         if self.resume and self.dir is None:
             raise ValueError("--run.resume needs the --run.dir of the run to continue")
 
@@ -212,9 +204,7 @@ class Eval:
     """Decodings of each batch; its time is their median."""
 
     def __post_init__(self):
-        _int_at_least(self.batch_size, "--eval.batch-size", 1)
-        _int_at_least(self.chunk, "--eval.chunk", 1)
-        _int_at_least(self.repeats, "--eval.repeats", 1)
+        set_ints_at_least(self, "eval", batch_size=1, chunk=1, repeats=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +412,25 @@ def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, row
     return seconds
 
 
+# What a resumed run must share with the run in its folder: the flags that decide the format,
+# the models and their updates (the evaluation's flags may change).
+_RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
+
+
+def _check_resume(cfg: TrainCommand, folder: pathlib.Path) -> None:
+    """Refuses ``--run.resume`` when ``folder``'s run was made with other flags (by name)."""
+    cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
+    have = json.loads((folder / "config.json").read_text())
+    want = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    changed = changed_flags(have, want, only=_RESUME_FIXED)
+    if changed:
+        raise ValueError(
+            f"--run.resume: the flags differ from those of the run in {str(folder)!r} "
+            f"({'; '.join(changed)}); resume with the run's own flags (its config.json), or "
+            "start another --run.dir"
+        )
+
+
 def train(cfg: TrainCommand) -> pathlib.Path:
     """Trains both models into the run folder; returns it."""
     started = time.perf_counter()
@@ -432,19 +441,7 @@ def train(cfg: TrainCommand) -> pathlib.Path:
     fmt = cot.fit_format([p for split in problems for p in split])
     configs = _configs(cfg)
     if cfg.run.resume:
-        record = cot.read_record(folder)
-        want = {"format": dataclasses.asdict(fmt)} | {
-            name: {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t)}
-            for name, (m, t) in configs.items()
-        }
-        have = {"format": record["format"]} | {
-            name: {"model": e["model"], "train": e["train"]} for name, e in record["models"].items()
-        }
-        if want != have:
-            raise ValueError(
-                f"--run.resume: the flags differ from those of the run in {folder} (its "
-                f"config.json); resume with the same flags"
-            )
+        _check_resume(cfg, folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
         folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"

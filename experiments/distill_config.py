@@ -25,10 +25,10 @@ import shlex
 import sys
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import tyro
 
 from experiments import configs, teachers
+from experiments.flags import is_int, set_ints_at_least
 from sparse_jax.models.gpt2 import PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
@@ -61,11 +61,6 @@ PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 ConfigName = Literal[configs.NAMES]  # type: ignore[valid-type]
 
 
-def _is_int(value: Any) -> bool:
-    """A python or numpy integer (bools refused)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 class _Group:
     """Checks shared by the groups; ``group`` is the field (and flag prefix) holding it."""
 
@@ -73,13 +68,6 @@ class _Group:
 
     def flag(self, name: str) -> str:
         return f"--{self.group}.{name.replace('_', '-')}"
-
-    def int_at_least(self, name: str, low: int) -> None:
-        """Checks an int field (numpy integers accepted, stored as python ints)."""
-        value = getattr(self, name)
-        if not _is_int(value) or value < low:
-            raise ValueError(f"{self.flag(name)} must be an int >= {low}; got {value!r}")
-        object.__setattr__(self, name, int(value))
 
     def number(self, name: str, *, positive: bool) -> None:
         value = getattr(self, name)
@@ -106,8 +94,7 @@ class DataConfig(_Group):
     """Global batch (sequences per update, every phase); must divide over the mesh's data axis."""
 
     def __post_init__(self):
-        self.int_at_least("seq_len", 1)
-        self.int_at_least("batch_size", 1)
+        set_ints_at_least(self, self.group, seq_len=1, batch_size=1)
         if self.source != "default" and not self.source.startswith("tfds:"):
             if not pathlib.Path(self.source).exists():
                 raise ValueError(f"{self.flag('source')} path {self.source!r} does not exist")
@@ -141,7 +128,7 @@ class TeacherConfig(_Group):
     TRAINED: ClassVar[tuple[str, ...]] = ("train", "planted")  # sources trained here
 
     def __post_init__(self):
-        self.int_at_least("steps", 1)
+        set_ints_at_least(self, self.group, steps=1)
         self.number("lr", positive=True)
         if self.size not in PRESETS:
             raise ValueError(
@@ -250,14 +237,12 @@ class StudentConfig(_Group):
     """Gate kind of the 'gated' student."""
 
     def __post_init__(self):
-        self.int_at_least("block_size", 1)
-        self.int_at_least("fixed_window", 1)
-        self.int_at_least("serve_len_factor", 1)
+        set_ints_at_least(self, self.group, block_size=1, fixed_window=1, serve_len_factor=1)
         windows = self.windows
         if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
             raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {windows!r}")
         windows = tuple(windows)
-        if not windows or any(not _is_int(w) or w < 1 for w in windows):
+        if not windows or any(not is_int(w) or w < 1 for w in windows):
             raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {windows!r}")
         object.__setattr__(self, "windows", tuple(int(w) for w in windows))
         if self.anchor_self and self.combine == "mixture":
@@ -388,7 +373,7 @@ class TrainConfig(_Group):
     usual value, makes the logits random-walk on batch noise)."""
 
     def __post_init__(self):
-        self.int_at_least("steps", 1)
+        set_ints_at_least(self, self.group, steps=1)
         self.number("lr", positive=True)
         self.number("fast_lr_multiplier", positive=True)
         self.number("fast_eps", positive=True)
@@ -418,7 +403,7 @@ class HardenConfig(_Group):
             raise ValueError(f"{self.flag('budget')} must be in (0, 1] or None; got {self.budget}")
         if self.threshold is not None and not 0 < self.threshold < 1:
             raise ValueError(f"{self.flag('threshold')} must be in (0, 1); got {self.threshold}")
-        self.int_at_least("finetune_steps", 0)
+        set_ints_at_least(self, self.group, finetune_steps=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,8 +422,7 @@ class MeasureConfig(_Group):
     the teacher changes the teacher's output by at most this KL (nats/token)."""
 
     def __post_init__(self):
-        self.int_at_least("eval_batches", 1)
-        self.int_at_least("report_prompts", 0)
+        set_ints_at_least(self, self.group, eval_batches=1, report_prompts=0)
         if not (math.isfinite(self.planted_tolerance) and self.planted_tolerance >= 0):
             raise ValueError(
                 f"{self.flag('planted_tolerance')} must be a finite KL >= 0; "
@@ -467,11 +451,10 @@ class RunConfig(_Group):
     """Devices on the mesh's model axis (tensor-parallel split of the projections)."""
 
     def __post_init__(self):
-        self.int_at_least("checkpoint_every", 1)
-        self.int_at_least("model_axis", 1)
+        set_ints_at_least(self, self.group, checkpoint_every=1, model_axis=1)
         if self.data_axis is not None:
-            self.int_at_least("data_axis", 1)
-        if not _is_int(self.seed):
+            set_ints_at_least(self, self.group, data_axis=1)
+        if not is_int(self.seed):
             raise ValueError(f"{self.flag('seed')} must be an int; got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))
 

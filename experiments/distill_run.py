@@ -27,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments.distill_config import OLD_FLAGS, DistillConfig, command_line
+from experiments.flags import changed_flags
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training import sharding
@@ -100,13 +101,7 @@ def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = No
     ``saved`` and ``given`` are config.json records; a flag that the run's (older) record lacks
     must be at its default. ``folder`` (the run's) lets the message give the exact command."""
     saved, given = _flags_of_record(saved), _flags_of_record(given)
-    defaults = DistillConfig().flags()
-    changed = [
-        f"--{key.replace('_', '-')} (run: {saved.get(key, defaults.get(key))!r}, "
-        f"now: {given.get(key)!r})"
-        for key in sorted(set(saved) | set(given))
-        if key not in _RESUME_FREE and saved.get(key, defaults.get(key)) != given.get(key)
-    ]
+    changed = changed_flags(saved, given, ignore=_RESUME_FREE, defaults=DistillConfig().flags())
     if changed:
         how = "Resume with the run's flags, or start a new --run.dir"
         if folder is not None:

@@ -1,0 +1,99 @@
+"""Checks of the experiments' flags, shared by the main job, the cascade and the chain-of-thought
+experiment: a bad value is refused naming its flag, the value and what is allowed, and a resumed
+run is refused when its flags would change what its checkpoints hold.
+
+>>> int_at_least(np.int64(3), "--train.steps", 1)
+3
+>>> import dataclasses
+>>> @dataclasses.dataclass(frozen=True)
+... class Train:
+...     steps: int = 8
+...     def __post_init__(self):
+...         set_ints_at_least(self, "train", steps=1)
+>>> type(Train(np.int64(4)).steps)
+<class 'int'>
+>>> Train(0)
+Traceback (most recent call last):
+ValueError: --train.steps must be an int >= 1; got 0
+>>> changed_flags({"train": {"lr": 0.1, "steps": 8}}, {"train": {"lr": 0.2, "steps": 8}})
+['--train.lr (run: 0.1, now: 0.2)']
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+
+def is_int(value: Any) -> bool:
+    """A python or numpy integer (bools refused)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def int_at_least(value: Any, flag: str, low: int) -> int:
+    """``value`` as a python int >= ``low``, else ``ValueError`` naming ``flag`` (numpy integers
+    accepted; bools, floats and strings refused)."""
+    if not is_int(value) or value < low:
+        raise ValueError(f"{flag} must be an int >= {low}; got {value!r}")
+    return int(value)
+
+
+def set_ints_at_least(config: Any, group: str, **lows: int) -> None:
+    """Checks the int fields ``lows`` names of the frozen dataclass ``config``, whose flags are
+    ``--group.name`` (each >= its low), and stores each as a python int."""
+    for name, low in lows.items():
+        flag = f"--{group}.{name.replace('_', '-')}"
+        object.__setattr__(config, name, int_at_least(getattr(config, name), flag, low))
+
+
+def flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config record (a config.json) as ``{"group.name": value}``."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, Mapping):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_flags(
+    saved: Mapping[str, Any],
+    given: Mapping[str, Any],
+    *,
+    only: Iterable[str] | None = None,
+    ignore: Iterable[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """The flags whose values differ between a run's record ``saved`` and this command's
+    ``given`` (nested or dotted records), each as ``"--group.name (run: X, now: Y)"``, sorted.
+
+    ``only``: compare just the keys under these prefixes (what decides the checkpoints);
+    ``ignore``: keys that may change on resumption. A key the run's (older) record lacks takes
+    its value from ``defaults``, and is skipped when ``defaults`` is None or lacks it.
+    """
+    saved, given = flat(saved), flat(given)
+    only = None if only is None else tuple(only)
+    ignore = frozenset(ignore)
+    defaults = {} if defaults is None else flat(defaults)
+    changed = []
+    for key in sorted(set(saved) | set(given)):
+        if key in ignore or (only is not None and not _under(key, only)):
+            continue
+        if key in saved:
+            before = saved[key]
+        elif key in defaults:
+            before = defaults[key]
+        else:
+            continue
+        now = given.get(key)
+        if before != now:
+            changed.append(f"--{key.replace('_', '-')} (run: {before!r}, now: {now!r})")
+    return changed
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
