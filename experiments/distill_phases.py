@@ -277,11 +277,13 @@ def objective(config: DistillConfig, ramp: tuple[int, int] = (0, 0)):
             logits, teacher_logits, temperature=temperature, direction=direction
         )
         present = {k: w for k, w in weights.items() if k in aux}
-        penalty, pen_metrics = sparsity_penalty(aux, present) if present else (0.0, {})
-        on_masks = {k: w for k, w in present.items() if k in _MASK_PENALTIES}
-        if end and on_masks:  # the mask penalties' part of the total, ramped
-            scale = jnp.clip((step + 1 - start) / max(end - start, 1), 0.0, 1.0)
-            penalty = penalty - (1.0 - scale) * sparsity_penalty(aux, on_masks)[0]
+        penalty, pen_metrics = 0.0, {}
+        if present:
+            on_masks = {k: w for k, w in present.items() if k in _MASK_PENALTIES}
+            on_gates = {k: w for k, w in present.items() if k not in on_masks}
+            mask_penalty, pen_metrics = sparsity_penalty(aux, on_masks)
+            scale = jnp.clip((step + 1 - start) / max(end - start, 1), 0.0, 1.0) if end else 1.0
+            penalty = scale * mask_penalty + sparsity_penalty(aux, on_gates)[0]
             pen_metrics["total"] = penalty
         metrics = {**metrics, **{f"penalty_{k}": v for k, v in pen_metrics.items()}}
         metrics["density"] = model.attention_density(ids.shape[1])  # if hardened now
