@@ -1,0 +1,36 @@
+"""python -m experiments.distill --config wikitext2_search --run.dir runs/wikitext2-search
+
+The WikiText-2 study (the data, teacher, candidates and measurements of wikitext2_study) with
+the main job's objective since 7034391: the student searches where to attend on the teacher's
+own weights (only the candidate logits train, sparsemax weights per head), on the KL alone for
+the first half of its 500 updates, then with the block price at the serving length 4 x 512 =
+2048 ramped in to 0.03 by three quarters (10x the embedded default's 0.003: at 0.003 the heads
+keep the causal candidate the KL put them on); hardened by support (no budget), then 200 updates
+of fine-tuning of every weight; 838 s on 2 cores with the teacher cached. Should reach
+(docs/results.md, "WikiText-2 with the default objective"): perplexity per byte on test.txt
+teacher 4.796, student 4.832, hardened 4.849 (+1.10%); KL student 0.0112, hardened 0.0142;
+hardened attention density 13.2% / 5.9% at n = 512 / 2048; attention FLOPs at n = 2048 10.1 G
+-> 1.72 G (5.9x lower); in 16 of 16 heads a largest weight >= 0.5 and a smallest <= 0.1."""
+
+import dataclasses
+
+from experiments.configs import wikitext2_study
+from experiments.distill_config import (
+    DistillConfig,
+    HardenConfig,
+    LossConfig,
+    StudentConfig,
+    TrainConfig,
+)
+
+
+def get_config() -> DistillConfig:
+    study = wikitext2_study.get_config()
+    return dataclasses.replace(
+        study,
+        config="wikitext2_search",
+        student=StudentConfig(windows=study.student.windows),
+        loss=LossConfig(mask_expected_cost=0.03),
+        train=TrainConfig(steps=study.train.steps),
+        harden=HardenConfig(finetune_steps=study.harden.finetune_steps),
+    )
