@@ -105,51 +105,79 @@ def sample_texts(
 
 
 # ----------------------------------------------------------------------------------------------
-# Speed (experiments.timing: compiled ahead, warm-up excluded, median of repeated calls).
+# Speed (experiments.timing: compiled ahead, warm-up excluded, models timed in alternation,
+# median of the rounds).
+
+# Rounds of alternating calls, at least MIN_ROUNDS and then until TIME_BUDGET_S seconds of calls.
+ROUNDS, MIN_ROUNDS, TIME_BUDGET_S = 30, 5, 10.0
 
 
-def speed(model, seq_len: int, vocab: int, repeats: int = 5) -> tuple[float, float]:
-    """(tokens/s, ms) of a jitted forward pass on one sequence of ``seq_len`` tokens."""
+def _forward_call(model, seq_len: int, vocab: int):
+    """``(fn, args)``: a jitted forward pass of ``model`` on one sequence of ``seq_len``."""
     graphdef, state = nnx.split(model)
     ids = jax.random.randint(jax.random.key(0), (1, seq_len), 0, vocab, jnp.int32)
 
     def forward(state, ids):
         return nnx.merge(graphdef, state)(ids)
 
-    stats = timing.time_fn(forward, state, ids, repeats=repeats, slow_s=10.0, budget_s=10.0)
-    return seq_len / stats.median_s, stats.median_ms
+    return forward, (state, ids)
 
 
-def attention_time(model, seq_len: int, repeats: int = 5) -> float:
-    """Milliseconds of the attention cores alone (scores, normalizer, values; no projections),
-    summed over the blocks: each block's jitted core on random ``[1, seq_len, heads, head_dim]``
-    queries, keys and values, median of repeated calls."""
-    total_ms = 0.0
-    head_dim = model.config.head_dim
+def _attention_calls(model, seq_len: int) -> list:
+    """``(fn, args)`` per block with heads: the block's attention core alone (scores,
+    normalizer, values; no projections) on random ``[1, seq_len, heads, head_dim]`` queries,
+    keys and values."""
+    calls = []
     for i, block in enumerate(model.h):
         heads = block.attn.num_heads
         if not heads:
             continue
         graphdef, state = nnx.split(block.attn.core)
         keys = jax.random.split(jax.random.key(i), 3)
-        q, k, v = (jax.random.normal(key, (1, seq_len, heads, head_dim)) for key in keys)
+        shape = (1, seq_len, heads, model.config.head_dim)
+        q, k, v = (jax.random.normal(key, shape) for key in keys)
 
         def core(state, q, k, v, graphdef=graphdef):
             return nnx.merge(graphdef, state)(q, k, v)[0]
 
-        stats = timing.time_fn(core, state, q, k, v, repeats=repeats, slow_s=10.0, budget_s=10.0)
-        total_ms += stats.median_ms
-    return total_ms
+        calls.append((core, (state, q, k, v)))
+    return calls
+
+
+def _timed(calls: list) -> list[float]:
+    stats = timing.time_interleaved(
+        calls, rounds=ROUNDS, min_rounds=MIN_ROUNDS, budget_s=TIME_BUDGET_S
+    )
+    return [s.median_ms for s in stats]
+
+
+def speed(model, seq_len: int, vocab: int) -> tuple[float, float]:
+    """(tokens/s, ms) of a jitted forward pass on one sequence of ``seq_len`` tokens."""
+    (ms,) = _timed([_forward_call(model, seq_len, vocab)])
+    return seq_len / (ms / 1e3), ms
+
+
+def attention_time(model, seq_len: int) -> float:
+    """Milliseconds of the attention cores alone (scores, normalizer, values; no projections),
+    summed over the blocks: each block's jitted core on random ``[1, seq_len, heads, head_dim]``
+    queries, keys and values, median of repeated calls."""
+    return sum(_timed(_attention_calls(model, seq_len)))
 
 
 def cost(teacher, hard, seq_len: int) -> dict[str, float]:
     """Teacher against hardened student at ``seq_len``: measured attention time and forward
-    speed, analytic FLOPs (GPT2.flops) and attention density."""
+    speed (the two models' calls in alternation, median of the rounds), analytic FLOPs
+    (GPT2.flops) and attention density."""
     vocab = teacher.config.vocab_size
-    t_tps, t_ms = speed(teacher, seq_len, vocab)
-    h_tps, h_ms = speed(hard, seq_len, vocab)
-    t_attn_ms = attention_time(teacher, seq_len)
-    h_attn_ms = attention_time(hard, seq_len)
+    # Each pair timed in alternation (teacher, student, teacher, ...): a machine that slows
+    # down or speeds up during the measurement moves both alike.
+    t_ms, h_ms = _timed(
+        [_forward_call(teacher, seq_len, vocab), _forward_call(hard, seq_len, vocab)]
+    )
+    t_tps, h_tps = seq_len / (t_ms / 1e3), seq_len / (h_ms / 1e3)
+    t_cores, h_cores = _attention_calls(teacher, seq_len), _attention_calls(hard, seq_len)
+    core_ms = _timed(t_cores + h_cores)
+    t_attn_ms, h_attn_ms = sum(core_ms[: len(t_cores)]), sum(core_ms[len(t_cores) :])
     f_t, f_h = teacher.flops(seq_len), hard.flops(seq_len)
     return {
         "teacher_attention_ms": t_attn_ms,

@@ -38,7 +38,14 @@ def train_phase(
     ``shown`` to the bar. ``evaluate(model) -> dict`` runs at each checkpoint. Returns the
     trainer (``sync_model()`` gives the trained model) and the phase's seconds."""
     started = time.perf_counter()
-    ckpt = Checkpointer(folder / "checkpoints" / name, save_every=checkpoint_every, keep_last=2)
+    # Without an evaluation there is no metric to keep the best checkpoint by (Orbax would
+    # warn at every save).
+    ckpt = Checkpointer(
+        folder / "checkpoints" / name,
+        save_every=checkpoint_every,
+        keep_last=2,
+        keep_best=evaluate is not None,
+    )
     trainer = Trainer(model, loss_fn, config, checkpointer=ckpt)
     state = trainer.restore() if resume else None
     if state is not None:

@@ -137,6 +137,60 @@ def time_fn(
     return TimingStats(tuple(times), repeats, compile_s, warmup_s, peak)
 
 
+def time_interleaved(
+    calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]],
+    *,
+    rounds: int = 30,
+    min_rounds: int = 5,
+    budget_s: float | None = None,
+) -> list[TimingStats]:
+    """Times several functions against each other: each ``(fn, args)`` is compiled ahead and
+    warmed up once (both excluded), then every round calls each of them once, in turn, until
+    ``rounds`` rounds are done or, after ``min_rounds``, the timed calls have used ``budget_s``
+    seconds. Every function gets the same number of samples, taken over the same stretch of
+    time, so that a machine getting faster or slower during the measurement (another process,
+    frequency scaling) moves all of them alike: the way to compare two models in one run.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((64, 64))
+    >>> a, b = time_interleaved([(lambda x: x @ x, (x,)), (lambda x: x + 1, (x,))], rounds=6)
+    >>> len(a.times_s), len(b.times_s)
+    (6, 6)
+    """
+    if not is_count(rounds) or not is_count(min_rounds) or min_rounds > rounds:
+        raise ValueError(
+            f"time_interleaved: `rounds` and `min_rounds` must be ints with 1 <= min_rounds <= "
+            f"rounds; got rounds={rounds!r}, min_rounds={min_rounds!r}"
+        )
+    compiled, stats = [], []
+    for fn, args in calls:
+        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+        start = time.perf_counter()
+        executable = jitted.lower(*args).compile()
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        jax.block_until_ready(executable(*args))
+        warmup_s = time.perf_counter() - start
+        compiled.append((executable, args))
+        stats.append((compile_s, warmup_s, peak_memory_bytes(executable)))
+    times: list[list[float]] = [[] for _ in calls]
+    spent = 0.0
+    for done in range(rounds):
+        if budget_s is not None and done >= min_rounds and spent >= budget_s:
+            break
+        for samples, (executable, args) in zip(times, compiled, strict=True):
+            start = time.perf_counter()
+            out = executable(*args)
+            jax.block_until_ready(out)
+            samples.append(time.perf_counter() - start)
+            spent += samples[-1]
+            del out
+    return [
+        TimingStats(tuple(samples), rounds, compile_s, warmup_s, peak)
+        for samples, (compile_s, warmup_s, peak) in zip(times, stats, strict=True)
+    ]
+
+
 def markdown_table(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None
 ) -> str:
