@@ -35,7 +35,7 @@ from flax import nnx
 
 from experiments import measure
 from experiments.distill_run import write_text_atomically
-from experiments.flags import changed_flags, set_ints_at_least
+from experiments.flags import check_resume, set_ints_at_least
 from experiments.phase import train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
@@ -325,25 +325,6 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
 _RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
 
 
-def _check_resume(cfg: CascadeExperiment, folder: pathlib.Path) -> None:
-    """Refuses ``--run.resume`` when ``folder``'s run was made with other flags (by name)."""
-    record = folder / "config.json"
-    if not record.is_file():
-        raise ValueError(
-            f"--run.resume: {str(folder)!r} holds no cascade run (no config.json); start one "
-            "without --run.resume"
-        )
-    have = json.loads(record.read_text())
-    want = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    changed = changed_flags(have, want, only=_RESUME_FIXED)
-    if changed:
-        raise ValueError(
-            f"--run.resume: the flags differ from those of the run in {str(folder)!r} "
-            f"({'; '.join(changed)}); resume with the run's own flags (its config.json), or "
-            "start another --run.dir"
-        )
-
-
 def run(cfg: CascadeExperiment) -> dict:
     started = time.perf_counter()
     folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
@@ -356,7 +337,7 @@ def run(cfg: CascadeExperiment) -> dict:
             "pass another --run.dir"
         )
     if cfg.run.resume:
-        _check_resume(cfg, folder)
+        check_resume(cfg, folder, only=_RESUME_FIXED, kind="cascade")
     cache = pathlib.Path(cfg.run.cache_dir).expanduser()
     data = text.prepare(cfg.data.source, "byte", cfg.data.seq_len, data_dir=cache / "tfds")
     n_eval = min(len(data.eval), cfg.run.eval_batches * cfg.data.batch_size)

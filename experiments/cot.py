@@ -42,7 +42,7 @@ import tyro
 from flax import nnx
 
 from experiments.distill_run import write_text_atomically
-from experiments.flags import changed_flags, set_ints_at_least
+from experiments.flags import check_resume, set_ints_at_least
 from experiments.phase import train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
@@ -417,20 +417,6 @@ def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, row
 _RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
 
 
-def _check_resume(cfg: TrainCommand, folder: pathlib.Path) -> None:
-    """Refuses ``--run.resume`` when ``folder``'s run was made with other flags (by name)."""
-    cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
-    have = json.loads((folder / "config.json").read_text())
-    want = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    changed = changed_flags(have, want, only=_RESUME_FIXED)
-    if changed:
-        raise ValueError(
-            f"--run.resume: the flags differ from those of the run in {str(folder)!r} "
-            f"({'; '.join(changed)}); resume with the run's own flags (its config.json), or "
-            "start another --run.dir"
-        )
-
-
 def train(cfg: TrainCommand) -> pathlib.Path:
     """Trains both models into the run folder; returns it."""
     started = time.perf_counter()
@@ -441,7 +427,8 @@ def train(cfg: TrainCommand) -> pathlib.Path:
     fmt = cot.fit_format([p for split in problems for p in split])
     configs = _configs(cfg)
     if cfg.run.resume:
-        _check_resume(cfg, folder)
+        cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
+        check_resume(cfg, folder, only=_RESUME_FIXED, kind="chain-of-thought")
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
         folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"

@@ -4,7 +4,6 @@ run is refused when its flags would change what its checkpoints hold.
 
 >>> int_at_least(np.int64(3), "--train.steps", 1)
 3
->>> import dataclasses
 >>> @dataclasses.dataclass(frozen=True)
 ... class Train:
 ...     steps: int = 8
@@ -21,7 +20,10 @@ ValueError: --train.steps must be an int >= 1; got 0
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import numbers
+import pathlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -93,6 +95,27 @@ def changed_flags(
         if before != now:
             changed.append(f"--{key.replace('_', '-')} (run: {before!r}, now: {now!r})")
     return changed
+
+
+def check_resume(config: Any, folder: str | pathlib.Path, *, only: Iterable[str], kind: str):
+    """Refuses ``--run.resume`` of ``folder`` (``ValueError``) when it holds no ``config.json``
+    or when the flags under ``only`` (those that decide what the checkpoints hold) differ from
+    those of ``config``, a dataclass of the experiment's flags; the message names each."""
+    record = pathlib.Path(folder) / "config.json"
+    if not record.is_file():
+        raise ValueError(
+            f"--run.resume: {str(folder)!r} holds no {kind} run (no config.json); start one "
+            "without --run.resume"
+        )
+    have = json.loads(record.read_text())
+    want = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    changed = changed_flags(have, want, only=only)
+    if changed:
+        raise ValueError(
+            f"--run.resume: the flags differ from those of the run in {str(folder)!r} "
+            f"({'; '.join(changed)}); resume with the run's own flags (its config.json), or "
+            "start another --run.dir"
+        )
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:

@@ -92,16 +92,16 @@ def test_distill_resume_names_the_changed_flag():
     check_same_config(saved, {**given, "train.steps": 8})
 
 
-def test_cascade_resume_names_the_changed_flag(tmp_path):
-    def write(folder, cfg):
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str))
-
+def test_a_resume_names_the_changed_flag(tmp_path):
     run = cascade.CascadeExperiment()
-    write(tmp_path / "cascade", run)
-    cascade._check_resume(run, tmp_path / "cascade")
-    changed = dataclasses.replace(run, train=dataclasses.replace(run.train, lr=0.5))
+
+    def check(cfg):
+        flags.check_resume(cfg, tmp_path, only=cascade._RESUME_FIXED, kind="cascade")
+
+    with pytest.raises(ValueError, match=r"holds no cascade run \(no config\.json\)"):
+        check(run)
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(run), default=str))
+    check(run)
     with pytest.raises(ValueError, match=r"--train\.lr \(run: .*, now: 0\.5\)"):
-        cascade._check_resume(changed, tmp_path / "cascade")
-    # What the checkpoints do not depend on may change.
-    cascade._check_resume(dataclasses.replace(run, sweep=(0.5,)), tmp_path / "cascade")
+        check(dataclasses.replace(run, train=dataclasses.replace(run.train, lr=0.5)))
+    check(dataclasses.replace(run, sweep=(0.5,)))  # the checkpoints do not depend on it
