@@ -35,7 +35,7 @@ from flax import nnx
 
 from experiments import measure
 from experiments.distill_run import write_text_atomically
-from experiments.flags import check_resume, set_ints_at_least
+from experiments.flags import check_resume, flag_name, set_ints_at_least
 from experiments.phase import train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
@@ -164,7 +164,7 @@ class CascadeExperiment:
         except (ValueError, TypeError) as err:
             flag = next(
                 (
-                    f"--model.{n.replace('_', '-')}"
+                    flag_name(f"model.{n}")
                     for n in ("head_keep", "unit_keep")
                     if f"`{n}`" in str(err)
                 ),

@@ -42,7 +42,7 @@ import tyro
 from flax import nnx
 
 from experiments.distill_run import write_text_atomically
-from experiments.flags import check_resume, set_ints_at_least
+from experiments.flags import check_resume, flag_name, set_ints_at_least
 from experiments.phase import train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
@@ -141,7 +141,7 @@ class Model:
         except (ValueError, TypeError) as err:
             names = {f.name for f in dataclasses.fields(self)}
             bad = next((n for n in re.findall(r"`(\w+)`", str(err)) if n in names), "d_model")
-            raise ValueError(f"--model.{bad.replace('_', '-')}: {err}") from err
+            raise ValueError(f"{flag_name(f'model.{bad}')}: {err}") from err
 
     def config(self, seed: int) -> EncDecConfig:
         """The sparse model's config (its baseline: ``.dense()``)."""

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import tyro
 
 from experiments import configs, teachers
-from experiments.flags import is_int, set_ints_at_least
+from experiments.flags import flag_name, is_int, set_ints_at_least
 from sparse_jax.models.gpt2 import PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
@@ -67,7 +67,7 @@ class _Group:
     group: ClassVar[str]
 
     def flag(self, name: str) -> str:
-        return f"--{self.group}.{name.replace('_', '-')}"
+        return flag_name(f"{self.group}.{name}")
 
     def number(self, name: str, *, positive: bool) -> None:
         value = getattr(self, name)
@@ -536,7 +536,7 @@ def command_line(flags: dict[str, Any]) -> str:
     for key, value in flags.items():
         if key == "config" or key not in base or value == base[key]:
             continue
-        flag = "--" + key.replace("_", "-")
+        flag = flag_name(key)
         if isinstance(value, bool):  # tyro's --x / --no-x, --group.x / --group.no-x
             group, _, field = flag[2:].rpartition(".")
             off = f"--{group}.no-{field}" if group else f"--no-{field}"

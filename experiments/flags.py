@@ -2,6 +2,8 @@
 experiment: a bad value is refused naming its flag, the value and what is allowed, and a resumed
 run is refused when its flags would change what its checkpoints hold.
 
+>>> flag_name("train.fast_eps")
+'--train.fast-eps'
 >>> int_at_least(np.int64(3), "--train.steps", 1)
 3
 >>> @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,12 @@ from typing import Any
 import numpy as np
 
 
+def flag_name(field: str) -> str:
+    """The command-line flag of a dotted config field (``"train.fast_eps"`` ->
+    ``"--train.fast-eps"``)."""
+    return "--" + field.replace("_", "-")
+
+
 def is_int(value: Any) -> bool:
     """A python or numpy integer (bools refused)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
@@ -47,8 +55,8 @@ def set_ints_at_least(config: Any, group: str, **lows: int) -> None:
     """Checks the int fields ``lows`` names of the frozen dataclass ``config``, whose flags are
     ``--group.name`` (each >= its low), and stores each as a python int."""
     for name, low in lows.items():
-        flag = f"--{group}.{name.replace('_', '-')}"
-        object.__setattr__(config, name, int_at_least(getattr(config, name), flag, low))
+        value = int_at_least(getattr(config, name), flag_name(f"{group}.{name}"), low)
+        object.__setattr__(config, name, value)
 
 
 def flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -93,7 +101,7 @@ def changed_flags(
             continue
         now = given.get(key)
         if before != now:
-            changed.append(f"--{key.replace('_', '-')} (run: {before!r}, now: {now!r})")
+            changed.append(f"{flag_name(key)} (run: {before!r}, now: {now!r})")
     return changed
 
 
