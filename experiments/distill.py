@@ -40,6 +40,7 @@ import math
 import time
 
 import jax
+import numpy as np
 
 from experiments import distill_phases, measure
 from experiments.distill_config import DistillConfig, parse
@@ -127,6 +128,11 @@ def run(config: DistillConfig) -> dict:
                 teacher, specs, i, h, mask, r.eval_windows
             ),
         )
+        excess = measure.masked_score_excess(teacher, r.eval_windows)
+        summary["planted_score_excess"] = {
+            f"block{i}": [None if np.isnan(x) else round(float(x), 2) for x in row]
+            for i, row in enumerate(excess)
+        }
     if r.primary:
         text = json.dumps(summary, indent=2, default=float) + "\n"
         write_text_atomically(r.dir / "summary.json", text)

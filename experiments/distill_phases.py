@@ -364,7 +364,11 @@ def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
     hard = harden_student(c, student)
     if c.harden.finetune_steps:
         ft = dataclasses.replace(
-            _train_config(c), steps=c.harden.finetune_steps, warmup_steps=0, trainable=".*"
+            _train_config(c),
+            steps=c.harden.finetune_steps,
+            learning_rate=c.harden.finetune_lr,
+            warmup_steps=min(c.harden.finetune_warmup, c.harden.finetune_steps),
+            trainable=".*",
         )
         hard = run.train_phase(
             "hardened",

@@ -83,7 +83,8 @@ _RESUME_FREE = (
 def _flags_of_record(record: dict) -> dict:
     """A config.json as dotted flag names; a run written before the flags were grouped (no
     group holds a dict) is read through OLD_FLAGS. A run written before --harden.price
-    budgeted in density, and is read so."""
+    budgeted in density, and one written before --harden.finetune-lr fine-tuned at --train.lr
+    without a warm-up: each is read so."""
     if not any(isinstance(v, dict) for v in record.values()):
         out = {OLD_FLAGS.get(key, key): value for key, value in record.items()}
     else:
@@ -93,7 +94,10 @@ def _flags_of_record(record: dict) -> dict:
                 out |= {f"{key}.{name}": v for name, v in value.items()}
             else:
                 out[key] = value
-    return {"harden.price": "density", **out}
+    out = {"harden.price": "density", **out}
+    if "harden.finetune_lr" not in out:
+        out |= {"harden.finetune_lr": out.get("train.lr", 3e-3), "harden.finetune_warmup": 0}
+    return out
 
 
 def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = None) -> None:

@@ -272,6 +272,49 @@ def planted_swaps(teacher, student, pattern: np.ndarray, windows: np.ndarray) ->
     return out
 
 
+def masked_score_excess(teacher, windows: np.ndarray) -> np.ndarray:
+    """float64 ``[n_layer, n_head]``: how far each head's scores *outside* its mask rise above
+    the ones it attends to: the median, over ``windows`` and queries, of the largest scaled
+    score ``q·k/√d`` on a causal key the head's mask excludes minus the log-sum-exp of the scaled
+    scores on the keys it allows (NaN where the mask excludes no causal key: causal heads).
+
+    A teacher trained with a mask never trains the scores it masks, so they can sit tens of
+    nats above the attended ones. A student that combines candidate masks through a log-bias
+    on the scores (``soft_union``) then cannot silence those keys with a small weight: the bias
+    ``log w`` must fall below minus the excess, i.e. the weight must be exactly 0, so the KL
+    is flat in the weights until they reach 0 (measured: docs/results.md, "Planted masks").
+
+    Example::
+
+        masked_score_excess(planted_teacher, run.eval_windows)  # [4, 4]
+    """
+    teacher = local_model(teacher)
+    ids = jnp.asarray(windows[:, :-1])
+    t = ids.shape[1]
+    causal = np.asarray(masks.causal().dense(t, t))
+    x = (teacher.wte(ids) + teacher.wpe(jnp.arange(t))[None]).astype(jnp.float32)
+    out = []
+    for block in teacher.h:
+        attn = block.attn
+        qkv = attn.c_attn(block.ln_1(x)).reshape(*ids.shape, 3, attn.num_heads, attn.head_dim)
+        scores = jnp.einsum("bqnh,bknh->bnqk", qkv[:, :, 0], qkv[:, :, 1]) / attn.head_dim**0.5
+        row = []
+        for h, mask in enumerate(attn.core.head_masks()):
+            allowed = np.asarray(mask.dense(t, t)) & causal
+            outside = causal & ~allowed
+            queries = outside.any(axis=1) & allowed.any(axis=1)
+            if not queries.any():
+                row.append(float("nan"))
+                continue
+            s = scores[:, h][:, queries]  # [B, Q, T]
+            inside = jax.nn.logsumexp(jnp.where(allowed[queries], s, -jnp.inf), axis=-1)
+            above = jnp.max(jnp.where(outside[queries], s, -jnp.inf), axis=-1) - inside
+            row.append(float(jnp.median(above)))
+        out.append(row)
+        x = block(x)[0]
+    return np.asarray(out, np.float64)
+
+
 def swap_kl(teacher, specs, block: int, head: int, mask, windows: np.ndarray) -> float:
     """KL(planted teacher ‖ the same teacher with head ``head`` of block ``block`` under
     ``mask``), nats/token on ``windows``: :func:`planted_swaps` for any static mask (e.g. a

@@ -214,6 +214,19 @@ def _planted_lines(summary) -> list[str]:
         ]
         head += " swap KL of the picked | nearest other |"
         rule += "--:|--:|"
+    excess = summary.get("planted_score_excess")
+    if excess is not None:
+        lines += [
+            "*Excess* is how far the teacher's scores on the keys a head's planted mask excludes "
+            "rise above the ones it attends to (median over queries of the largest excluded "
+            "scaled score minus the log-sum-exp of the allowed ones, nats; – for causal heads): "
+            "a log-bias on the scores (`soft_union`, `soft_mask`) silences those keys only with "
+            "a weight of about exp(-excess), so where it is large the KL stays flat in the "
+            "weights until they reach exactly 0.",
+            "",
+        ]
+        head += " excess |"
+        rule += "--:|"
     lines += [head, rule]
     weights = summary.get("candidate_weights") or {}
     support = summary.get("planted_support") or {}
@@ -234,6 +247,9 @@ def _planted_lines(summary) -> list[str]:
                 others = [kl for c, kl in enumerate(swaps[i][h]) if c != want]
                 kl = swap_kl[block][h]
                 row += f" {'–' if kl is None else f'{kl:.4f}'} | {min(others):.4f} |"
+            if excess is not None:
+                e = excess[block][h]
+                row += f" {'–' if e is None else f'{e:.1f}'} |"
             lines.append(row)
     return [*lines, ""]
 

@@ -345,6 +345,16 @@ def test_a_run_from_before_the_block_price_resumes_with_its_density_budget():
     check_same_config(saved, {**given, "harden.price": "density"})
 
 
+def test_a_run_from_before_the_finetune_rate_resumes_with_its_rate():
+    saved = json.loads(json.dumps(distill_config.DistillConfig().flags()))
+    saved["train.lr"] = 0.002
+    del saved["harden.finetune_lr"], saved["harden.finetune_warmup"]  # before they existed
+    given = {**distill_config.DistillConfig().flags(), "train.lr": 0.002}
+    with pytest.raises(ValueError, match=r"--harden.finetune-lr \(run: 0.002, now: 0.0003\)"):
+        check_same_config(saved, given)
+    check_same_config(saved, {**given, "harden.finetune_lr": 0.002, "harden.finetune_warmup": 0})
+
+
 def test_old_flags_name_every_field():
     assert sorted(distill_config.OLD_FLAGS.values()) == sorted(
         k for k in distill_config.DistillConfig().flags() if k != "config"

@@ -151,11 +151,35 @@ def test_planted_teacher_runs_its_masks_and_the_student_finds_them(planted_run):
     assert summary["planted_equivalent"] == pytest.approx(np.mean(eq))
     saved = json.loads((root / "run" / "summary.json").read_text())
     assert saved["planted"] == summary["planted"] and saved["serve_len"] == 64
+    # The score excess: none for a causal head (it excludes nothing), a number for every other.
+    excess = [e for block in summary["planted_score_excess"].values() for e in block]
+    assert [e is None for e in excess] == [c == len(bank) - 1 for c in flat]
+    assert saved["planted_score_excess"] == summary["planted_score_excess"]
     report = (root / "run" / "report.md").read_text()
     assert "## Planted masks: did the student find them?" in report
+    assert "| excess |" in report
     assert f"**{summary['planted_recovered']:.0%}**" in report
     assert (root / "run" / "head_weights.png").exists()
     assert (root / "run" / "block_maps.png").exists()
+
+
+def test_masked_score_excess_of_equal_scores():
+    """measure.masked_score_excess where every scaled score is the same: the largest excluded
+    score minus the log-sum-exp of the n allowed ones is -log n, per head and block; a causal
+    head excludes nothing (NaN)."""
+    window2, sink1 = masks.causal() & masks.local(1, 0), masks.sink(1) & masks.causal()
+    spec = AttentionSpec(mask=masks.per_head([window2, sink1, masks.causal()]))
+    teacher = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))  # 3 heads of dim 16
+    d = teacher.config.n_embd
+    for block in teacher.h:  # q = 1 and k = 0.5 everywhere: every score 16 * 0.5 / 4 = 2
+        block.attn.c_attn.kernel[...] = np.zeros((d, 3 * d), np.float32)
+        block.attn.c_attn.bias[...] = np.repeat(np.float32([1.0, 0.5, 0.0]), d)
+    windows = np.random.default_rng(0).integers(0, 101, (3, 13))
+    excess = measure.masked_score_excess(teacher, windows)
+    assert excess.shape == (2, 3)
+    np.testing.assert_allclose(excess[:, 0], -np.log(2), rtol=1e-5)
+    np.testing.assert_allclose(excess[:, 1], 0.0, atol=1e-5)
+    assert np.isnan(excess[:, 2]).all()
 
 
 def test_planted_recovery_counts_heads_and_compares_hardened_masks():

@@ -10,6 +10,7 @@ trained in the run (float32); the bundled teacher (float16) changes the run's pa
 """
 
 from experiments.distill_config import (
+    FINETUNE_AT_FULL_RATE,
     RAMP_BEFORE_SEARCH,
     TRAIN_BEFORE_SEARCH,
     DistillConfig,
@@ -26,5 +27,5 @@ def get_config() -> DistillConfig:
         student=StudentConfig(weighting="sigmoid"),
         loss=LossConfig(mask_l1=0.02, mask_expected_cost=0.0, penalty_ramp=RAMP_BEFORE_SEARCH),
         train=TrainConfig(**TRAIN_BEFORE_SEARCH),
-        harden=HardenConfig(budget=0.3, price="density"),
+        harden=HardenConfig(budget=0.3, price="density", **FINETUNE_AT_FULL_RATE),
     )

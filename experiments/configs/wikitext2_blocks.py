@@ -14,6 +14,7 @@ import dataclasses
 
 from experiments.configs import wikitext2_study
 from experiments.distill_config import (
+    FINETUNE_AT_FULL_RATE,
     RAMP_BEFORE_SEARCH,
     DistillConfig,
     HardenConfig,
@@ -33,5 +34,7 @@ def get_config() -> DistillConfig:
             mask_expected_cost=0.003,
             penalty_ramp=RAMP_BEFORE_SEARCH,
         ),
-        harden=HardenConfig(budget=None, price="blocks", finetune_steps=200),
+        harden=HardenConfig(
+            budget=None, price="blocks", finetune_steps=200, **FINETUNE_AT_FULL_RATE
+        ),
     )

@@ -16,6 +16,7 @@ rounding (docs/results.md, "The embedded default").
 """
 
 from experiments.distill_config import (
+    FINETUNE_AT_FULL_RATE,
     RAMP_BEFORE_SEARCH,
     TRAIN_BEFORE_SEARCH,
     DataConfig,
@@ -43,6 +44,8 @@ def get_config() -> DistillConfig:
             penalty_ramp=RAMP_BEFORE_SEARCH,
         ),
         train=TrainConfig(steps=500, **TRAIN_BEFORE_SEARCH),
-        harden=HardenConfig(budget=0.15, price="density", finetune_steps=200),
+        harden=HardenConfig(
+            budget=0.15, price="density", finetune_steps=200, **FINETUNE_AT_FULL_RATE
+        ),
         measure=MeasureConfig(eval_batches=16),
     )
