@@ -6,11 +6,11 @@ own weights (only the candidate logits train, sparsemax weights per head), on th
 the first half of its 500 updates, then with the block price at the serving length 4 x 512 =
 2048 ramped in to 0.03 by three quarters (10x the embedded default's 0.003: at 0.003 the heads
 keep the causal candidate the KL put them on); hardened by support (no budget), then 200 updates
-of fine-tuning of every weight; 838 s on 2 cores with the teacher cached. Should reach
-(docs/results.md, "WikiText-2 with the default objective"): perplexity per byte on test.txt
-teacher 4.796, student 4.832, hardened 4.849 (+1.10%); KL student 0.0112, hardened 0.0142;
-hardened attention density 13.2% / 5.9% at n = 512 / 2048; attention FLOPs at n = 2048 10.1 G
--> 1.72 G (5.9x lower); in 16 of 16 heads a largest weight >= 0.5 and a smallest <= 0.1."""
+of fine-tuning of every weight; about 900 s on 2 cores with the teacher cached. Should reach
+(docs/results.md, "WikiText-2 with the default objective", code 0c61fb1): perplexity per byte
+on test.txt teacher 4.796, student 4.832, hardened 4.801 (+0.10%); KL student 0.0112, hardened
+0.0044; hardened attention density 13.2% / 5.9% at n = 512 / 2048; attention FLOPs at n = 2048
+10.1 G -> 1.72 G (5.9x lower); in 16 of 16 heads a largest weight >= 0.5 and a smallest <= 0.1."""
 
 import dataclasses
 
