@@ -26,7 +26,7 @@ import zlib
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.distill_config import OLD_FLAGS, DistillConfig, command_line
+from experiments.distill_config import OLD_FLAGS, DistillConfig, TrainConfig, command_line
 from experiments.flags import changed_flags
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
@@ -96,7 +96,8 @@ def _flags_of_record(record: dict) -> dict:
                 out[key] = value
     out = {"harden.price": "density", **out}
     if "harden.finetune_lr" not in out:
-        out |= {"harden.finetune_lr": out.get("train.lr", 3e-3), "harden.finetune_warmup": 0}
+        lr = out.get("train.lr", TrainConfig.lr)
+        out |= {"harden.finetune_lr": lr, "harden.finetune_warmup": 0}
     return out
 
 

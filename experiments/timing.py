@@ -85,6 +85,20 @@ def peak_memory_bytes(compiled: Any) -> int | None:
     return total - int(getattr(stats, "alias_size_in_bytes", 0))
 
 
+def _compile_and_warm(fn: Callable[..., Any], args: tuple[Any, ...]):
+    """``(executable, compile_s, warmup_s, peak_bytes)``: ``fn`` jitted (unless it already has
+    ``.lower``), lowered and compiled ahead of time, then called once (the warm-up), each step
+    timed."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    warmup_s = time.perf_counter() - start
+    return compiled, compile_s, warmup_s, peak_memory_bytes(compiled)
+
+
 def time_fn(
     fn: Callable[..., Any],
     *args: Any,
@@ -112,16 +126,7 @@ def time_fn(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    peak = peak_memory_bytes(compiled)
-
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    warmup_s = time.perf_counter() - start
+    compiled, compile_s, warmup_s, peak = _compile_and_warm(fn, args)
     if slow_s is not None and warmup_s > slow_s:
         return TimingStats((warmup_s,), repeats, compile_s, warmup_s, peak)
 
@@ -164,15 +169,9 @@ def time_interleaved(
         )
     compiled, stats = [], []
     for fn, args in calls:
-        jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-        start = time.perf_counter()
-        executable = jitted.lower(*args).compile()
-        compile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        jax.block_until_ready(executable(*args))
-        warmup_s = time.perf_counter() - start
+        executable, *figures = _compile_and_warm(fn, args)
         compiled.append((executable, args))
-        stats.append((compile_s, warmup_s, peak_memory_bytes(executable)))
+        stats.append(figures)
     times: list[list[float]] = [[] for _ in calls]
     spent = 0.0
     for done in range(rounds):
