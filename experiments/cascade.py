@@ -322,9 +322,6 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
 # What a resumed run must share with the run in its folder: everything that decides what the
 # checkpoints hold. Other flags (--sweep, the measurement's --run.eval-batches, the cache) may
 # change on --run.resume.
-_RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
-
-
 def run(cfg: CascadeExperiment) -> dict:
     started = time.perf_counter()
     folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
@@ -337,7 +334,7 @@ def run(cfg: CascadeExperiment) -> dict:
             "pass another --run.dir"
         )
     if cfg.run.resume:
-        check_resume(cfg, folder, only=_RESUME_FIXED, kind="cascade")
+        check_resume(cfg, folder, kind="cascade")
     cache = pathlib.Path(cfg.run.cache_dir).expanduser()
     data = text.prepare(cfg.data.source, "byte", cfg.data.seq_len, data_dir=cache / "tfds")
     n_eval = min(len(data.eval), cfg.run.eval_batches * cfg.data.batch_size)

@@ -414,9 +414,6 @@ def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, row
 
 # What a resumed run must share with the run in its folder: the flags that decide the format,
 # the models and their updates (the evaluation's flags may change).
-_RESUME_FIXED = ("data", "model", "train", "run.seed", "run.checkpoint_every")
-
-
 def train(cfg: TrainCommand) -> pathlib.Path:
     """Trains both models into the run folder; returns it."""
     started = time.perf_counter()
@@ -428,7 +425,7 @@ def train(cfg: TrainCommand) -> pathlib.Path:
     configs = _configs(cfg)
     if cfg.run.resume:
         cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
-        check_resume(cfg, folder, only=_RESUME_FIXED, kind="chain-of-thought")
+        check_resume(cfg, folder, kind="chain-of-thought")
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
         folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"

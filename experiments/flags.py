@@ -105,10 +105,22 @@ def changed_flags(
     return changed
 
 
-def check_resume(config: Any, folder: str | pathlib.Path, *, only: Iterable[str], kind: str):
+# The flags that decide what the checkpoints of an experiment laid out as data / model / train /
+# run (the cascade, the chain of thought) hold: a resumed run must keep them.
+CHECKPOINT_FLAGS = ("data", "model", "train", "run.seed", "run.checkpoint_every")
+
+
+def check_resume(
+    config: Any,
+    folder: str | pathlib.Path,
+    *,
+    kind: str,
+    only: Iterable[str] = CHECKPOINT_FLAGS,
+):
     """Refuses ``--run.resume`` of ``folder`` (``ValueError``) when it holds no ``config.json``
-    or when the flags under ``only`` (those that decide what the checkpoints hold) differ from
-    those of ``config``, a dataclass of the experiment's flags; the message names each."""
+    or when the flags under ``only`` (those that decide what the checkpoints hold; default
+    :data:`CHECKPOINT_FLAGS`) differ from those of ``config``, a dataclass of the experiment's
+    flags; the message names each."""
     record = pathlib.Path(folder) / "config.json"
     if not record.is_file():
         raise ValueError(

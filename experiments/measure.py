@@ -292,12 +292,12 @@ def masked_score_excess(teacher, windows: np.ndarray) -> np.ndarray:
     ids = jnp.asarray(windows[:, :-1])
     t = ids.shape[1]
     causal = np.asarray(masks.causal().dense(t, t))
-    x = (teacher.wte(ids) + teacher.wpe(jnp.arange(t))[None]).astype(jnp.float32)
+    x = teacher.embed(ids, jnp.arange(t)).astype(jnp.float32)
     out = []
     for block in teacher.h:
         attn = block.attn
-        qkv = attn.c_attn(block.ln_1(x)).reshape(*ids.shape, 3, attn.num_heads, attn.head_dim)
-        scores = jnp.einsum("bqnh,bknh->bnqk", qkv[:, :, 0], qkv[:, :, 1]) / attn.head_dim**0.5
+        q, k, _ = attn.project_qkv(block.ln_1(x))
+        scores = jnp.einsum("bqnh,bknh->bnqk", q, k) / attn.head_dim**0.5
         row = []
         for h, mask in enumerate(attn.core.head_masks()):
             allowed = np.asarray(mask.dense(t, t)) & causal

@@ -96,7 +96,7 @@ def test_a_resume_names_the_changed_flag(tmp_path):
     run = cascade.CascadeExperiment()
 
     def check(cfg):
-        flags.check_resume(cfg, tmp_path, only=cascade._RESUME_FIXED, kind="cascade")
+        flags.check_resume(cfg, tmp_path, kind="cascade")
 
     with pytest.raises(ValueError, match=r"holds no cascade run \(no config\.json\)"):
         check(run)

@@ -312,13 +312,26 @@ class SelfAttention(nnx.Module):
             return d
         return d * gate.hard_values()
 
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values ``[B, T, N, H]`` of the block's normalized input ``x [B, T,
+        D]`` (before any score-scaling gate); needs ``num_heads > 0``.
+
+        Example:
+          >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+          >>> q, k, v = model.h[0].attn.project_qkv(jnp.ones((1, 5, 48)))
+          >>> q.shape  # [B, T, N, H]
+          (1, 5, 3, 16)
+        """
+        b, t, _ = x.shape
+        qkv = self.c_attn(x).reshape(b, t, 3, self.num_heads, self.head_dim)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
     def __call__(self, x, *, cache=None, rngs=None):
         b, t, _ = x.shape
         if not self.num_heads:
             return jnp.broadcast_to(self.c_proj_bias[...].astype(x.dtype), x.shape), {}, cache
         n, h = self.num_heads, self.head_dim
-        qkv = self.c_attn(x).reshape(b, t, 3, n, h)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k, v = self.project_qkv(x)
         gate = self.head_gate
         if gate is not None and gate.kind == "score_scaling":
             q = q * gate.values().astype(q.dtype)[None, None, :, None]
@@ -466,15 +479,28 @@ class GPT2(nnx.Module):
         logits, aux, _ = self._forward(ids, jnp.arange(ids.shape[1]), None, rngs)
         return (logits, aux) if return_aux else logits
 
-    def _forward(self, ids, positions, caches, rngs):
-        dtype = jnp.dtype(self.config.dtype)
+    def embed(self, ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """The first block's input ``[B, T, D]`` in the model's dtype: token embeddings of ids
+        ``[B, T]`` plus position embeddings of ``positions [T]``; an id outside
+        ``[0, vocab_size)`` embeds as NaN (see :meth:`__call__`).
+
+        Example:
+          >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+          >>> x = model.embed(jnp.array([[1, 2, -1]]), jnp.arange(3))  # [B, T, D]
+          >>> x.shape, bool(jnp.isnan(x[0, 2]).all()), bool(jnp.isfinite(x[0, :2]).all())
+          ((1, 3, 48), True, True)
+        """
         # Ids outside [0, vocab_size) cannot be refused under jit (they are tracers there): each
         # embeds as NaN (a negative id would otherwise wrap around to another token), so its
         # logits, and those after it, are NaN. The lookup itself is left as it is (a select on
         # its output), so that in-range ids compute exactly what they did without the guard.
         outside = (ids < 0) | (ids >= self.config.vocab_size)
         tokens = jnp.where(outside[..., None], jnp.nan, self.wte(ids))
-        x = (tokens + self.wpe(positions)[None]).astype(dtype)
+        return (tokens + self.wpe(positions)[None]).astype(jnp.dtype(self.config.dtype))
+
+    def _forward(self, ids, positions, caches, rngs):
+        dtype = jnp.dtype(self.config.dtype)
+        x = self.embed(ids, positions)
         totals: dict[str, jax.Array] = {}
         new_caches = []
         for i, block in enumerate(self.h):
