@@ -289,7 +289,7 @@ class LossConfig(_Group):
     """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
     share_c with π = weights / their sum): only the weights' ratios count, as under softmax.
     It prices score entries, not kernel blocks: see docs/results.md before using it."""
-    mask_expected_cost: float = 0.003
+    mask_expected_cost: float = 0.006
     """Weight of the block-priced penalty (per block, the mean over heads of Σ π_c x cost_c,
     cost_c = the key blocks the kernel computes for candidate c at the serving length, causal
     = 1; see --student.serve-len-factor)."""
