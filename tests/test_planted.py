@@ -102,11 +102,12 @@ def test_planted_teacher_runs_its_masks_and_the_student_finds_them(planted_run):
     assert summary["planted_recovered"] == pytest.approx(np.mean([p == q for p, q in pairs]))
     strongest = [want == int(np.argmax(w)) for (want, _), w in zip(pairs, weights, strict=True)]
     assert summary["planted_strongest"] == pytest.approx(np.mean(strongest))
-    # Measured: 5 of 6 exactly, hardened exactly; the sixth, a causal head, learned
-    # sink(4) | window(4), which no candidate equals, cheaper, and within 2e-5 nats/token of the
-    # planted teacher (every candidate is, there: the data cannot tell them apart), so it counts
-    # as equivalent (below). Chance would give about 1.2 of the 6.
-    assert summary["planted_recovered"] >= 5 / 6, summary["planted"]
+    # Measured (block price 0.006): 4 of 6 exactly, hardened exactly; the other two cheaper and
+    # equivalent (below): a causal head learned sink(4) | window(4), which no candidate equals,
+    # within 5e-6 nats/token of the planted teacher (every candidate is, there: the data cannot
+    # tell them apart), and a strided(4) head took window(4), within 3e-4 (at the price 0.003 it
+    # kept strided(4): 5 of 6). Chance would give about 1.2 of the 6.
+    assert summary["planted_recovered"] >= 4 / 6, summary["planted"]
     assert summary["planted_hardened"] == summary["planted_recovered"]
     assert summary["planted_equivalent"] == 1.0, summary["planted_swap_kl"]
     # The swap table: one entry recomputed with a teacher whose head runs the other candidate
