@@ -319,9 +319,6 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
     }
 
 
-# What a resumed run must share with the run in its folder: everything that decides what the
-# checkpoints hold. Other flags (--sweep, the measurement's --run.eval-batches, the cache) may
-# change on --run.resume.
 def run(cfg: CascadeExperiment) -> dict:
     started = time.perf_counter()
     folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
@@ -334,6 +331,7 @@ def run(cfg: CascadeExperiment) -> dict:
             "pass another --run.dir"
         )
     if cfg.run.resume:
+        # Only flags.CHECKPOINT_FLAGS must match: --sweep and --run.eval-batches may change.
         check_resume(cfg, folder, kind="cascade")
     cache = pathlib.Path(cfg.run.cache_dir).expanduser()
     data = text.prepare(cfg.data.source, "byte", cfg.data.seq_len, data_dir=cache / "tfds")

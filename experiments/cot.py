@@ -412,8 +412,6 @@ def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, row
     return seconds
 
 
-# What a resumed run must share with the run in its folder: the flags that decide the format,
-# the models and their updates (the evaluation's flags may change).
 def train(cfg: TrainCommand) -> pathlib.Path:
     """Trains both models into the run folder; returns it."""
     started = time.perf_counter()
@@ -425,6 +423,8 @@ def train(cfg: TrainCommand) -> pathlib.Path:
     configs = _configs(cfg)
     if cfg.run.resume:
         cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
+        # The flags that decide the format, the models and their updates must match
+        # (flags.CHECKPOINT_FLAGS); the evaluation's may change.
         check_resume(cfg, folder, kind="chain-of-thought")
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
