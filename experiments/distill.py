@@ -127,6 +127,7 @@ def run(config: DistillConfig) -> dict:
             union_swap=lambda i, h, mask: measure.swap_kl(
                 teacher, specs, i, h, mask, r.eval_windows
             ),
+            threshold=config.harden.threshold,
         )
         excess = measure.masked_score_excess(teacher, r.eval_windows)
         summary["planted_score_excess"] = {

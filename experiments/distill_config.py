@@ -39,8 +39,10 @@ from sparse_jax.models.hf import (
 
 __all__ = [
     "FINETUNE_AT_FULL_RATE",
+    "HARDEN_BEFORE_REVIVING",
     "OLD_FLAGS",
     "RAMP_BEFORE_SEARCH",
+    "STUDENT_BEFORE_REVIVING",
     "TRAIN_BEFORE_SEARCH",
     "DataConfig",
     "DistillConfig",
@@ -212,19 +214,25 @@ class StudentConfig(_Group):
     """Learned candidate masks per head, gated heads/FFN units, or a fixed sparse mask."""
     normalizer: str = "softmax"
     """Attention normalizer: softmax, sparsemax, entmax15 or a float alpha > 1."""
-    combine: Literal["soft_union", "soft_mask", "mixture"] = "soft_union"
-    """How candidate masks combine (see sparse_jax.models.layers)."""
+    combine: Literal["soft_union", "soft_mask", "mixture"] = "mixture"
+    """How candidate masks combine (see sparse_jax.models.layers): 'mixture' runs each
+    candidate's attention on its own and mixes the outputs by the weights (a candidate that lets
+    hidden keys in is visibly wrong at any weight); 'soft_union' adds log(noisy-OR of the
+    weights) to the scores (docs/results.md, "Planted masks", on why the default changed)."""
     anchor_self: bool = False
     """Candidates: keep each query's own position at weight 1, so that the penalty cannot
     shrink all candidate weights together at no cost (see CandidateMaskAttention)."""
     granularity: Literal["layer", "head"] = "head"
     """Candidate weights per layer or per head."""
-    weighting: Literal["sigmoid", "sparsemax", "entmax15", "softmax"] = "sparsemax"
+    weighting: Literal["sigmoid", "sparsemax", "entmax15", "softmax", "reviving_sparsemax"] = (
+        "reviving_sparsemax"
+    )
     """How candidate logits become weights: a distribution over each head's candidates with
     exact zeros (sparsemax/entmax15: no penalty can shrink every weight together, and hardening
-    keeps each head's support), softmax (no zeros: a dropped candidate keeps its gradient;
-    hardening keeps each head's strongest), or independent sigmoids (the published form, which
-    collapses: docs/results.md)."""
+    keeps each head's support; reviving_sparsemax: sparsemax whose backward pass lets a dropped
+    candidate return when the loss would gain from it), softmax (no zeros: a dropped candidate
+    keeps its gradient; hardening keeps each head's strongest), or independent sigmoids (the
+    published form, which collapses: docs/results.md)."""
     serve_len_factor: int = 4
     """The serving length, as a multiple of --data.seq-len, at which --loss.mask-expected-cost
     prices each candidate by the key blocks the block-sparse kernel computes."""
@@ -250,6 +258,11 @@ class StudentConfig(_Group):
             raise ValueError(
                 f"{self.flag('anchor_self')} needs {self.flag('combine')} soft_union or "
                 "soft_mask; got mixture"
+            )
+        if self.weighting == "reviving_sparsemax" and self.combine != "mixture":
+            raise ValueError(
+                f"{self.flag('weighting')} reviving_sparsemax needs {self.flag('combine')} "
+                f"mixture; got {self.combine}"
             )
         if self.normalizer not in ("softmax", "sparsemax", "entmax15"):
             try:
@@ -289,7 +302,7 @@ class LossConfig(_Group):
     """Weight of the scale-free density penalty (per block, the mean over heads of Σ π_c x
     share_c with π = weights / their sum): only the weights' ratios count, as under softmax.
     It prices score entries, not kernel blocks: see docs/results.md before using it."""
-    mask_expected_cost: float = 0.006
+    mask_expected_cost: float = 0.015
     """Weight of the block-priced penalty (per block, the mean over heads of Σ π_c x cost_c,
     cost_c = the key blocks the kernel computes for candidate c at the serving length, causal
     = 1; see --student.serve-len-factor)."""
@@ -348,6 +361,10 @@ RAMP_BEFORE_SEARCH = (0.0, 0.0)
 # The hardened fine-tune before it had its own rate (the student's, no warm-up): pinned by the
 # configs whose figures were recorded with it.
 FINETUNE_AT_FULL_RATE = {"finetune_lr": 3e-3, "finetune_warmup": 0}
+# The candidate choice before the reviving mixture: the soft union of sparsemax weights,
+# hardened by each head's support. Pinned by the configs recorded with it.
+STUDENT_BEFORE_REVIVING = {"combine": "soft_union", "weighting": "sparsemax"}
+HARDEN_BEFORE_REVIVING = {"threshold": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,9 +413,11 @@ class HardenConfig(_Group):
     """What --harden.budget bounds: 'blocks', the kernel's key blocks at the serving length
     relative to causal attention's (as --loss.mask-expected-cost prices them), or 'density',
     the fraction of the score matrix at --data.seq-len (the sigmoid studies)."""
-    threshold: float | None = None
-    """Candidate weight kept by hardening when --harden.budget is None (None: 0.5 for sigmoid
-    weights, each head's support for sparsemax/entmax15 weights)."""
+    threshold: float | None = 0.5
+    """Candidate weight kept by hardening when --harden.budget is None: the candidates at or
+    above it and always the head's strongest (0.5: for a distribution, the strongest alone;
+    None: 0.5 for sigmoid and softmax weights, each head's support for sparsemax, entmax15 and
+    reviving_sparsemax weights)."""
     finetune_steps: int = 200
     """KL fine-tuning updates of the hardened model (0: none)."""
     finetune_lr: float = 3e-4

@@ -353,15 +353,17 @@ def planted_recovery(
     swaps=None,
     tolerance: float = 0.0,
     union_swap=None,
+    threshold: float | None = None,
 ) -> dict:
     """How well the student found the planted teacher's masks.
 
-    A head's *learned mask* is the union of the candidates its weights keep
-    (``kept_candidates()``: the support of a sparsemax/entmax15 distribution; weight >= 0.5 and
-    the strongest for sigmoid/softmax weights). Under the soft union that is exactly where the
-    head can attend; the weights re-weight positions inside it (window(8) beside window(16) adds
-    weight to the nearest 8 of the 16 keys). Its *pick* is the candidate of ``bank`` whose mask
-    at ``seq_len`` equals the learned mask (-1 when no candidate does).
+    A head's *learned mask* is the union of the candidates its weights keep at ``threshold``
+    (``kept_candidates(threshold)``, what threshold hardening keeps; None: the support of a
+    sparsemax-like distribution, weight >= 0.5 and the strongest for sigmoid/softmax weights).
+    Under the soft union the support is exactly where the head can attend; the weights
+    re-weight positions inside it (window(8) beside window(16) adds weight to the nearest 8 of
+    the 16 keys). Its *pick* is the candidate of ``bank`` whose mask at ``seq_len`` equals the
+    learned mask (-1 when no candidate does).
 
     Returns ``planted`` (per block and head ``[planted, picked]``), ``planted_support`` (per
     block and head the kept candidates), ``planted_recovered`` (the fraction of heads that
@@ -391,7 +393,7 @@ def planted_recovery(
         w = np.broadcast_to(np.asarray(w), (pattern.shape[1], len(bank)))
         core = student.h[i].attn.core
         costs = core.block_costs(seq_len)
-        kept = np.asarray(core.kept_candidates())
+        kept = np.asarray(core.kept_candidates(threshold))
         learned = core.head_masks(kept)
         hard_masks = hard.h[i].attn.core.head_masks() if hard.h[i].attn.num_heads else ()
         rows, kls = [], []

@@ -192,10 +192,10 @@ def _planted_lines(summary) -> list[str]:
     lines += [
         f"The teacher was trained with one candidate mask per head; the student, starting from "
         f"its weights with every candidate open, learned exactly the planted mask (the union "
-        f"of the candidates its weights keep) in **{summary['planted_recovered']:.0%}** of the "
-        f"heads, put its largest weight on the planted candidate in "
-        f"{summary['planted_strongest']:.0%}, and hardening by threshold gave exactly the "
-        f"planted mask in {summary['planted_hardened']:.0%}.",
+        f"of the candidates its weights keep at --harden.threshold) in "
+        f"**{summary['planted_recovered']:.0%}** of the heads, put its largest weight on the "
+        f"planted candidate in {summary['planted_strongest']:.0%}, and hardening by threshold "
+        f"gave exactly the planted mask in {summary['planted_hardened']:.0%}.",
         "",
     ]
     swap_kl = summary.get("planted_swap_kl")

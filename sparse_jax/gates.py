@@ -16,6 +16,10 @@ so a gate per head is a ``[layers, heads]`` parameter and its gate is ``[layers,
   or exactly 1 with positive probability and are differentiable in ``log_alpha``
   (reparameterised); :func:`expected_l0` is the probability that a gate is non-zero, whose sum
   (:func:`l0_penalty`) is a differentiable expected L0 norm.
+* ``reviving_sparsemax``: a choice among candidates (e.g. the masks of one head) as the
+  ``sparsemax`` of their logits, with a backward pass that lets a dropped candidate come back
+  when the loss would gain from it (sparsemax's own gradient is exactly zero outside its support,
+  so a candidate dropped early stays dropped).
 * ``expected_sparsity`` / ``lagrangian_sparsity`` / ``sparsity_schedule``: the constrained
   formulation of CoFi (Xia, Zhong & Chen, 2022, "Structured Pruning Learns Compact and Accurate
   Models"): instead of tuning λ in ``loss + λ L0``, the expected fraction of removed units is
@@ -40,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax.normalizers import sparsemax
+
 __all__ = [
     "expected_l0",
     "expected_sparsity",
@@ -47,6 +53,7 @@ __all__ = [
     "l0_penalty",
     "l1_penalty",
     "lagrangian_sparsity",
+    "reviving_sparsemax",
     "sigmoid_gate",
     "sparsity_schedule",
 ]
@@ -233,6 +240,69 @@ def sigmoid_gate(z, *, straight_through: bool = False, threshold=0.5, temperatur
     hard = (x > logit).astype(x.dtype)
     # soft - stop_gradient(soft) is exactly 0 in the forward pass and carries soft's gradient.
     return (hard + (soft - jax.lax.stop_gradient(soft))).astype(in_dtype)
+
+
+@jax.custom_vjp
+def _reviving_sparsemax_rows(z):
+    return sparsemax(z, axis=-1)
+
+
+def _reviving_sparsemax_fwd(z):
+    p = sparsemax(z, axis=-1)
+    return p, p
+
+
+def _reviving_sparsemax_bwd(p, g):
+    kept = (p > 0).astype(g.dtype)
+    # sparsemax's Jacobian-vector product: g minus its mean over the support, on the support.
+    centred = g - jnp.sum(g * kept, -1, keepdims=True) / jnp.sum(kept, -1, keepdims=True)
+    # Off the support: the descent direction only where raising the logit would lower the loss.
+    return (kept * centred + (1 - kept) * jnp.minimum(centred, 0.0),)
+
+
+_reviving_sparsemax_rows.defvjp(_reviving_sparsemax_fwd, _reviving_sparsemax_bwd)
+
+
+def reviving_sparsemax(logits, *, axis: int = -1) -> jax.Array:
+    """``sparsemax(logits)`` along ``axis``, with a backward pass that can revive candidates.
+
+    The forward value is exactly :func:`sparsemax_jax.normalizers.sparsemax`: a distribution over
+    the candidates with exact zeros. Its true gradient is zero for every logit outside the
+    support ``S`` (a dropped candidate's logit moves no weight), so a candidate that falls out of
+    ``S`` early in training never returns, however much the loss would gain from it. Here the
+    cotangent ``g`` of the weights becomes, per row, ``g_i - mean_S(g)`` on ``S`` (sparsemax's own
+    vector-Jacobian product) and ``min(g_i - mean_S(g), 0)`` off ``S``: ``g_i - mean_S(g)`` is the
+    loss's derivative along moving weight onto candidate ``i`` from the support, so a dropped
+    logit is pushed up exactly when that move would lower the loss, and left alone otherwise. It
+    is a surrogate gradient (like the straight-through estimator of :func:`sigmoid_gate`), meant
+    for choosing among a few candidates per row, e.g. a head's candidate masks ``[heads, C]``.
+
+    Args:
+      logits: float array of any shape, e.g. ``[heads, candidates]``.
+      axis: the axis the distribution runs along.
+
+    Returns:
+      Weights with the shape and dtype of ``logits``, each row summing to 1.
+
+    Example:
+      >>> z = jnp.array([2.0, 0.5, -1.0])
+      >>> print(np.asarray(reviving_sparsemax(z)))  # candidate 2 is outside the support
+      [1. 0. 0.]
+      >>> loss = lambda z: -reviving_sparsemax(z)[2]  # the loss gains from candidate 2
+      >>> print(np.asarray(jax.grad(loss)(z)))  # its logit is pushed up (sparsemax's: 0)
+      [ 0.  0. -1.]
+    """
+    name = "reviving_sparsemax"
+    logits = _check_float(logits, name, "logits")
+    if logits.ndim == 0:
+        raise ValueError(f"{name}: `logits` must have at least one axis; got a scalar.")
+    if not isinstance(axis, numbers.Integral) or not -logits.ndim <= axis < logits.ndim:
+        raise ValueError(
+            f"{name}: `axis` must be an int in [{-logits.ndim}, {logits.ndim - 1}] for logits of "
+            f"shape {logits.shape}; got {axis!r}."
+        )
+    z = jnp.moveaxis(logits.astype(_compute_dtype(logits.dtype)), axis, -1)
+    return jnp.moveaxis(_reviving_sparsemax_rows(z), -1, axis).astype(logits.dtype)
 
 
 def hard_concrete(

@@ -23,9 +23,12 @@ CANDIDATES = (
 )
 
 
-@pytest.mark.parametrize("weighting", ["sparsemax", "entmax15"])
+@pytest.mark.parametrize("weighting", ["sparsemax", "entmax15", "reviving_sparsemax"])
 def test_weights_are_a_distribution_per_head_that_a_shift_cannot_change(weighting):
-    layer = CandidateMaskAttention(3, CANDIDATES, granularity="head", weighting=weighting)
+    combine = "mixture" if weighting == "reviving_sparsemax" else "soft_union"
+    layer = CandidateMaskAttention(
+        3, CANDIDATES, granularity="head", weighting=weighting, combine=combine
+    )
     layer.logits[...] = jnp.array([[2.0, 0.0, -1.0, 0.5], [0.0] * 4, [5.0, 1.0, 0.0, 0.0]])
     w = layer.candidate_weights()
     np.testing.assert_allclose(w.sum(axis=1), 1.0, atol=1e-6)
@@ -138,6 +141,36 @@ def test_the_learned_distribution_recovers_planted_masks_and_support_hardening_k
         np.testing.assert_array_equal(
             mask_at(mask, t, t), mask_at(CANDIDATES[planted[head]], t, t), err_msg=str(w[head])
         )
+
+
+def test_reviving_weights_find_a_candidate_dropped_at_the_start():
+    """One head of the mixture whose target attends under full causal attention, its weights
+    starting on the sink alone (causal outside the support): sparsemax weights never move
+    (their gradient is exactly zero off the support and a one-candidate support has no
+    direction), reviving sparsemax weights end on causal."""
+    t = 32
+    q, k, v = (
+        jax.random.normal(key, (4, t, 1, 8)) * 2 for key in jax.random.split(jax.random.key(1), 3)
+    )
+    target = attention(q, k, v, mask=CANDIDATES[3])
+    found = {}
+    for weighting in ("sparsemax", "reviving_sparsemax"):
+        layer = CandidateMaskAttention(
+            1, CANDIDATES, granularity="head", combine="mixture", weighting=weighting
+        )
+        layer.logits[...] = jnp.array([[3.0, 0.0, 0.0, 0.0]])  # weights [1, 0, 0, 0]
+        optimizer = nnx.Optimizer(layer, optax.adam(0.05), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(layer, optimizer):
+            loss = lambda layer: jnp.mean((layer(q, k, v)[0] - target) ** 2)
+            optimizer.update(layer, nnx.grad(loss)(layer))
+
+        for _ in range(150):
+            step(layer, optimizer)
+        found[weighting] = np.asarray(layer.candidate_weights())[0]
+    np.testing.assert_array_equal(found["sparsemax"], [1.0, 0.0, 0.0, 0.0])
+    assert found["reviving_sparsemax"].argmax() == 3, found
 
 
 def test_gpt2_sums_the_expected_cost_and_hardens_by_support():

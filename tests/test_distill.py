@@ -258,6 +258,10 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
             ["--student.anchor-self", "--student.combine", "mixture"],
             "--student.anchor-self needs --student.combine soft_union or soft_mask; got mixture",
         ),
+        (
+            ["--student.weighting", "reviving_sparsemax", "--student.combine", "soft_union"],
+            "--student.weighting reviving_sparsemax needs --student.combine mixture; got soft_u",
+        ),
         (["--train.lr", "0"], "--train.lr must be a number > 0; got 0.0"),
         (["--run.model-axis", "0"], "--run.model-axis must be an int >= 1; got 0"),
         (["--teacher.size", "huge"], "--teacher.size"),
@@ -542,8 +546,9 @@ def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
     from sparse_jax.models import GPT2, GPT2Config, harden
 
     config = distill.parse(
-        _args(tmp_path, "run", "--harden.budget", "0.5", "--student.block-size", "4")
-    )
+        _args(tmp_path, "run", "--harden.budget", "0.5", "--student.block-size", "4",
+              "--harden.threshold", "None")
+    )  # fmt: skip
     spec = distill_phases.student_spec(config)
     student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
     teacher = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
@@ -555,7 +560,7 @@ def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
     run = SimpleNamespace(config=config, eval_windows=windows)
     out = distill._threshold_against_budget(run, student, teacher, 64)
     by_budget = harden(student, budget=0.5, length=64, price="blocks")
-    by_threshold = harden(student, length=16)
+    by_threshold = harden(student, threshold=config.harden.threshold, length=16)
     for name, model in (("budget", by_budget), ("threshold", by_threshold)):
         assert out[name]["kl"] == pytest.approx(measure.evaluate_lm(model, windows, teacher)[1])
         assert out[name]["attention_flops"] == model.flops(64).attention

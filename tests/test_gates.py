@@ -28,9 +28,11 @@ from sparse_jax.gates import (
     l0_penalty,
     l1_penalty,
     lagrangian_sparsity,
+    reviving_sparsemax,
     sigmoid_gate,
     sparsity_schedule,
 )
+from sparse_jax.normalizers import sparsemax
 
 BETA, GAMMA, ZETA = 2.0 / 3.0, -0.1, 1.1
 LOG_ALPHAS = np.array([-2.0, -0.5, 0.0, 0.7, 2.5])
@@ -515,6 +517,47 @@ def test_float64_stays_float64(x64):
 
 
 # ----------------------------------------------------------------------------------------------
+# reviving_sparsemax.
+
+
+@pytest.mark.parametrize("axis", [0, -1])
+def test_reviving_sparsemax_forward_is_sparsemax(axis):
+    z = jax.random.normal(jax.random.key(0), (5, 6)) * 2.0
+    np.testing.assert_array_equal(reviving_sparsemax(z, axis=axis), sparsemax(z, axis=axis))
+    low = reviving_sparsemax(z.astype(jnp.bfloat16))
+    assert low.dtype == jnp.bfloat16 and low.shape == (5, 6)
+
+
+def test_reviving_sparsemax_backward_on_and_off_the_support():
+    """On the support: sparsemax's own vector-Jacobian product; off it: the centred cotangent
+    where it is negative (raising that logit would lower the loss) and 0 where it is not."""
+    z = jnp.array([[1.5, 1.2, -0.4, 0.1, -2.0], [0.3, 0.2, 0.1, 0.0, -3.0]])
+    g = jnp.array([[0.5, -0.1, -2.0, 1.0, 0.3], [1.0, -1.0, 0.5, -0.5, -4.0]])
+    p, vjp = jax.vjp(reviving_sparsemax, z)
+    _, true_vjp = jax.vjp(sparsemax, z)
+    (got,), (true,) = vjp(g), true_vjp(g)
+    on = np.asarray(p) > 0
+    assert on.sum(1).tolist() == [2, 4]  # both rows have dropped candidates
+    np.testing.assert_allclose(np.asarray(got)[on], np.asarray(true)[on], atol=1e-6)
+    centred = np.asarray(g) - (np.asarray(g) * on).sum(1, keepdims=True) / on.sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(got)[~on], np.minimum(centred, 0)[~on], atol=1e-6)
+    assert np.asarray(true)[~on].tolist() == [0.0] * 4  # sparsemax's own: exactly zero there
+    assert (np.asarray(got)[~on] < 0).sum() == 2  # (-2.0 and -4.0 below their rows' means)
+
+
+def test_reviving_sparsemax_brings_back_a_dropped_candidate_that_sparsemax_cannot():
+    """Gradient descent on a loss that wants candidate 2, dropped at the start: sparsemax's
+    exact gradient is zero, so its weights never move; the reviving one's reach candidate 2."""
+    start = jnp.array([2.0, 0.5, -1.0])
+    for weighting, want in ((sparsemax, [1.0, 0.0, 0.0]), (reviving_sparsemax, [0.0, 0.0, 1.0])):
+        z = start
+        loss = functools.partial(lambda z, weighting: -weighting(z)[2], weighting=weighting)
+        for _ in range(60):
+            z = z - 0.2 * jax.grad(loss)(z)
+        np.testing.assert_allclose(weighting(z), want, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
 # Argument errors.
 
 LA = jnp.zeros(3)
@@ -616,6 +659,13 @@ BAD_ARGUMENTS = [
         r"`initial`",
     ),
     (lambda: sparsity_schedule(True, target=0.5, warmup_steps=5), TypeError, r"`step`"),
+    (lambda: reviving_sparsemax(jnp.arange(3)), TypeError, r"`logits` must have a floating"),
+    (lambda: reviving_sparsemax(jnp.float32(1.0)), ValueError, r"`logits` must have at least"),
+    (
+        lambda: reviving_sparsemax(jnp.zeros((2, 3)), axis=2),
+        ValueError,
+        r"`axis` must be an int in \[-2, 1\].*got 2",
+    ),
 ]
 
 
@@ -639,6 +689,7 @@ def test_public_api():
         "l0_penalty",
         "l1_penalty",
         "lagrangian_sparsity",
+        "reviving_sparsemax",
         "sigmoid_gate",
         "sparsity_schedule",
     ]

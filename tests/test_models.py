@@ -597,6 +597,10 @@ def test_the_anchor_makes_the_size_of_the_weights_matter():
     np.testing.assert_allclose(shrunk, v, atol=1e-3)
     with pytest.raises(ValueError, match="anchor_self"):
         CandidateMaskAttention(2, cands, combine="mixture", anchor_self=True)
+    with pytest.raises(
+        ValueError, match=r"'reviving_sparsemax' needs `combine`='mixture'.*'soft_union'"
+    ):
+        CandidateMaskAttention(2, cands, weighting="reviving_sparsemax")
 
 
 def test_pruned_heads_and_units_are_removed_not_zeroed():

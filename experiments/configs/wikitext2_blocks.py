@@ -15,6 +15,7 @@ import dataclasses
 from experiments.configs import wikitext2_study
 from experiments.distill_config import (
     FINETUNE_AT_FULL_RATE,
+    HARDEN_BEFORE_REVIVING,
     RAMP_BEFORE_SEARCH,
     DistillConfig,
     HardenConfig,
@@ -35,6 +36,10 @@ def get_config() -> DistillConfig:
             penalty_ramp=RAMP_BEFORE_SEARCH,
         ),
         harden=HardenConfig(
-            budget=None, price="blocks", finetune_steps=200, **FINETUNE_AT_FULL_RATE
+            budget=None,
+            price="blocks",
+            finetune_steps=200,
+            **FINETUNE_AT_FULL_RATE,
+            **HARDEN_BEFORE_REVIVING,
         ),
     )

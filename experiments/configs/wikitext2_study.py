@@ -35,7 +35,7 @@ def get_config() -> DistillConfig:
         config="wikitext2_study",
         data=DataConfig(source="../shared/data/wikitext-2", seq_len=512),
         teacher=TeacherConfig(source="train", size="cpu-long", steps=1200),
-        student=StudentConfig(windows=(16, 32, 64, 128), weighting="sigmoid"),
+        student=StudentConfig(windows=(16, 32, 64, 128), weighting="sigmoid", combine="soft_union"),
         loss=LossConfig(
             mask_l1=0.0,
             mask_density=0.02,

@@ -97,7 +97,9 @@ __all__ = [
 
 COMBINES = ("soft_union", "soft_mask", "mixture")
 #: How CandidateMaskAttention turns logits into weights.
-WEIGHTINGS = ("sigmoid", "sparsemax", "entmax15", "softmax")
+WEIGHTINGS = ("sigmoid", "sparsemax", "entmax15", "softmax", "reviving_sparsemax")
+# The weightings whose rows are distributions with exact zeros: hardened by their support.
+_SPARSE_WEIGHTINGS = ("sparsemax", "entmax15", "reviving_sparsemax")
 GATE_KINDS = ("sigmoid_ste", "sigmoid", "hard_concrete", "score_scaling")
 
 
@@ -320,7 +322,11 @@ class CandidateMaskAttention(nnx.Module):
         ``"entmax15"`` (rows sum to 1 with exact zeros: shift-invariant, so a penalty cannot
         lower all weights together, and hardening by support is exact), or ``"softmax"``
         (a distribution without zeros: no candidate ever loses its gradient; hardened at
-        weight 0.5, i.e. each head's strongest).
+        weight 0.5, i.e. each head's strongest), or ``"reviving_sparsemax"`` (sparsemax's
+        weights with a backward pass that lets a dropped candidate return when the loss would
+        gain from it: :func:`~sparse_jax.gates.reviving_sparsemax`; ``combine="mixture"``
+        only, since under the log-bias combines a candidate at weight 0 masks its entries and
+        the loss has no gradient for it to read).
       price_len: the length at which :meth:`block_costs` prices the candidates for the
         ``expected_cost`` penalty (a serving length); None: the call's own length.
       block_size: ``(block_q, block_kv)`` of the block-sparse kernel whose blocks are priced.
@@ -351,7 +357,9 @@ class CandidateMaskAttention(nnx.Module):
         normalizer: str | float = "softmax",
         init_logit: float = 3.0,
         anchor_self: bool = False,
-        weighting: Literal["sigmoid", "sparsemax", "entmax15", "softmax"] = "sigmoid",
+        weighting: Literal[
+            "sigmoid", "sparsemax", "entmax15", "softmax", "reviving_sparsemax"
+        ] = "sigmoid",
         price_len: int | None = None,
         block_size: tuple[int, int] = (128, 128),
         rngs: nnx.Rngs | None = None,
@@ -367,6 +375,12 @@ class CandidateMaskAttention(nnx.Module):
                 "'soft_mask'); `combine`='mixture' has no bias to anchor"
             )
         self.anchor_self = anchor_self
+        if self.weighting == "reviving_sparsemax" and combine != "mixture":
+            raise ValueError(
+                f"{caller}: `weighting`='reviving_sparsemax' needs `combine`='mixture' (under "
+                f"a log-bias combine a dropped candidate has no gradient to revive it); got "
+                f"`combine`={combine!r}"
+            )
         self.num_heads = check_int(num_heads, "num_heads", caller)
         candidates = tuple(default_candidates() if candidates is None else candidates)
         if not candidates:
@@ -386,6 +400,8 @@ class CandidateMaskAttention(nnx.Module):
     def weights(self) -> jax.Array:
         """The weights in the parameters' shape, ``[C]`` or ``[N, C]``: ``sigmoid(logits)``, or
         each row's ``sparsemax``/``entmax15``/``softmax`` (see ``weighting``)."""
+        if self.weighting == "reviving_sparsemax":
+            return gates_lib.reviving_sparsemax(self.logits[...], axis=-1)
         if self.weighting == "sparsemax":
             return sparsemax(self.logits[...], axis=-1)
         if self.weighting == "entmax15":
@@ -439,8 +455,8 @@ class CandidateMaskAttention(nnx.Module):
         """bool ``[N, C]``: the candidates each head keeps when its weights are made hard: those
         with weight ``>= threshold``, and always the head's strongest (the first on ties), so no
         head is empty (``threshold=inf``: the strongest alone). Default threshold: 0.5 for
-        sigmoid and softmax weights; the support (weight > 0) for sparsemax/entmax15 weights.
-        Traceable.
+        sigmoid and softmax weights; the support (weight > 0) for sparsemax, entmax15 and
+        reviving_sparsemax weights. Traceable.
 
         Example:
           >>> layer = CandidateMaskAttention(1, [masks_lib.causal()] * 3)
@@ -453,7 +469,7 @@ class CandidateMaskAttention(nnx.Module):
         caller = "CandidateMaskAttention.kept_candidates"
         w = self.candidate_weights(per_head=True)  # [N, C]
         strongest = jnp.arange(w.shape[1]) == jnp.argmax(w, axis=1)[:, None]
-        if threshold is None and self.weighting in ("sparsemax", "entmax15"):
+        if threshold is None and self.weighting in _SPARSE_WEIGHTINGS:
             return (w > 0.0) | strongest
         threshold = _check_threshold(0.5 if threshold is None else threshold, caller)
         return (w >= threshold) | strongest
