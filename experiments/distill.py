@@ -15,8 +15,9 @@ and resumable): the teacher (by default the small GPT-2 bundled with the package
 student (the teacher's weights with learned candidate masks, gates or a fixed sparse mask,
 trained on KL(teacher || student) plus the sparsity penalties; a candidates student trains only
 its candidate logits, the KL alone first, then the price ramped in: ``--train.trainable``,
-``--loss.penalty-ramp``), and the hardened student (fixed masks: each head's support or
-``--harden.budget``; then every weight fine-tuned).
+``--loss.penalty-ramp``), and the hardened student (fixed masks: each head's candidates at or
+above ``--harden.threshold``, by default its strongest, or ``--harden.budget``; then every
+weight fine-tuned).
 
 The run folder (experiments.distill_run) gets ``config.json``, ``metrics.jsonl`` (one line per
 step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.md`` with its plots

@@ -434,7 +434,8 @@ def _documented_commands():
         lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]*)`", prose)]
         for line in lines:
             for command in re.findall(r"python -m experiments\.distill\b.*", line):
-                for key, value in variables.items():
+                # Longest names first: $OLD must not replace the start of $OLD2.
+                for key, value in sorted(variables.items(), key=lambda kv: -len(kv[0])):
                     command = command.replace(f"${key}", value)
                 out.append((doc.name, command.strip()))
     return out
