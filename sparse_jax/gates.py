@@ -266,7 +266,7 @@ _reviving_sparsemax_rows.defvjp(_reviving_sparsemax_fwd, _reviving_sparsemax_bwd
 def reviving_sparsemax(logits, *, axis: int = -1) -> jax.Array:
     """``sparsemax(logits)`` along ``axis``, with a backward pass that can revive candidates.
 
-    The forward value is exactly :func:`sparsemax_jax.normalizers.sparsemax`: a distribution over
+    The forward value is exactly :func:`sparse_jax.normalizers.sparsemax`: a distribution over
     the candidates with exact zeros. Its true gradient is zero for every logit outside the
     support ``S`` (a dropped candidate's logit moves no weight), so a candidate that falls out of
     ``S`` early in training never returns, however much the loss would gain from it. Here the
