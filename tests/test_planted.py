@@ -20,8 +20,8 @@ from sparse_jax.models.flops import mask_block_cost
 # weights to settle: a 2-block, 3-head GPT-2 on 16-token windows, candidates sink(4),
 # window(4), window(8), strided(4) and causal, distilled with the default objective (the
 # candidate logits searched on the teacher's weights as a reviving mixture, KL first, then the
-# block price; hardened at 0.5). No
-# fine-tune: it adapts the weights to the hardened masks and cannot change them.
+# block price; hardened at 0.5). No fine-tune: it adapts the weights to the hardened masks and
+# cannot change them.
 PLANTED = [
     "--teacher.source", "planted", "--teacher.size", "tiny", "--teacher.steps", "150",
     "--data.seq-len", "16", "--data.batch-size", "8", "--student.windows", "4", "8",
