@@ -37,8 +37,9 @@ Implementations and dispatch
   follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
 * ``"pallas"``: :func:`sparse_jax.kernels.pallas_attention`, the fused Pallas kernel over the
   same layout (flash-style: scores stay on chip), every normalizer, static masks and
-  ``static & padding(lengths)``, a ``bias``, block sizes powers of two >= 16; GPU (Triton),
-  and interpret mode on CPU (slow: for tests).
+  ``static & padding(lengths)``, a ``bias``; GPU (Triton kernels, block sizes powers of two
+  >= 16), TPU (Mosaic kernels, :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of
+  128), and interpret mode on CPU (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
   only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
   mode (slow: for tests).
@@ -47,7 +48,8 @@ Implementations and dispatch
   ``causal()``, ``local(l, r)``, ``causal() & local(l, r)`` or none.
 * ``"auto"`` takes ``"splash"`` on TPU and ``"cudnn"`` on GPU when the call is one they
   compute (softmax, no bias, no array mask, no ``return_weights``, a mask they express, their
-  dtypes); on GPU ``"pallas"`` for any other call with a ``Mask`` that it computes; otherwise
+  dtypes); on GPU ``"pallas"`` for any other call with a ``Mask`` that it computes (on TPU
+  not yet: the Mosaic kernels have not been compiled and measured on one); otherwise
   ``"blocksparse"`` when the kernel would form at most
   ``BLOCKSPARSE_MAX_FRACTION`` (75%) of the dense score entries (``blocksparse_cost``), else
   ``"xla"``. :func:`attention_impl` says which and why. Asking a softmax-only kernel for
@@ -287,11 +289,11 @@ BLOCKSPARSE_MAX_FRACTION = 0.75
 def _pallas_ok(q, mask, return_weights, block_size) -> tuple[bool, str]:
     """Whether the fused Pallas kernel computes the call (see pallas_supports), from its
     arguments alone (no layout is built)."""
-    for name, size in zip(("block_size[0]", "block_size[1]"), block_size, strict=True):
-        if size < 16 or size & (size - 1):
-            return False, f"`{name}`={size} is not a power of two >= 16"
     mask = mask if isinstance(mask, masks_lib.Mask) else None
-    return pallas_supports(q, None, mask=mask, return_weights=return_weights)
+    ok, why = pallas_supports(
+        q, None, mask=mask, return_weights=return_weights, block_size=block_size
+    )
+    return ok, why.replace("`block_q`", "`block_size[0]`").replace("`block_kv`", "`block_size[1]`")
 
 
 def _layout(args: _Args) -> masks_lib.BlockLayout:
@@ -318,6 +320,13 @@ def _resolve_impl(args: _Args) -> ImplChoice:
         except ValueError:
             pass
     not_pallas = ""
+    if backend == "tpu" and mask is not None:
+        # The Mosaic kernels lower for TPU and run in interpret mode, but have not been compiled
+        # and measured on a TPU yet: auto keeps the measured engines until they have.
+        not_pallas = (
+            " (not the Pallas kernel: on TPU it is not yet compiled and measured there; "
+            "impl='pallas' opts in)"
+        )
     if backend == "gpu" and mask is not None:
         ok, why = _pallas_ok(args.q, mask, args.return_weights, args.block_size)
         if ok:

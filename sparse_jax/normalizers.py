@@ -470,6 +470,22 @@ def _entmax_u(z, theta, sigma):
     return jnp.where(positive, u, 0.0), log_u
 
 
+def expm1_from_exp(x):
+    """exp(x) - 1 from ``exp`` and ``log`` alone, to a few ulps (Kahan's trick: the rounding
+    error of u = exp(x) cancels in (u - 1) x / log u). For compilers without ``expm1``.
+
+    Example:
+      >>> x = jnp.array([1e-9, 1e-4, 0.3, -50.0, 100.0], jnp.float32)
+      >>> bool(jnp.allclose(expm1_from_exp(x), jnp.expm1(x), rtol=1e-6))
+      True
+    """
+    u = jnp.exp(x)
+    u_minus_1 = u - 1.0
+    exact = (u_minus_1 == 0.0) | (u_minus_1 == -1.0) | jnp.isinf(u)
+    ratio = x / jnp.log(jnp.where(exact, 2.0, u))
+    return jnp.where(u_minus_1 == 0.0, x, jnp.where(exact, u_minus_1, u_minus_1 * ratio))
+
+
 def entmax_powers(z, theta, eps, sigma):
     """(u^(1/ε), u^(1/ε - 1)) elementwise, zero off the support, with ε = α - 1."""
     u, log_u = _entmax_u(z, theta, sigma)
@@ -477,20 +493,21 @@ def entmax_powers(z, theta, eps, sigma):
     return u_pow_m1 * u, u_pow_m1
 
 
-def entmax_search(eps, sigma, n_valid, done0) -> RowSearch:
+def entmax_search(eps, sigma, n_valid, done0, expm1=jnp.expm1) -> RowSearch:
     """α-entmax threshold of rows z = ε (x - max), ε = α - 1, held as θ (see :func:`_entmax_u`).
 
     ``n_valid`` ``[..., 1]``: the number of allowed entries of each row. Safeguarded Newton from
     τ = -1: the bracket [lo, hi] always holds the root; a Newton step that leaves it, or does
-    not at least halve the previous step, is replaced by bisection.
+    not at least halve the previous step, is replaced by bisection. ``expm1``: the function
+    used for exp(x) - 1 (a kernel whose compiler has no expm1 passes :func:`expm1_from_exp`).
     """
     offset = jnp.where(sigma, 1.0, 0.0) if not isinstance(sigma, bool) else float(sigma)
     eps_log_n = eps * jnp.log(jnp.maximum(n_valid, 1.0))
     # τ = -(1/n)^(α-1) has f <= 0: as σ = 1 + τ that is -expm1(-ε log n), without cancellation.
     if isinstance(sigma, bool):
-        hi = -jnp.expm1(-eps_log_n) if sigma else -jnp.exp(-eps_log_n)
+        hi = -expm1(-eps_log_n) if sigma else -jnp.exp(-eps_log_n)
     else:
-        hi = jnp.where(sigma, -jnp.expm1(-eps_log_n), -jnp.exp(-eps_log_n))
+        hi = jnp.where(sigma, -expm1(-eps_log_n), -jnp.exp(-eps_log_n))
     lo = jnp.zeros_like(hi) + (offset - 1.0)
     eps_f = jnp.finfo(hi.dtype).eps
     tiny = jnp.finfo(hi.dtype).tiny
@@ -514,7 +531,7 @@ def entmax_search(eps, sigma, n_valid, done0) -> RowSearch:
         # so the steps from the left are long where Newton on the mass crawls. The step
         # (1 - mass^-ε) mass / slope, written with expm1, tends to ε log(mass) as ε -> 0: the
         # softmax normaliser, reached in one or two steps.
-        newton = theta - jnp.expm1(-eps * jnp.log(jnp.maximum(mass, tiny))) * mass / slope
+        newton = theta - expm1(-eps * jnp.log(jnp.maximum(mass, tiny))) * mass / slope
         # For α > 2 the slope blows up next to a support boundary and pure Newton would crawl,
         # so a Newton step that does not halve the previous one is replaced by bisection --
         # except at the float noise floor of the mass, where Newton's step is the last one.

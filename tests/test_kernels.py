@@ -196,7 +196,7 @@ def _live_map(q, k, v, layout, norm):
     plan = pk._Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
-        interpret=True, precision=None, bias_axes=(False,) * 4,
+        interpret=True, target="triton", precision=None, bias_axes=(False,) * 4,
         arrays=pk._layout_arrays(layout),
     )  # fmt: skip
     eps = jnp.zeros((n, 1), jnp.float32)

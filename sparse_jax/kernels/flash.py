@@ -93,6 +93,7 @@ def pallas_supports(
     mask: Any = None,
     return_weights: bool = False,
     backend: str | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> tuple[bool, str]:
     """Whether :func:`pallas_attention` computes this call, and why not.
 
@@ -101,7 +102,9 @@ def pallas_supports(
       layout: the block layout (its block sizes and whether it is dynamic), if known.
       mask: the call's mask if it has a run-time part (``padding``).
       return_weights: whether the call asks for the weights.
-      backend: ``jax.default_backend()`` when None.
+      backend: ``jax.default_backend()`` when None; ``"gpu"`` and ``"cpu"`` run the Triton
+        kernels (interpreted on CPU), ``"tpu"`` the Mosaic ones.
+      block_size: ``(block_q, block_kv)`` when no layout is given.
 
     Returns:
       ``(True, "")`` or ``(False, reason)``.
@@ -111,8 +114,8 @@ def pallas_supports(
       'float64 is not supported (the kernels compute in float32)'
     """
     backend = backend or jax.default_backend()
-    if backend not in ("cpu", "gpu"):
-        return False, f"no Pallas kernel for backend {backend!r} yet (GPU/Triton and CPU interpret)"
+    if backend not in ("cpu", "gpu", "tpu"):
+        return False, f"no Pallas kernel for backend {backend!r} (GPU, TPU, CPU interpret)"
     if jnp.dtype(q.dtype) == jnp.float64:
         return False, "float64 is not supported (the kernels compute in float32)"
     if return_weights:
@@ -123,10 +126,24 @@ def pallas_supports(
             "mask (other run-time masks are not supported yet)"
         )
     if layout is not None:
-        for name, size in (("block_q", layout.block_q), ("block_kv", layout.block_kv)):
-            if size < _MIN_BLOCK or size & (size - 1):
-                return False, f"`{name}`={size} is not a power of two >= {_MIN_BLOCK}"
+        block_size = (layout.block_q, layout.block_kv)
+    if block_size is not None:
+        why = _block_error(*block_size, "mosaic" if backend == "tpu" else "triton")
+        if why:
+            return False, why
     return True, ""
+
+
+def _block_error(block_q: int, block_kv: int, target: str) -> str:
+    """Why the kernels of ``target`` cannot take these block sizes ("" when they can)."""
+    if target == "mosaic":
+        from sparse_jax.kernels.mosaic import mosaic_block_error
+
+        return mosaic_block_error(block_q, block_kv)
+    for name, size in (("block_q", block_q), ("block_kv", block_kv)):
+        if size < _MIN_BLOCK or size & (size - 1):
+            return f"`{name}`={size} is not a power of two >= {_MIN_BLOCK}"
+    return ""
 
 
 def _padding_parts(mask: Mask) -> list[Padding] | None:
@@ -190,6 +207,7 @@ class _Plan:
     dv: int
     per_head: int  # 1: layout arrays per head, 0: shared
     interpret: bool
+    target: str  # "triton" (GPU) or "mosaic" (TPU): which kernels run
     precision: Any  # of the tiles' products (jax.lax.Precision or None)
     bias_axes: tuple[bool, bool, bool, bool]  # the bias has a full (batch, head, q, kv) axis
     arrays: dict  # numpy layout arrays (see _layout_arrays)
@@ -296,7 +314,7 @@ def _weights(kind: str, z, tau, eps, sigma):
     return entmax_powers(z, tau, eps, sigma)
 
 
-def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int):
+def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.expm1):
     """The :class:`~sparse_jax.normalizers.RowSearch` of a row tile, started from τ = -1."""
     done0 = jnp.logical_not(row_max > -jnp.inf)  # nothing allowed, or NaN: no search
     tau0 = jnp.full_like(row_max, -1.0)
@@ -304,7 +322,7 @@ def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int):
         return sparsemax_search(tau0, done0, row_length)
     if kind == "entmax15":
         return entmax15_search(tau0, done0)
-    return entmax_search(eps, sigma, n_valid, done0)
+    return entmax_search(eps, sigma, n_valid, done0, expm1)
 
 
 def _row_pass(count, block_terms, n_terms: int, rows: int):
@@ -698,7 +716,6 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
     b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
     ph = plan.per_head
-    kh = k.shape[2]
     # δ = do · ū per row [B, N, Tq].
     delta = jnp.einsum("bqnd,bqnd->bnq", do.astype(_F32), res["ubar"])
     rows = {**{key: res[key] for key in _row_names(plan)[:-1]}, "delta": delta}
@@ -769,13 +786,24 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
       *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
       live)  # fmt: skip
     dk, dv, dbias_cols = grads[:3]
-    if g > 1:  # grouped-query attention: a key head's gradient sums its query heads'
-        dk = dk.reshape(b, tk, kh, g, plan.d).sum(3).astype(k.dtype)
-        dv = dv.reshape(b, tk, kh, g, plan.dv).sum(3).astype(v.dtype)
+    dense_dbias = grads[3] if aq and ak else None
+    return dq, dk, dv, dalpha_rows, dscale_rows, dbias_rows, dbias_cols, dense_dbias
+
+
+def _finish_gradients(plan: _Plan, k, v, grads):
+    """The kernels' gradient pieces reduced to the inputs' gradients: grouped-query heads
+    summed, the α and scale row terms summed, the bias' rows/columns/tiles reduced over the
+    axes it broadcasts along."""
+    dq, dk, dv, dalpha_rows, dscale_rows, dbias_rows, dbias_cols, dense_dbias = grads
+    b, tk, kh = k.shape[0], k.shape[1], k.shape[2]
+    if plan.g > 1:  # grouped-query attention: a key head's gradient sums its query heads'
+        dk = dk.reshape(b, tk, kh, plan.g, plan.d).sum(3).astype(k.dtype)
+        dv = dv.reshape(b, tk, kh, plan.g, plan.dv).sum(3).astype(v.dtype)
     deps = jnp.sum(dalpha_rows, axis=(0, 2))[:, None] if plan.kind == "entmax" else None
     dscale = jnp.sum(dscale_rows).reshape(1)
+    _, _, aq, ak = plan.bias_axes
     if aq and ak:
-        dbias = grads[3]
+        dbias = dense_dbias
     elif ak:
         dbias = dbias_cols[:, :, None, :]
     elif aq:
@@ -788,19 +816,28 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
-    return _forward(plan, scale, lengths, eps, q, k, v, bias, key_nan)[0]
+    return _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan)[0]
+
+
+def _kernels(plan: _Plan):
+    """The module whose forward and backward run: this one (Triton) or the Mosaic one (TPU),
+    imported when first used (it adds to `import sparse_jax` what CPU users never run)."""
+    if plan.target == "mosaic":
+        from sparse_jax.kernels import mosaic
+
+        return mosaic.forward, mosaic.backward
+    return _forward, _backward
 
 
 def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan):
-    o, res = _forward(plan, scale, lengths, eps, q, k, v, bias, key_nan)
+    o, res = _kernels(plan)[0](plan, scale, lengths, eps, q, k, v, bias, key_nan)
     return o, (scale, lengths, eps, q, k, v, bias, key_nan, res)
 
 
 def _fused_bwd(plan, residuals, do):
     scale, lengths, eps, q, k, v, bias, key_nan, res = residuals
-    dq, dk, dv, deps, dscale, dbias = _backward(
-        plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do
-    )
+    grads = _kernels(plan)[1](plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
+    dq, dk, dv, deps, dscale, dbias = _finish_gradients(plan, k, v, grads)
     deps = jnp.zeros_like(eps) if deps is None else deps
     no_lengths = np.zeros(lengths.shape, jax.dtypes.float0)  # integer input: no cotangent
     # key_nan is NaN or 0 (a mark, not a value): its cotangent is zero.
@@ -827,6 +864,7 @@ def pallas_attention(
     bias: jax.Array | None = None,
     interpret: bool | None = None,
     precision: Any = None,
+    target: str | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -837,7 +875,8 @@ def pallas_attention(
       q: ``[B, Tq, N, D]`` queries, float32, bfloat16 or float16.
       k: ``[B, Tk, Kh, D]`` keys, ``v``: ``[B, Tk, Kh, Dv]`` values, ``q``'s dtype.
       layout: ``mask.blocks(Tq, Tk, bq, bkv)`` (shared or per-head with ``N`` heads); ``bq``
-        and ``bkv`` powers of two >= 16.
+        and ``bkv`` powers of two >= 16 for the Triton kernels, multiples of 128 for the
+        Mosaic ones.
       mask: the run-time mask a dynamic layout was built from: ``static & padding(lengths)``
         (keys ``j >= lengths[b]`` of batch element ``b`` are masked); ignored for static
         layouts.
@@ -850,6 +889,9 @@ def pallas_attention(
       interpret: run the kernels in Pallas' interpret mode; default: on CPU only.
       precision: of the tiles' products (``jax.lax.Precision``); default: full float32 for
         float32 inputs (Triton's default would be TF32), the inputs' own for half precision.
+      target: ``"triton"`` (the GPU kernels of this module) or ``"mosaic"`` (the TPU kernels
+        of :mod:`sparse_jax.kernels.mosaic`); default: ``"mosaic"`` on TPU, else
+        ``"triton"``. Both run in interpret mode on CPU.
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -876,7 +918,14 @@ def pallas_attention(
     bias = check_bias(bias, (b, n, tq, tk), caller)
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"{caller}: `interpret` must be None or a bool; got {interpret!r}")
-    backend = "cpu" if interpret else jax.default_backend()
+    if target is None:
+        target = "mosaic" if jax.default_backend() == "tpu" else "triton"
+    if target not in ("triton", "mosaic"):
+        raise ValueError(f"{caller}: `target` must be None, 'triton' or 'mosaic'; got {target!r}")
+    if target == "mosaic":
+        backend = "tpu"
+    else:
+        backend = "cpu" if interpret else jax.default_backend()
     ok, why = pallas_supports(q, layout, mask=mask if layout.dynamic else None, backend=backend)
     if not ok:
         raise ValueError(f"{caller}: {why}; use impl='blocksparse' or impl='xla' for this call")
@@ -905,6 +954,7 @@ def pallas_attention(
     plan = _Plan(
         kind=kind, sigma=sigma, b=b, n=n, g=n // kh, bq=bq, bkv=bkv, nq=nq, nk=nk, d=d_p,
         dv=dv_p, per_head=int(layout.kv_block_indices.shape[0] > 1), interpret=interpret,
+        target=target,
         precision=precision if precision is not None or q.dtype != jnp.float32
         else jax.lax.Precision.HIGHEST,
         bias_axes=bias_axes, arrays=_layout_arrays(layout),
