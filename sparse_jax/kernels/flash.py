@@ -36,12 +36,14 @@ Numerics follow :func:`sparse_jax.attention`: scores, normalizer and accumulatio
 the largest float, an allowed NaN makes the row NaN, a non-finite value vector makes its key's
 scores NaN).
 
-Backends: the kernels use only what Pallas lowers with Triton (GPU) and run unchanged in
-Pallas' interpret mode, which is how they run, and are tested, on CPU (``interpret=None``
-picks it there). Block sizes must be powers of two >= 16 (Triton's tiles); head dims are
-zero-padded to one. Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
+Backends: the kernels of this module use only what Pallas lowers with Triton (GPU) and run
+unchanged in Pallas' interpret mode, which is how they run, and are tested, on CPU
+(``interpret=None`` picks it there). Block sizes must be powers of two >= 16 (Triton's tiles);
+head dims are zero-padded to one. On TPU, :func:`pallas_attention` runs the same algorithm
+written for Mosaic (:mod:`sparse_jax.kernels.mosaic`: blocks multiples of 128, key blocks
+streamed by DMA). Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
 takes another engine): run-time masks other than ``static & padding(lengths)``,
-``return_weights``, float64, TPU (Mosaic lowering).
+``return_weights``, float64.
 """
 
 from __future__ import annotations
