@@ -185,12 +185,15 @@ def test_a_tpu_backend_runs_the_mosaic_kernels(monkeypatch):
         attention(q, k, v, mask=mask, impl="pallas", block_size=(128, 64))
 
 
-def test_kernel_arguments_are_checked():
+def test_kernel_arguments_are_checked(monkeypatch):
     q, k, v, _ = _inputs((1, 256, 256, 1, 1, 16), jnp.float32)
     with pytest.raises(ValueError, match="`target` must be None, 'triton' or 'mosaic'"):
         pallas_attention(q, k, v, masks.causal().blocks(256, 256, 128, 128), target="cuda")
     with pytest.raises(ValueError, match="`block_q`=64 is not a multiple of 128"):
         pallas_attention(q, k, v, masks.causal().blocks(256, 256, 64, 128), target="mosaic")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="target='mosaic' compiles for TPU but the backend is"):
+        pallas_attention(q, k, v, masks.causal().blocks(256, 256, 128, 128), target="mosaic")
 
 
 @pytest.mark.parametrize(

@@ -924,6 +924,13 @@ def pallas_attention(
         target = "mosaic" if jax.default_backend() == "tpu" else "triton"
     if target not in ("triton", "mosaic"):
         raise ValueError(f"{caller}: `target` must be None, 'triton' or 'mosaic'; got {target!r}")
+    platform = {"mosaic": "tpu", "triton": "gpu"}[target]
+    if not interpret and jax.default_backend() not in (platform, "cpu"):
+        raise ValueError(
+            f"{caller}: target={target!r} compiles for {platform.upper()} but the backend is "
+            f"{jax.default_backend()!r}; use target=None (the backend's own kernels) or "
+            f"interpret=True"
+        )
     if target == "mosaic":
         backend = "tpu"
     else:
