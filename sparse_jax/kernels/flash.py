@@ -327,6 +327,32 @@ def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.
     return entmax_search(eps, sigma, n_valid, done0, expm1)
 
 
+def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.expm1):
+    """Each row's threshold τ ``[rows, 1]`` by the normalizer's search, pass after pass until
+    every row of the tile is done. ``row_sums(terms_of, n_terms)`` sums ``terms_of(z)`` (a tuple
+    of ``n_terms`` tiles from a tile of search variables) over the row's kept blocks: each
+    kernel family walks its blocks its own way. ``expm1``: for compilers without one."""
+    search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, expm1)
+    tile = jax.ShapeDtypeStruct((row_max.shape[0], plan.bkv), _F32)
+    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
+
+    def cond(carry):
+        it, state = carry
+        # (Triton lowers no boolean reductions: "all rows done" as a max over 0/1.)
+        running = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
+        return jnp.logical_and(it < search.max_iter, running)
+
+    def step(carry):
+        it, state = carry
+        return it + 1, search.update(state, row_sums(lambda z: search.terms(z, state), n_terms))
+
+    _, state = jax.lax.while_loop(cond, step, (jnp.int32(0), search.init))
+    tau = state[0]
+    if plan.kind == "entmax15":
+        tau = entmax15_polish(tau, row_sums(lambda z: entmax15_polish_terms(z, tau), 3))
+    return tau
+
+
 def _row_pass(count, block_terms, n_terms: int, rows: int):
     """Sums ``block_terms(j)`` (a tuple of ``[rows, bkv]`` tiles) over the row's kept blocks."""
 
@@ -416,27 +442,10 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def z_of(j):
         return _z(plan.kind, masked(j), shift, eps)
 
-    search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length)
-    tile = jax.ShapeDtypeStruct((bq, plan.bkv), _F32)
-    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
+    def row_sums(terms_of, n_terms):
+        return _row_pass(count, lambda j: terms_of(z_of(j)), n_terms, bq)
 
-    def cond(carry):
-        it, state = carry
-        # (Triton lowers no boolean reductions: "all rows done" as a min over 0/1.)
-        running = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
-        return jnp.logical_and(it < search.max_iter, running)
-
-    def step(carry):
-        it, state = carry
-        sums = _row_pass(count, lambda j: search.terms(z_of(j), state), n_terms, bq)
-        return it + 1, search.update(state, sums)
-
-    _, state = jax.lax.while_loop(cond, step, (jnp.int32(0), search.init))
-    tau = state[0]
-    if plan.kind == "entmax15":
-        tau = entmax15_polish(
-            tau, _row_pass(count, lambda j: entmax15_polish_terms(z_of(j), tau), 3, bq)
-        )
+    tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums)
 
     live_ref[...] = jnp.zeros(live_ref.shape, live_ref.dtype)
 

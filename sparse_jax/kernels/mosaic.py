@@ -33,12 +33,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparse_jax.kernels.flash import _recompute, _row_names, _search, _weights, _z
+from sparse_jax.kernels.flash import _recompute, _row_names, _threshold, _weights, _z
 from sparse_jax.normalizers import (
     LIFT_FROM_EPS,
     SIGMA_MAX_EPS,
-    entmax15_polish,
-    entmax15_polish_terms,
     entmax_alpha_terms,
     expm1_from_exp,
 )
@@ -231,24 +229,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
         return _stream(count, views(False), k_bufs, sem, body, init)
 
     # (Mosaic has no expm1.)
-    search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, expm1_from_exp)
-    tile = jax.ShapeDtypeStruct((bq, bkv), _F32)
-    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
-
-    def cond(carry):
-        it, state = carry
-        running = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
-        return jnp.logical_and(it < search.max_iter, running)
-
-    def step(carry):
-        it, state = carry
-        sums = row_sums(lambda z: search.terms(z, state), n_terms)
-        return it + 1, search.update(state, sums)
-
-    _, state = jax.lax.while_loop(cond, step, (jnp.int32(0), search.init))
-    tau = state[0]
-    if plan.kind == "entmax15":
-        tau = entmax15_polish(tau, row_sums(lambda z: entmax15_polish_terms(z, tau), 3))
+    tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, expm1_from_exp)
 
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, live_ref.shape[-1]), 1)
 
