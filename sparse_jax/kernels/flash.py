@@ -510,6 +510,36 @@ def _row_names(plan: _Plan) -> tuple[str, ...]:
     return (*stats, "delta")
 
 
+def _dq_step(plan: _Plan, carry, p, g, dp, delta, raw, k, eps):
+    """Adds one key tile's share to the dq kernel's sums ``(dq, α sums, Σ ds·raw, Σ ds)``:
+    ``ds = g ⊙ (dp - δ)``; the scale's and the bias' row gradients; for α-entmax the four row
+    sums of the α derivative (Σ c, Σ dp c, Σ s_rest, Σ dp s_rest)."""
+    dq, alpha_sums, ds_raw, ds_rows = carry
+    ds = g * (dp - delta)
+    dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
+    ds = jnp.where(g != 0.0, ds, 0.0)
+    ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
+    ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
+    if plan.kind == "entmax":
+        _, c, s_rest = entmax_alpha_terms(p, eps)
+        terms = (c, jnp.where(c != 0.0, dp * c, 0.0), s_rest)
+        terms += (jnp.where(s_rest != 0.0, dp * s_rest, 0.0),)
+        alpha_sums = tuple(
+            a + jnp.sum(t, axis=-1, keepdims=True) for a, t in zip(alpha_sums, terms, strict=True)
+        )
+    return dq, alpha_sums, ds_raw, ds_rows
+
+
+def _alpha_rows(plan: _Plan, alpha_sums, delta, eps):
+    """Each row's share of dα ``[rows, 1]``: δ Σ c - Σ dp c (+ (Σ dp s_rest - δ Σ s_rest) / ε²
+    when lifted; see normalizers.entmax_alpha_terms); 0 for the other normalizers."""
+    c_sum, dp_c, rest_sum, dp_rest = alpha_sums
+    lifted = 0.0
+    if plan.kind == "entmax":
+        lifted = jnp.where(eps >= LIFT_FROM_EPS, (dp_rest - delta * rest_sum) / (eps * eps), 0.0)
+    return delta * c_sum - dp_c + lifted + jnp.zeros_like(delta)
+
+
 def _dq_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
     scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref, do_ref = refs[:9]
@@ -527,7 +557,6 @@ def _dq_kernel(*refs, plan: _Plan):
 
     def body(j, carry):
         def visit(carry):
-            dq, alpha_sums, ds_raw, ds_rows = carry
             kv_block = idx_ref[j]
             raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
             allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
@@ -536,21 +565,7 @@ def _dq_kernel(*refs, plan: _Plan):
             start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
             k = k_ref[pl.ds(start, plan.bkv), :]
             v = v_ref[pl.ds(start, plan.bkv), :]
-            dp = _dot(plan, do, v)
-            ds = g * (dp - delta)
-            dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
-            ds = jnp.where(g != 0.0, ds, 0.0)
-            ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
-            ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
-            if plan.kind == "entmax":  # Σ c, Σ dp c, Σ s_rest, Σ dp s_rest
-                _, c, s_rest = entmax_alpha_terms(p, eps)
-                terms = (c, jnp.where(c != 0.0, dp * c, 0.0), s_rest)
-                terms += (jnp.where(s_rest != 0.0, dp * s_rest, 0.0),)
-                alpha_sums = tuple(
-                    a + jnp.sum(t, axis=-1, keepdims=True)
-                    for a, t in zip(alpha_sums, terms, strict=True)
-                )
-            return dq, alpha_sums, ds_raw, ds_rows
+            return _dq_step(plan, carry, p, g, _dot(plan, do, v), delta, raw, k, eps)
 
         if plan.kind == "softmax":
             return visit(carry)
@@ -560,13 +575,7 @@ def _dq_kernel(*refs, plan: _Plan):
     init = (jnp.zeros((bq, plan.d), _F32), (zeros_r,) * 4, zeros_r, zeros_r)
     dq, alpha_sums, ds_raw, ds_rows = jax.lax.fori_loop(0, cnt_ref[0], body, init)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-    # dα = δ Σ c - Σ dp c (+ (Σ dp s_rest - δ Σ s_rest) / ε² when lifted; see
-    # normalizers.entmax_alpha_terms)
-    c_sum, dp_c, rest_sum, dp_rest = alpha_sums
-    lifted = 0.0
-    if plan.kind == "entmax":
-        lifted = jnp.where(eps >= LIFT_FROM_EPS, (dp_rest - delta * rest_sum) / (eps * eps), 0.0)
-    dalpha_ref[...] = (delta * c_sum - dp_c + lifted)[:, 0]
+    dalpha_ref[...] = _alpha_rows(plan, alpha_sums, delta, eps)[:, 0]
     dscale_ref[...] = ds_raw[:, 0]
     dbias_ref[...] = ds_rows[:, 0]
 

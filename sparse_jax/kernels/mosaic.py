@@ -33,11 +33,17 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparse_jax.kernels.flash import _recompute, _row_names, _threshold, _weights, _z
+from sparse_jax.kernels.flash import (
+    _alpha_rows,
+    _dq_step,
+    _recompute,
+    _row_names,
+    _threshold,
+    _weights,
+    _z,
+)
 from sparse_jax.normalizers import (
-    LIFT_FROM_EPS,
     SIGMA_MAX_EPS,
-    entmax_alpha_terms,
     expm1_from_exp,
 )
 
@@ -269,7 +275,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
 # Backward.
 
 
-def _rows_of(plan, stats, column):
+def _rows_of(plan, column):
     """The row statistics of a tile as ``[bq, 1]`` columns: ``column(s)`` reads row ``s``."""
     return {name: column(s) for s, name in enumerate(_row_names(plan))}
 
@@ -284,7 +290,7 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
     scale = scale_ref[0]
     kv_length = len_ref[b]
     eps, sigma = _eps_sigma(plan, eps_ref, h, bq)
-    rows = _rows_of(plan, stats_ref, lambda s: stats_ref[s][:, None])
+    rows = _rows_of(plan, lambda s: stats_ref[s][:, None])
     delta = rows["delta"]
 
     def slot_of(t):
@@ -301,7 +307,6 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
         ]
 
     def body(t, tiles, carry):
-        dq, alpha_sums, ds_raw, ds_rows = carry
         slot = slot_of(t)
         block = idx_ref[0, slot]
         k, v = tiles[0][...], tiles[3][...]
@@ -310,32 +315,14 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
         allowed = _tile_allowed(full_ref[0, slot], pmi_ref[0, slot], masks_ref, block, kv_length,
                                 bkv)  # fmt: skip
         p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
-        dp = _dot(plan, do, v)
-        ds = g * (dp - delta)
-        dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
-        ds = jnp.where(g != 0.0, ds, 0.0)
-        ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
-        ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)
-        if plan.kind == "entmax":  # Σ c, Σ dp c, Σ s_rest, Σ dp s_rest
-            _, c, s_rest = entmax_alpha_terms(p, eps)
-            terms = (c, jnp.where(c != 0.0, dp * c, 0.0), s_rest)
-            terms += (jnp.where(s_rest != 0.0, dp * s_rest, 0.0),)
-            alpha_sums = tuple(
-                a + jnp.sum(x, axis=-1, keepdims=True)
-                for a, x in zip(alpha_sums, terms, strict=True)
-            )
-        return dq, alpha_sums, ds_raw, ds_rows
+        return _dq_step(plan, carry, p, g, _dot(plan, do, v), delta, raw, k, eps)
 
     zeros_r = jnp.zeros((bq, 1), _F32)
     init = (jnp.zeros((bq, plan.d), _F32), (zeros_r,) * 4, zeros_r, zeros_r)
     bufs = [kbuf, nanbuf, biasbuf, vbuf]
     dq, alpha_sums, ds_raw, ds_rows = _stream(vcount_ref[0, 0], views, bufs, sem, body, init)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-    c_sum, dp_c, rest_sum, dp_rest = alpha_sums
-    lifted = 0.0
-    if plan.kind == "entmax":
-        lifted = jnp.where(eps >= LIFT_FROM_EPS, (dp_rest - delta * rest_sum) / (eps * eps), 0.0)
-    rows_out_ref[pl.ds(0, 1), :] = _lanes(delta * c_sum - dp_c + lifted + zeros_r)
+    rows_out_ref[pl.ds(0, 1), :] = _lanes(_alpha_rows(plan, alpha_sums, delta, eps))
     rows_out_ref[pl.ds(1, 1), :] = _lanes(ds_raw)
     rows_out_ref[pl.ds(2, 1), :] = _lanes(ds_rows)
 
@@ -372,7 +359,7 @@ def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vco
         dk, dv, ds_cols = carry
         q, do = tiles[0][...], tiles[1][...]
         stats = tiles[2]
-        rows = _rows_of(plan, stats, lambda s: stats[s][:, None])
+        rows = _rows_of(plan, lambda s: stats[s][:, None])
         s = jnp.minimum(_dot(plan, q, k) * scale + tiles[3][...] + key_nan, _MAX)
         allowed = _tile_allowed(vfull_ref[0, t], vpmi_ref[0, t], masks_ref, c, kv_length, bkv)
         p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
