@@ -36,10 +36,11 @@ Implementations and dispatch
   key blocks each query block keeps and normalizes over that compact row, so work and memory
   follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
 * ``"pallas"``: :func:`sparse_jax.kernels.pallas_attention`, the fused Pallas kernel over the
-  same layout (flash-style: scores stay on chip), every normalizer, static masks and
-  ``static & padding(lengths)``, a ``bias``; GPU (Triton kernels, block sizes powers of two
-  >= 16), TPU (Mosaic kernels, :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of
-  128), and interpret mode on CPU (slow: for tests).
+  same layout (flash-style: scores stay on chip), every normalizer, static masks,
+  ``static & padding(lengths)`` and ``static & segments(ids)`` (packed sequences), a
+  ``bias``; GPU (Triton kernels, block sizes powers of two >= 16), TPU (Mosaic kernels,
+  :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of 128), and interpret mode on CPU
+  (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
   only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
   mode (slow: for tests).
@@ -142,8 +143,8 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], caller: str) -> An
         shape = mask.shape
         if shape is not None and (tq > shape[0] or tk > shape[1]):
             raise ValueError(
-                f"{caller}: `mask` has the fixed shape {shape} (from_array) but the inputs need "
-                f"(q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {shape[0]}, "
+                f"{caller}: `mask` has the fixed shape {shape} (from_array or segments) but the "
+                f"inputs need (q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {shape[0]}, "
                 f"kv_len <= {shape[1]}"
             )
         if mask.num_heads is not None and mask.num_heads != n:
@@ -154,7 +155,7 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], caller: str) -> An
             )
         if mask.batch_size is not None and mask.batch_size != b:
             raise ValueError(
-                f"{caller}: `mask` is a run-time (padding) mask for batch size "
+                f"{caller}: `mask` is a run-time (padding or segments) mask for batch size "
                 f"{mask.batch_size} but q has batch size {b}"
             )
         return mask

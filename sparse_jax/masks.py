@@ -41,8 +41,10 @@ two per-head masks must have the same number of heads. ``num_heads`` is None for
 masks. ``m.for_head(h)`` extracts the ``[q, kv]`` mask of head ``h``.
 
 Run-time masks. ``padding(lengths)`` (key ``j`` allowed for batch element ``b`` when
-``j < lengths[b]``) depends on data known only at run time (``lengths`` may be a traced jax
-array). Any expression containing one is *dynamic* (``m.is_dynamic``, ``m.batch_size``):
+``j < lengths[b]``) and ``segments(q_ids, kv_ids)`` (packed sequences: query ``i`` sees key
+``j`` when their segment ids are equal) depend on data known only at run time (their arrays
+may be traced jax arrays). Any expression containing one is *dynamic* (``m.is_dynamic``,
+``m.batch_size``):
 
 * ``dense`` adds a leading batch axis ``[b, (h,) q, kv]`` (a jax array if ``lengths`` is one);
 * ``predicate`` takes ``batch=`` indices (and ``head=`` for per-head masks);
@@ -53,7 +55,8 @@ array). Any expression containing one is *dynamic* (``m.is_dynamic``, ``m.batch_
   mask is then the static *upper bound*, and the exact mask of such a block is
   ``partial_mask & m.predicate(q_idx, kv_idx, batch=b)``, which a kernel evaluates at run time.
   ``BlockLayout.dynamic`` is True for such layouts;
-* ``to_splash`` raises (splash handles padding with ``SegmentIds``, not with its mask).
+* ``to_splash`` raises (splash handles padding and segments with ``SegmentIds``, not with its
+  mask).
 
 The random, per-pair-independent :func:`random_blocks` pattern uses a counter-based integer hash
 of (seed, query block, key block), so it is identical in numpy and inside ``jax.jit``, and a
@@ -92,6 +95,7 @@ __all__ = [
     "Padding",
     "PerHead",
     "RandomBlocks",
+    "Segments",
     "Shifted",
     "Sink",
     "Strided",
@@ -107,6 +111,7 @@ __all__ = [
     "padding",
     "per_head",
     "random_blocks",
+    "segments",
     "sink",
     "strided",
 ]
@@ -488,7 +493,8 @@ class Mask:
         if shape is not None and (q_len > shape[0] or kv_len > shape[1]):
             raise ValueError(
                 f"{caller}: (q_len, kv_len) = ({q_len}, {kv_len}) does not fit this mask of fixed "
-                f"shape {shape} (from_array); allowed: q_len <= {shape[0]}, kv_len <= {shape[1]}"
+                f"shape {shape} (from_array or segments); allowed: q_len <= {shape[0]}, "
+                f"kv_len <= {shape[1]}"
             )
         return q_len, kv_len
 
@@ -585,8 +591,8 @@ class Mask:
         q_len, kv_len = self._check_lengths("to_splash", q_len, kv_len)
         if self.is_dynamic:
             raise ValueError(
-                "to_splash: run-time padding masks have no splash mask equivalent; pass the "
-                "static part of the mask and express padding with splash SegmentIds"
+                "to_splash: run-time masks (padding, segments) have no splash mask equivalent; "
+                "pass the static part of the mask and express them with splash SegmentIds"
             )
         n = self.num_heads
         if num_heads is not None:
@@ -1048,6 +1054,70 @@ class Padding(Mask):
         return np.False_, np.True_
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segments(Mask):
+    """Run-time segments (packed sequences): for batch element ``b``, query ``i`` may see key
+    ``j`` when ``q_ids[b, i] == kv_ids[b, j]``. The id arrays fix the mask's shape
+    ``(q_len, kv_len)``, as ``from_array``'s array does.
+    """
+
+    q_ids: Any  # int [batch, q_len], numpy or jax
+    kv_ids: Any  # int [batch, kv_len], numpy or jax
+
+    def __post_init__(self):
+        ids = []
+        for name in ("q_ids", "kv_ids"):
+            value = getattr(self, name)
+            if not _is_jax(value):
+                value = np.asarray(value)
+            if value.ndim != 2 or 0 in value.shape:
+                raise ValueError(
+                    f"segments: {name} must be a 2-D array [batch, length] with non-zero sizes, "
+                    f"got shape {value.shape}"
+                )
+            if not np.issubdtype(value.dtype, np.integer):
+                raise TypeError(f"segments: {name} must be integers, got dtype {value.dtype}")
+            object.__setattr__(self, name, value)
+            ids.append(value)
+        if ids[0].shape[0] != ids[1].shape[0]:
+            raise ValueError(
+                f"segments: q_ids and kv_ids must have the same batch size, got shapes "
+                f"{ids[0].shape} and {ids[1].shape}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.q_ids.shape[1]), int(self.kv_ids.shape[1])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.q_ids.shape[0])
+
+    def __repr__(self) -> str:
+        return f"Segments(batch_size={self.batch_size}, shape={self.shape})"
+
+    def _uses_jax(self) -> bool:
+        return _is_jax(self.q_ids) or _is_jax(self.kv_ids)
+
+    def _toeplitz(self) -> bool:
+        return True  # its static bounds (unknown everywhere) do not depend on the position
+
+    def _eval(self, q, kv, h, b, xp):
+        if b is None:
+            raise ValueError("Segments: evaluating a run-time mask needs batch indices")
+        rows, cols = self.shape
+        inside = (q >= 0) & (q < rows) & (kv >= 0) & (kv < cols)
+        q_ids = xp.asarray(self.q_ids)[b, xp.clip(q, 0, rows - 1)]
+        kv_ids = xp.asarray(self.kv_ids)[b, xp.clip(kv, 0, cols - 1)]
+        return (q_ids == kv_ids) & inside
+
+    def _bounds(self, q, kv):
+        return np.zeros((), bool), np.ones((), bool)
+
+    def _block_bounds(self, qa, qb, ka, kb):
+        return np.False_, np.True_
+
+
 # ----------------------------------------------------------------------------------------------
 # Combinators.
 
@@ -1487,6 +1557,22 @@ def padding(lengths: Any) -> Mask:
       [[[1, 0], [1, 0]], [[1, 0], [1, 1]]]
     """
     return Padding(lengths)
+
+
+def segments(q_ids: Any, kv_ids: Any = None) -> Mask:
+    """Run-time segments (packed sequences): query ``i`` of batch element ``b`` sees key ``j``
+    when ``q_ids[b, i] == kv_ids[b, j]``. Dynamic, like :func:`padding`.
+
+    Args:
+      q_ids: int array ``[batch, q_len]`` (numpy, or jax, possibly traced).
+      kv_ids: int array ``[batch, kv_len]``; default ``q_ids`` (self-attention).
+
+    Example:
+      >>> ids = [[0, 0, 1, 1]]  # two sequences packed in one row
+      >>> (causal() & segments(ids)).dense(4, 4)[0].astype(int).tolist()
+      [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    """
+    return Segments(q_ids, q_ids if kv_ids is None else kv_ids)
 
 
 def per_head(masks: Sequence[Mask]) -> Mask:

@@ -38,6 +38,10 @@ CASES = {
         "alpha", masks.causal() & (masks.local(150, 0) | masks.sink(2)), (1, 384, 384, 2, 2, 16),
         jnp.float32, (384,),
     ),
+    "softmax-segments": (
+        "softmax", masks.causal() & masks.segments(np.array([[0] * 100 + [1] * 150 + [2] * 6])),
+        (1, 256, 256, 2, 1, 16), jnp.float32, None,
+    ),
     "sparsemax-bf16": (
         "sparsemax", masks.causal(), (1, 256, 256, 2, 1, 64), jnp.bfloat16, None,
     ),
@@ -107,7 +111,7 @@ def _plan(q, v, layout, norm):
     return pk._Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
-        interpret=True, target="mosaic", precision=jax.lax.Precision.HIGHEST,
+        interpret=True, segments=False, target="mosaic", precision=jax.lax.Precision.HIGHEST,
         bias_axes=(False,) * 4, arrays=pk._layout_arrays(layout),
     )  # fmt: skip
 
@@ -124,7 +128,8 @@ def test_dead_blocks_are_dropped_from_what_the_backward_visits():
     lengths = jnp.full((1,), 512, jnp.int32)
     no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
     key_nan = jnp.zeros((1, 1, 512), jnp.float32)
-    _, res = mosaic.forward(plan, jnp.ones(1), lengths, eps, q, k, v, no_bias, key_nan)
+    no_ids = (jnp.zeros((1, 512), jnp.int32),) * 2
+    _, res = mosaic.forward(plan, jnp.ones(1), lengths, eps, q, k, v, no_bias, key_nan, *no_ids)
     live = np.asarray(res["live"])
     assert live[0, 0, 3, :4].tolist() == [1, 0, 0, 0]  # query block 3 keeps 4, one holds weight
     (dq_count, dq_slots), (t_count, t_rows, _, _) = mosaic._visits(plan, res["live"])
@@ -201,7 +206,7 @@ def test_kernel_arguments_are_checked(monkeypatch):
     [
         ("softmax", False, 2, jnp.bfloat16, None),
         ("sparsemax", True, 1, jnp.float32, (1, 2, 384, 1)),
-        ("entmax15", False, 1, jnp.bfloat16, (384,)),
+        ("entmax15-packed", False, 1, jnp.bfloat16, (384,)),
         ("alpha", False, 2, jnp.float32, (1, 2, 384, 384)),
     ],
 )
@@ -213,6 +218,10 @@ def test_the_kernels_lower_to_mosaic_for_tpus(normalizer, per_head, kv_heads, dt
     k = jnp.zeros((1, 384, kv_heads, 64), dtype)
     window = masks.causal() & (masks.local(150, 0) | masks.sink(4))
     mask = masks.per_head([window, masks.causal()]) if per_head else window
+    if normalizer.endswith("-packed"):  # run-time segment ids and lengths (packed sequences)
+        normalizer = normalizer.removesuffix("-packed")
+        ids = np.repeat(np.arange(4), 384 // 4)[None]
+        mask = mask & masks.segments(ids) & masks.padding(np.array([384 - 7]))
     layout = mask.blocks(384, 384, 128, 128)
     alpha = jnp.full((2,), 1.3) if normalizer == "alpha" else None
     bias = None if bias_shape is None else jnp.zeros(bias_shape)
@@ -220,7 +229,15 @@ def test_the_kernels_lower_to_mosaic_for_tpus(normalizer, per_head, kv_heads, dt
     def loss(q, k, v, alpha, bias):
         norm = normalizer if alpha is None else alpha
         out = pallas_attention(
-            q, k, v, layout, normalizer=norm, bias=bias, interpret=False, target="mosaic"
+            q,
+            k,
+            v,
+            layout,
+            mask=mask,
+            normalizer=norm,
+            bias=bias,
+            interpret=False,
+            target="mosaic",
         )
         return jnp.sum(out.astype(jnp.float32))
 

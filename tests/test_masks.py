@@ -26,6 +26,7 @@ from sparse_jax.masks import (
     padding,
     per_head,
     random_blocks,
+    segments,
     sink,
     strided,
 )
@@ -197,6 +198,33 @@ def test_padding_dense_and_predicate():
     d = padding(jnp.array([1, 3])).dense(2, 4)
     assert isinstance(d, jax.Array)
     np.testing.assert_array_equal(np.asarray(d)[:, 0], [[1, 0, 0, 0], [1, 1, 1, 0]])
+
+
+def test_segments_dense_predicate_and_traced_ids():
+    q_ids = np.array([[0, 0, 1, 1, 1], [2, 2, 2, 2, 2]])
+    kv_ids = np.array([[0, 1, 1, 1, 3, 3], [2, 2, 0, 2, 2, 2]])
+    m = causal() & segments(q_ids, kv_ids)
+    assert m.is_dynamic and m.batch_size == 2 and m.shape == (5, 6)
+    d = m.dense(5, 6)
+    want = causal().dense(5, 6)[None] & (q_ids[:, :, None] == kv_ids[:, None, :])
+    np.testing.assert_array_equal(d, want)
+    # self-attention: kv_ids defaults to q_ids
+    np.testing.assert_array_equal(
+        segments(q_ids).dense(5, 5), q_ids[:, :, None] == q_ids[:, None, :]
+    )
+    got = m.predicate(np.arange(5)[:, None], np.arange(6)[None, :], batch=1)
+    np.testing.assert_array_equal(got, want[1])
+
+    @jax.jit
+    def traced(q_ids, kv_ids):  # ids known only at run time
+        return (causal() & segments(q_ids, kv_ids)).dense(5, 6)
+
+    np.testing.assert_array_equal(np.asarray(traced(q_ids, kv_ids)), want)
+    # a layout of a segments mask is a static bound: every kept entry lies in a kept block
+    layout = m.blocks(5, 6, 2, 2)
+    assert layout.dynamic and not layout.block_is_full.any()
+    upper = _reconstruct(layout)[0]
+    assert not (want & ~upper[None, :5, :6]).any()
 
 
 def test_predicate_inside_jit_matches_dense():
@@ -564,6 +592,18 @@ def test_splash_kernel_runs_with_converted_mask():
         (lambda: padding(np.array([1.0])), TypeError, r"padding: lengths must be integers"),
         (lambda: padding(np.array([2, -1])), ValueError, r"padding: lengths must be >= 0"),
         (lambda: padding(np.ones((2, 2), int)), ValueError, r"padding: lengths must be a 1-D"),
+        (lambda: segments([[0.0, 1.0]]), TypeError, r"segments: q_ids must be integers"),
+        (lambda: segments([0, 1]), ValueError, r"segments: q_ids must be a 2-D .*shape \(2,\)"),
+        (
+            lambda: segments([[0, 1]], [[0, 1], [1, 1]]),
+            ValueError,
+            r"segments: q_ids and kv_ids must have the same batch size",
+        ),
+        (
+            lambda: (causal() & segments([[0, 1, 1]])).dense(4, 4),
+            ValueError,
+            r"does not fit this mask of fixed shape \(3, 3\) \(from_array or segments\)",
+        ),
         (lambda: per_head([]), ValueError, r"per_head: masks must be a non-empty"),
         (lambda: per_head([causal(), 3]), TypeError, r"per_head: masks\[1\] must be a "),
         (
@@ -615,7 +655,7 @@ def test_splash_kernel_runs_with_converted_mask():
         (
             lambda: (causal() & padding([3])).to_splash(4, 4),
             ValueError,
-            r"to_splash: run-time padding masks",
+            r"to_splash: run-time masks \(padding, segments\)",
         ),
         (
             lambda: per_head([causal()] * 2).to_splash(4, 4, num_heads=3),

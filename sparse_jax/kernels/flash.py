@@ -42,8 +42,8 @@ unchanged in Pallas' interpret mode, which is how they run, and are tested, on C
 head dims are zero-padded to one. On TPU, :func:`pallas_attention` runs the same algorithm
 written for Mosaic (:mod:`sparse_jax.kernels.mosaic`: blocks multiples of 128, key blocks
 streamed by DMA). Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
-takes another engine): run-time masks other than ``static & padding(lengths)``,
-``return_weights``, float64.
+takes another engine): run-time masks other than ``static & padding(lengths)`` and
+``& segments(ids)``, ``return_weights``, float64.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparse_jax.blocksparse import nonfinite_values
-from sparse_jax.masks import SENTINEL, And, BlockLayout, Mask, Padding, check_layout
+from sparse_jax.masks import SENTINEL, And, BlockLayout, Mask, Padding, Segments, check_layout
 from sparse_jax.normalizers import (
     LIFT_FROM_EPS,
     SIGMA_MAX_EPS,
@@ -122,10 +122,10 @@ def pallas_supports(
         return False, "float64 is not supported (the kernels compute in float32)"
     if return_weights:
         return False, "return_weights is not supported (the weights are never materialised)"
-    if mask is not None and mask.is_dynamic and _padding_parts(mask) is None:
+    if mask is not None and mask.is_dynamic and _runtime_parts(mask) is None:
         return False, (
-            "the run-time part of the mask must be padding(lengths) joined with & to a static "
-            "mask (other run-time masks are not supported yet)"
+            "the run-time part of the mask must be padding(lengths) and/or one segments(...) "
+            "joined with & to a static mask (other run-time masks are not supported yet)"
         )
     if layout is not None:
         block_size = (layout.block_q, layout.block_kv)
@@ -148,19 +148,22 @@ def _block_error(block_q: int, block_kv: int, target: str) -> str:
     return ""
 
 
-def _padding_parts(mask: Mask) -> list[Padding] | None:
-    """The ``Padding`` nodes of ``mask`` if its run-time part is ``& padding(lengths)`` (any
-    number of them, joined by ``&`` to a static mask); None for other run-time masks."""
-    parts, stack = [], [mask]
+def _runtime_parts(mask: Mask) -> tuple[list[Padding], list[Segments]] | None:
+    """The ``Padding`` and ``Segments`` nodes of ``mask`` if its run-time part is ``&`` of any
+    number of paddings and at most one segments leaf, joined by ``&`` to a static mask; None
+    for other run-time masks."""
+    paddings, segments, stack = [], [], [mask]
     while stack:
         node = stack.pop()
         if isinstance(node, And):
             stack += [node.left, node.right]
         elif isinstance(node, Padding):
-            parts.append(node)
+            paddings.append(node)
+        elif isinstance(node, Segments):
+            segments.append(node)
         elif node.is_dynamic:
             return None
-    return parts
+    return (paddings, segments) if len(segments) <= 1 else None
 
 
 def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) -> jax.Array:
@@ -173,19 +176,44 @@ def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) ->
             f"{caller}: `layout` is dynamic (built from a run-time `padding` mask): pass the mask "
             f"it was built from as `mask=` (got {type(mask).__name__})"
         )
-    parts = _padding_parts(mask)
+    parts = _runtime_parts(mask)
     if parts is None:
         raise ValueError(
-            f"{caller}: the run-time part of `mask` must be padding(lengths) joined with & to a "
-            f"static mask; got {mask!r}. Use impl='blocksparse' for other run-time masks"
+            f"{caller}: the run-time part of `mask` must be padding(lengths) and/or one "
+            f"segments(...) joined with & to a static mask; got {mask!r}. Use "
+            f"impl='blocksparse' for other run-time masks"
         )
-    lengths = [jnp.asarray(part.lengths, jnp.int32) for part in parts]
+    if not parts[0]:
+        return jnp.full((b,), tk, jnp.int32)
+    lengths = [jnp.asarray(part.lengths, jnp.int32) for part in parts[0]]
     if any(length.shape != (b,) for length in lengths):
         raise ValueError(
             f"{caller}: `mask` has padding lengths for batch size "
             f"{[int(length.shape[0]) for length in lengths]} but q has batch size {b}"
         )
     return jnp.minimum(functools.reduce(jnp.minimum, lengths), tk)
+
+
+def _segment_ids(mask: Any, layout: BlockLayout, b: int, tq_pad: int, tk_pad: int, caller: str):
+    """``(q_ids [B, Tq_pad], kv_ids [B, Tk_pad])`` int32 of the mask's ``segments`` leaf, padded
+    with ids that never match (-1 for queries, -2 for keys: positions beyond the ids are
+    masked, as ``segments`` evaluates them); None when the mask has none."""
+    if not layout.dynamic:
+        return None
+    parts = _runtime_parts(mask)
+    if parts is None or not parts[1]:
+        return None
+    seg = parts[1][0]
+    if seg.batch_size != b:
+        raise ValueError(
+            f"{caller}: `mask` has segment ids for batch size {seg.batch_size} but q has batch "
+            f"size {b}"
+        )
+    q_ids = jnp.asarray(seg.q_ids, jnp.int32)[:, :tq_pad]
+    kv_ids = jnp.asarray(seg.kv_ids, jnp.int32)[:, :tk_pad]
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, tq_pad - q_ids.shape[1])), constant_values=-1)
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, tk_pad - kv_ids.shape[1])), constant_values=-2)
+    return q_ids, kv_ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,6 +237,7 @@ class _Plan:
     dv: int
     per_head: int  # 1: layout arrays per head, 0: shared
     interpret: bool
+    segments: bool  # the mask has a run-time segments leaf (ids compared in the kernels)
     target: str  # "triton" (GPU) or "mosaic" (TPU): which kernels run
     precision: Any  # of the tiles' products (jax.lax.Precision or None)
     bias_axes: tuple[bool, bool, bool, bool]  # the bias has a full (batch, head, q, kv) axis
@@ -276,6 +305,13 @@ def _dot(plan: _Plan, a, b, contract_a: int = 1, contract_b: int = 1):
     return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
+def _segment_tile(plan: _Plan, qseg_ref, kvseg_ref, kv_block):
+    """Same-segment tile of the query tile (ids ``qseg_ref`` ``[bq]``) with key block
+    ``kv_block`` (ids in ``kvseg_ref`` ``[Tk]``); None without a segments mask."""
+    start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
+    return _same_segment(plan, lambda: qseg_ref[...], lambda: kvseg_ref[pl.ds(start, plan.bkv)])
+
+
 def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref):
     """Scaled, biased scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf
     clipped), and the raw products q·k. ``bias_ref``: the query tile's bias rows;
@@ -288,12 +324,20 @@ def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref)
     return raw, jnp.minimum(raw * scale + bias + key_nan, _MAX)
 
 
-def _allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int):
+def _allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int, same_segment=None):
     """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask;
-    keys at or beyond ``kv_length`` (the batch element's run-time padding length) masked."""
+    keys at or beyond ``kv_length`` (the batch element's run-time padding length) masked, and
+    where ``same_segment`` (``[bq, bkv]`` bool, for a ``segments`` mask) is False."""
     static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
     keys = kv_block * bkv + jnp.arange(bkv, dtype=jnp.int32)
-    return jnp.logical_and(static, (keys < kv_length)[None, :])
+    allowed = jnp.logical_and(static, (keys < kv_length)[None, :])
+    return allowed if same_segment is None else jnp.logical_and(allowed, same_segment)
+
+
+def _same_segment(plan: _Plan, q_ids, kv_ids):
+    """``[bq, bkv]``: query and key in the same segment; None without a segments mask.
+    ``q_ids``: ``[bq]``, ``kv_ids``: ``[bkv]`` (callables, read only when needed)."""
+    return q_ids()[:, None] == kv_ids()[None, :] if plan.segments else None
 
 
 def _z(kind: str, x, row_max, eps):
@@ -380,8 +424,8 @@ def _eps_sigma(plan: _Plan, eps_ref, rows: int):
 
 
 def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref,
-                            idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, o_ref, lse_ref, *,
-                            plan: _Plan):  # fmt: skip
+                            qseg_ref, kvseg_ref, idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref,
+                            o_ref, lse_ref, *, plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
@@ -390,7 +434,8 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
         row_max, total, acc = carry
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
-        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
+        same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
+        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same)
         x = jnp.where(allowed, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
@@ -413,8 +458,8 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
 
 
 def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref,
-                           key_nan_ref, idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, o_ref,
-                           ubar_ref, max_ref, tau_ref, mass_ref, live_ref, *,
+                           key_nan_ref, qseg_ref, kvseg_ref, idx_ref, cnt_ref, full_ref, pmi_ref,
+                           masks_ref, o_ref, ubar_ref, max_ref, tau_ref, mass_ref, live_ref, *,
                            plan: _Plan):  # fmt: skip
     q = q_ref[...]
     scale = scale_ref[0]
@@ -425,7 +470,8 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def masked(j):
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
-        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
+        same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
+        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same)
         return jnp.where(allowed, s, -jnp.inf)
 
     def first_pass(j, carry):
@@ -542,12 +588,13 @@ def _alpha_rows(plan: _Plan, alpha_sums, delta, eps):
 
 def _dq_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref, do_ref = refs[:9]
-    row_refs = dict(zip(names, refs[9 : 9 + len(names)], strict=True))
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref = refs[:8]
+    qseg_ref, kvseg_ref, do_ref = refs[8:11]
+    row_refs = dict(zip(names, refs[11 : 11 + len(names)], strict=True))
     idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = refs[
-        9 + len(names) : 15 + len(names)
+        11 + len(names) : 17 + len(names)
     ]
-    dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[15 + len(names) :]
+    dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[17 + len(names) :]
     q, do = q_ref[...], do_ref[...]
     bq = q.shape[0]
     scale = scale_ref[0]
@@ -559,7 +606,10 @@ def _dq_kernel(*refs, plan: _Plan):
         def visit(carry):
             kv_block = idx_ref[j]
             raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
-            allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv)
+            same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
+            allowed = _allowed(
+                full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same
+            )
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
             start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
@@ -582,9 +632,10 @@ def _dq_kernel(*refs, plan: _Plan):
 
 def _dkv_kernel(*refs, plan: _Plan):
     names = _row_names(plan)
-    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref, do_ref = refs[:9]
-    row_refs = dict(zip(names, refs[9 : 9 + len(names)], strict=True))
-    rest = refs[9 + len(names) :]
+    scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref = refs[:8]
+    qseg_ref, kvseg_ref, do_ref = refs[8:11]
+    row_refs = dict(zip(names, refs[11 : 11 + len(names)], strict=True))
+    rest = refs[11 + len(names) :]
     t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = rest[:7]
     dk_ref, dv_ref, dbias_cols_ref = rest[7:10]
     dense_bias_ref = rest[10] if len(rest) > 10 else None  # a bias with q and kv axes
@@ -607,6 +658,7 @@ def _dkv_kernel(*refs, plan: _Plan):
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
             bias = bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...]
             s = jnp.minimum(_dot(plan, q, k) * scale + bias + key_nan_ref[...][None, :], _MAX)
+            same = _same_segment(plan, lambda: qseg_ref[sl], lambda: kvseg_ref[...])
             allowed = _allowed(
                 full_ref[row_block, slot],
                 pmi_ref[row_block, slot],
@@ -614,6 +666,7 @@ def _dkv_kernel(*refs, plan: _Plan):
                 kv_block,
                 kv_length,
                 bkv,
+                same,
             )
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
@@ -677,6 +730,14 @@ def _eps_spec(head_axis: int):
     return pl.BlockSpec((None, 1), lambda *ids: (ids[head_axis], 0))
 
 
+def _row_segment_specs(plan: _Plan, tk: int):
+    """Segment ids for the grid (query block, batch, head): the query tile's, all the keys'."""
+    return [
+        pl.BlockSpec((None, plan.bq), lambda i, bb, h: (bb, i)),
+        pl.BlockSpec((None, tk), lambda i, bb, h: (bb, 0)),
+    ]
+
+
 def _bias_rows_spec(plan: _Plan, bias_shape):
     """The bias rows of a query tile, for the grid (query block, batch, head)."""
     ab, an, aq, ak = (int(x) for x in plan.bias_axes)
@@ -684,7 +745,7 @@ def _bias_rows_spec(plan: _Plan, bias_shape):
     return pl.BlockSpec(block, lambda i, bb, h: (bb * ab, h * an, i * aq, 0))
 
 
-def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
+def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
     a = plan.arrays
     b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
     tq, tk = q.shape[1], k.shape[1]
@@ -709,13 +770,14 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
     grid = (nq, b, n)
     bias_spec = _bias_rows_spec(plan, bias.shape)
     key_nan_spec = pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0))
+    seg_specs = _row_segment_specs(plan, tk)
     if plan.kind == "softmax":
         o, lse = _call(
             _forward_softmax_kernel, plan, grid,
             [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, bias_spec, key_nan_spec,
-             *layout_specs],
+             *seg_specs, *layout_specs],
             [o_spec, stat_spec], [o_shape, stat_shape], "sparse_jax_pallas_softmax_fwd",
-        )(scale, lengths, q, k, v, bias, key_nan, *layout_in)  # fmt: skip
+        )(scale, lengths, q, k, v, bias, key_nan, q_ids, kv_ids, *layout_in)  # fmt: skip
         return o, {"lse": lse, "ubar": o.astype(_F32), "live": None}
     live_shape = jax.ShapeDtypeStruct((b, n, nq, kp), jnp.int32)
     live_spec = pl.BlockSpec((None, None, None, kp), lambda i, bb, h: (bb, h, i, 0))
@@ -723,15 +785,15 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
     o, ubar, row_max, tau, mass, live = _call(
         _forward_sparse_kernel, plan, grid,
         [_scalar_spec(), _length_spec(), _eps_spec(2), q_spec, k_spec, v_spec, bias_spec,
-         key_nan_spec, *layout_specs],
+         key_nan_spec, *seg_specs, *layout_specs],
         [o_spec, o_spec, stat_spec, stat_spec, stat_spec, live_spec],
         [o_shape, ubar_shape, stat_shape, stat_shape, stat_shape, live_shape],
         f"sparse_jax_pallas_{plan.kind}_fwd",
-    )(scale, lengths, eps, q, k, v, bias, key_nan, *layout_in)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, *layout_in)  # fmt: skip
     return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
 
 
-def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do):
+def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do):
     a = plan.arrays
     b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
@@ -756,7 +818,8 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
         _dq_kernel, plan, (nq, b, n),
         [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
          _bias_rows_spec(plan, bias.shape),
-         pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)), do_blk,
+         pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)),
+         *_row_segment_specs(plan, tk), do_blk,
          *[stat_blk] * len(row_values),
          row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
          row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
@@ -764,7 +827,8 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
         [q_blk, stat_blk, stat_blk, stat_blk],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
         f"sparse_jax_pallas_{plan.kind}_dq",
-    )(scale, lengths, eps, q, k, v, bias, key_nan, do, *row_values, *layout_in, live)  # fmt: skip
+    )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values, *layout_in,
+      live)  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
     mp = a["t_rows"].shape[-1]
@@ -796,13 +860,15 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
     grads = _call(
         _dkv_kernel, plan, (nk, b, n),
         [_scalar_spec(), _length_spec(), _eps_spec(2), q_all, k_blk, v_blk, bias_cols,
-         pl.BlockSpec((None, None, bkv), lambda c, bb, h: (bb, h // g, c)), do_all,
+         pl.BlockSpec((None, None, bkv), lambda c, bb, h: (bb, h // g, c)),
+         pl.BlockSpec((None, tq), lambda c, bb, h: (bb, 0)),
+         pl.BlockSpec((None, bkv), lambda c, bb, h: (bb, c)), do_all,
          *[stat_all] * len(row_values),
          t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0))],
         out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv",
-    )(scale, lengths, eps, q, k, v, bias, key_nan, do, *row_values,
+    )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values,
       *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
       live)  # fmt: skip
     dk, dv, dbias_cols = grads[:3]
@@ -835,8 +901,8 @@ def _finish_gradients(plan: _Plan, k, v, grads):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan):
-    return _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan)[0]
+def _fused(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
+    return _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids)[0]
 
 
 def _kernels(plan: _Plan):
@@ -849,20 +915,26 @@ def _kernels(plan: _Plan):
     return _forward, _backward
 
 
-def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan):
-    o, res = _kernels(plan)[0](plan, scale, lengths, eps, q, k, v, bias, key_nan)
-    return o, (scale, lengths, eps, q, k, v, bias, key_nan, res)
+def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
+    inputs = (scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids)
+    o, res = _kernels(plan)[0](plan, *inputs)
+    return o, (inputs, res)
 
 
 def _fused_bwd(plan, residuals, do):
-    scale, lengths, eps, q, k, v, bias, key_nan, res = residuals
-    grads = _kernels(plan)[1](plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do)
+    inputs, res = residuals
+    scale, lengths, eps, _, k, v, bias, key_nan, q_ids, kv_ids = inputs
+    grads = _kernels(plan)[1](plan, *inputs, res, do)
     dq, dk, dv, deps, dscale, dbias = _finish_gradients(plan, k, v, grads)
     deps = jnp.zeros_like(eps) if deps is None else deps
-    no_lengths = np.zeros(lengths.shape, jax.dtypes.float0)  # integer input: no cotangent
+
+    def no_cotangent(x):  # integer inputs (lengths, segment ids)
+        return np.zeros(x.shape, jax.dtypes.float0)
+
     # key_nan is NaN or 0 (a mark, not a value): its cotangent is zero.
-    return (dscale.astype(scale.dtype), no_lengths, deps.astype(eps.dtype), dq, dk, dv,
-            dbias.astype(bias.dtype), jnp.zeros_like(key_nan))  # fmt: skip
+    return (dscale.astype(scale.dtype), no_cotangent(lengths), deps.astype(eps.dtype), dq, dk,
+            dv, dbias.astype(bias.dtype), jnp.zeros_like(key_nan), no_cotangent(q_ids),
+            no_cotangent(kv_ids))  # fmt: skip
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -897,9 +969,9 @@ def pallas_attention(
       layout: ``mask.blocks(Tq, Tk, bq, bkv)`` (shared or per-head with ``N`` heads); ``bq``
         and ``bkv`` powers of two >= 16 for the Triton kernels, multiples of 128 for the
         Mosaic ones.
-      mask: the run-time mask a dynamic layout was built from: ``static & padding(lengths)``
-        (keys ``j >= lengths[b]`` of batch element ``b`` are masked); ignored for static
-        layouts.
+      mask: the run-time mask a dynamic layout was built from: a static mask ``&``
+        ``padding(lengths)`` (keys ``j >= lengths[b]`` of batch element ``b`` are masked)
+        and/or ``& segments(q_ids, kv_ids)`` (packed sequences); ignored for static layouts.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
         float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
@@ -978,10 +1050,11 @@ def pallas_attention(
         ((0, 0), (0, 0), (0, (nq * bq - tq) * bias_axes[2]), (0, (nk * bkv - tk) * bias_axes[3])),
     )
     d_p, dv_p = _next_pow2(d, _MIN_BLOCK), _next_pow2(dv, _MIN_BLOCK)
+    seg_ids = _segment_ids(mask, layout, b, nq * bq, nk * bkv, caller)
     plan = _Plan(
         kind=kind, sigma=sigma, b=b, n=n, g=n // kh, bq=bq, bkv=bkv, nq=nq, nk=nk, d=d_p,
         dv=dv_p, per_head=int(layout.kv_block_indices.shape[0] > 1), interpret=interpret,
-        target=target,
+        target=target, segments=seg_ids is not None,
         precision=precision if precision is not None or q.dtype != jnp.float32
         else jax.lax.Precision.HIGHEST,
         bias_axes=bias_axes, arrays=_layout_arrays(layout),
@@ -998,5 +1071,8 @@ def pallas_attention(
     v = jnp.pad(v, ((0, 0), (0, nk * bkv - tk), (0, 0), (0, dv_p - dv)))
     lengths = _kv_lengths(mask, layout, b, tk, caller)
     scale = jnp.asarray(scale, _F32).reshape(1)
-    out = _fused(plan, scale, lengths, eps, q, k, v, bias, jax.lax.stop_gradient(key_nan))
+    if seg_ids is None:  # read by no kernel (plan.segments is False)
+        seg_ids = (jnp.zeros((b, nq * bq), jnp.int32), jnp.zeros((b, nk * bkv), jnp.int32))
+    key_nan = jax.lax.stop_gradient(key_nan)
+    out = _fused(plan, scale, lengths, eps, q, k, v, bias, key_nan, *seg_ids)
     return out[:, :tq, :, :dv]

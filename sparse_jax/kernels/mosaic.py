@@ -120,11 +120,12 @@ def _dot(plan, a, b, contract_a: int = 1, contract_b: int = 1):
     return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
-def _tile_allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int):
+def _tile_allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int, same=None):
     """Element mask ``[bq, bkv]`` of a kept block (see flash._allowed), lane iota for keys."""
     static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
     keys = kv_block * bkv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
-    return jnp.logical_and(static, keys < kv_length)
+    allowed = jnp.logical_and(static, keys < kv_length)
+    return allowed if same is None else jnp.logical_and(allowed, same)
 
 
 def _eps_sigma(plan, eps_ref, head, rows: int):
@@ -153,16 +154,17 @@ def _bias_scratch(plan):
 
 
 def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi_ref, q_ref,
-                    k_hbm, v_hbm, nan_hbm, bias_hbm, masks_ref, *refs, plan):  # fmt: skip
+                    k_hbm, v_hbm, nan_hbm, bias_hbm, qseg_ref, kvseg_hbm, masks_ref, *refs,
+                    plan):  # fmt: skip
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = _div(h, plan.g)
     softmax = plan.kind == "softmax"
     if softmax:
         o_ref, stats_ref = refs[:2]
-        kbuf, vbuf, nanbuf, biasbuf, sem = refs[2:]
+        kbuf, vbuf, nanbuf, biasbuf, segbuf, sem = refs[2:]
     else:
         o_ref, ubar_ref, stats_ref, live_ref = refs[:4]
-        kbuf, vbuf, nanbuf, biasbuf, sem = refs[4:]
+        kbuf, vbuf, nanbuf, biasbuf, segbuf, sem = refs[4:]
     q = q_ref[...]
     bq, bkv = plan.bq, plan.bkv
     scale = scale_ref[0]
@@ -170,23 +172,31 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
     count = cnt_ref[0, 0]
     eps, sigma = _eps_sigma(plan, eps_ref, h, bq)
 
+    q_seg = qseg_ref[0][:, None] if plan.segments else None  # [bq, 1]
+
+    # The tiles of a visit: key block, its NaN marks, the bias tile, (its segment ids), (values).
     def views(with_v):
         def at(j):
             block = idx_ref[0, j]
             keys = pl.ds(pl.multiple_of(block * bkv, bkv), bkv)
             out = [k_hbm.at[b, kh, keys, :], nan_hbm.at[b, kh, :, keys]]
             out.append(_bias_view(plan, bias_hbm, b, h, i, block))
+            if plan.segments:
+                out.append(kvseg_hbm.at[b, :, keys])
             return [*out, v_hbm.at[b, kh, keys, :]] if with_v else out
 
         return at
 
-    k_bufs = [kbuf, nanbuf, biasbuf]
+    k_bufs = [kbuf, nanbuf, biasbuf, *([segbuf] if plan.segments else [])]
 
     def masked(j, tiles):
         block = idx_ref[0, j]
         raw = _dot(plan, q, tiles[0][...])
         s = jnp.minimum(raw * scale + tiles[2][...] + tiles[1][...], _MAX)
-        allowed = _tile_allowed(full_ref[0, j], pmi_ref[0, j], masks_ref, block, kv_length, bkv)
+        same = q_seg == tiles[3][...] if plan.segments else None
+        allowed = _tile_allowed(
+            full_ref[0, j], pmi_ref[0, j], masks_ref, block, kv_length, bkv, same
+        )
         return jnp.where(allowed, s, -jnp.inf)
 
     if softmax:
@@ -198,7 +208,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
             shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
             correction = jnp.exp(row_max - shift)
             e = jnp.exp(x - shift)
-            v = tiles[3][...]
+            v = tiles[-1][...]
             acc = correction * acc + _dot(plan, e.astype(v.dtype), v, 1, 0)
             return new_max, correction * total + jnp.sum(e, axis=-1, keepdims=True), acc
 
@@ -247,7 +257,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
         live = jnp.where(lane == j, alive, live)
 
         def products(acc, acc_u):
-            v = tiles[3][...]
+            v = tiles[-1][...]
             return (
                 acc + _dot(plan, p.astype(v.dtype), v, 1, 0),
                 acc_u + _dot(plan, s.astype(v.dtype), v, 1, 0),
@@ -281,8 +291,9 @@ def _rows_of(plan, column):
 
 
 def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full_ref, pmi_ref,
-               q_ref, do_ref, stats_ref, k_hbm, v_hbm, nan_hbm, bias_hbm, masks_ref, dq_ref,
-               rows_out_ref, kbuf, vbuf, nanbuf, biasbuf, sem, *, plan):  # fmt: skip
+               q_ref, do_ref, stats_ref, k_hbm, v_hbm, nan_hbm, bias_hbm, qseg_ref, kvseg_hbm,
+               masks_ref, dq_ref, rows_out_ref, kbuf, vbuf, nanbuf, biasbuf, segbuf, sem, *,
+               plan):  # fmt: skip
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = _div(h, plan.g)
     q, do = q_ref[...], do_ref[...]
@@ -296,15 +307,18 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
     def slot_of(t):
         return visit_ref[0, t]
 
-    def views(t):
+    q_seg = qseg_ref[0][:, None] if plan.segments else None  # [bq, 1]
+
+    def views(t):  # key block, NaN marks, bias tile, values, (segment ids)
         block = idx_ref[0, slot_of(t)]
         keys = pl.ds(pl.multiple_of(block * bkv, bkv), bkv)
-        return [
+        out = [
             k_hbm.at[b, kh, keys, :],
             nan_hbm.at[b, kh, :, keys],
             _bias_view(plan, bias_hbm, b, h, i, block),
             v_hbm.at[b, kh, keys, :],
         ]
+        return [*out, kvseg_hbm.at[b, :, keys]] if plan.segments else out
 
     def body(t, tiles, carry):
         slot = slot_of(t)
@@ -312,14 +326,15 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
         k, v = tiles[0][...], tiles[3][...]
         raw = _dot(plan, q, k)
         s = jnp.minimum(raw * scale + tiles[2][...] + tiles[1][...], _MAX)
+        same = q_seg == tiles[4][...] if plan.segments else None
         allowed = _tile_allowed(full_ref[0, slot], pmi_ref[0, slot], masks_ref, block, kv_length,
-                                bkv)  # fmt: skip
+                                bkv, same)  # fmt: skip
         p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
         return _dq_step(plan, carry, p, g, _dot(plan, do, v), delta, raw, k, eps)
 
     zeros_r = jnp.zeros((bq, 1), _F32)
     init = (jnp.zeros((bq, plan.d), _F32), (zeros_r,) * 4, zeros_r, zeros_r)
-    bufs = [kbuf, nanbuf, biasbuf, vbuf]
+    bufs = [kbuf, nanbuf, biasbuf, vbuf, *([segbuf] if plan.segments else [])]
     dq, alpha_sums, ds_raw, ds_rows = _stream(vcount_ref[0, 0], views, bufs, sem, body, init)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
     rows_out_ref[pl.ds(0, 1), :] = _lanes(_alpha_rows(plan, alpha_sums, delta, eps))
@@ -328,15 +343,15 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
 
 
 def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vcount_ref, k_ref,
-                v_ref, nan_ref, q_hbm, do_hbm, stats_hbm, bias_hbm, masks_ref, *refs,
-                plan):  # fmt: skip
+                v_ref, nan_ref, kvseg_ref, q_hbm, do_hbm, stats_hbm, bias_hbm, qseg_hbm, masks_ref,
+                *refs, plan):  # fmt: skip
     dense = plan.bias_axes[2] and plan.bias_axes[3]
     if dense:  # refs: the zeros aliased to the dense bias gradient, then the outputs
         dk_ref, dv_ref, dcols_ref, dbias_hbm = refs[1:5]
-        qbuf, dobuf, statbuf, biasbuf, dsbuf, sem = refs[5:]
+        qbuf, dobuf, statbuf, biasbuf, segbuf, dsbuf, sem = refs[5:]
     else:
         dk_ref, dv_ref, dcols_ref = refs[:3]
-        qbuf, dobuf, statbuf, biasbuf, sem = refs[3:]
+        qbuf, dobuf, statbuf, biasbuf, segbuf, sem = refs[3:]
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     key_nan = nan_ref[...]
@@ -345,15 +360,16 @@ def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vco
     kv_length = len_ref[b]
     eps, sigma = _eps_sigma(plan, eps_ref, h, bq)
 
-    def views(t):
+    def views(t):  # query tile, its output gradient, row statistics, bias, (segment ids)
         row_block = vrows_ref[0, t]
         queries = pl.ds(pl.multiple_of(row_block * bq, bq), bq)
-        return [
+        out = [
             q_hbm.at[b, h, queries, :],
             do_hbm.at[b, h, queries, :],
             stats_hbm.at[b, h, :, queries],
             _bias_view(plan, bias_hbm, b, h, row_block, c),
         ]
+        return [*out, qseg_hbm.at[b, :, queries]] if plan.segments else out
 
     def body(t, tiles, carry):
         dk, dv, ds_cols = carry
@@ -361,7 +377,8 @@ def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vco
         stats = tiles[2]
         rows = _rows_of(plan, lambda s: stats[s][:, None])
         s = jnp.minimum(_dot(plan, q, k) * scale + tiles[3][...] + key_nan, _MAX)
-        allowed = _tile_allowed(vfull_ref[0, t], vpmi_ref[0, t], masks_ref, c, kv_length, bkv)
+        same = tiles[4][0][:, None] == kvseg_ref[...] if plan.segments else None
+        allowed = _tile_allowed(vfull_ref[0, t], vpmi_ref[0, t], masks_ref, c, kv_length, bkv, same)
         p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
         dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
         ds = jnp.where(g != 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
@@ -379,7 +396,7 @@ def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vco
         jnp.zeros((bkv, plan.dv), _F32),
         jnp.zeros((1, bkv), _F32),
     )
-    bufs = [qbuf, dobuf, statbuf, biasbuf]
+    bufs = [qbuf, dobuf, statbuf, biasbuf, *([segbuf] if plan.segments else [])]
     dk, dv, ds_cols = _stream(vcount_ref[0, 0], views, bufs, sem, body, init)
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -436,7 +453,7 @@ def _head_major(x):
     return jnp.transpose(x, (0, 2, 1, 3))
 
 
-def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan):
+def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
     """The forward pass: ``(o [B, Tq, N, Dv], residuals)``; inputs as flash._forward takes them
     (token-major, padded to whole blocks)."""
     b, n, bq, bkv, nq = plan.b, plan.n, plan.bq, plan.bkv, plan.nq
@@ -455,6 +472,7 @@ def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan):
         _smem_rows(plan.arrays["full"].shape, layout_index),
         _smem_rows(plan.arrays["pmi"].shape, layout_index),
         q_block, _hbm(), _hbm(), _hbm(), _hbm(),
+        pl.BlockSpec((None, 1, bq), lambda bb, h, i: (bb, 0, i)), _hbm(),
         pl.BlockSpec(plan.arrays["masks"].shape, lambda *_: (0, 0, 0)),
     ]  # fmt: skip
     inputs = [
@@ -463,7 +481,7 @@ def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan):
         jnp.asarray(plan.arrays["count"])[..., None],
         _layout_rows(plan, "full"),
         _layout_rows(plan, "pmi"),
-        qh, kh_, vh, nan4, bias,
+        qh, kh_, vh, nan4, bias, q_ids[:, None, :], kv_ids[:, None, :],
         jnp.asarray(plan.arrays["masks"]),
     ]  # fmt: skip
     scratch = [
@@ -471,7 +489,8 @@ def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan):
         pltpu.VMEM((2, bkv, plan.dv), v.dtype),
         pltpu.VMEM((2, 1, bkv), _F32),
         _bias_scratch(plan),
-        pltpu.SemaphoreType.DMA((4, 2)),
+        pltpu.VMEM((2, 1, bkv), jnp.int32),
+        pltpu.SemaphoreType.DMA((5, 2)),
     ]
     o_shape = jax.ShapeDtypeStruct((b, n, tq, plan.dv), q.dtype)
     grid = (b, n, nq)
@@ -537,7 +556,7 @@ def _visits(plan, live):
     return (dq_count, dq_slots), dkv
 
 
-def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do):
+def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do):
     """``(dq, dk per query head, dv per query head, dalpha/dscale/dbias row terms [B, N, Tq]
     each, dbias column terms [B, N, Tk], dense dbias or None)``, token-major like flash."""
     b, n, bq, bkv, nq, nk = plan.b, plan.n, plan.bq, plan.bkv, plan.nq, plan.nk
@@ -575,16 +594,18 @@ def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do):
          q_block, do_block,
          pl.BlockSpec((None, None, n_stats, bq), lambda bb, h, i: (bb, h, 0, i)),
          _hbm(), _hbm(), _hbm(), _hbm(),
+         pl.BlockSpec((None, 1, bq), lambda bb, h, i: (bb, 0, i)), _hbm(),
          pl.BlockSpec(plan.arrays["masks"].shape, lambda *_: (0, 0, 0))],
         [q_block, pl.BlockSpec((None, None, 3, bq), lambda bb, h, i: (bb, h, 0, i))],
         [jax.ShapeDtypeStruct((b, n, tq, plan.d), q.dtype),
          jax.ShapeDtypeStruct((b, n, 3, tq), _F32)],
         [pltpu.VMEM((2, bkv, plan.d), k.dtype), pltpu.VMEM((2, bkv, plan.dv), v.dtype),
-         pltpu.VMEM((2, 1, bkv), _F32), _bias_scratch(plan), pltpu.SemaphoreType.DMA((4, 2))],
+         pltpu.VMEM((2, 1, bkv), _F32), _bias_scratch(plan), pltpu.VMEM((2, 1, bkv), jnp.int32),
+         pltpu.SemaphoreType.DMA((5, 2))],
         f"sparse_jax_mosaic_{plan.kind}_dq",
     )(lengths, scale, eps[:, 0], dq_slots, dq_count, _layout_rows(plan, "idx"),
       _layout_rows(plan, "full"), _layout_rows(plan, "pmi"), qh, doh, stats, kh_, vh, nan4, bias,
-      jnp.asarray(plan.arrays["masks"]))  # fmt: skip
+      q_ids[:, None, :], kv_ids[:, None, :], jnp.asarray(plan.arrays["masks"]))  # fmt: skip
 
     t_batch = int(t_rows.shape[0] > 1)
     mp = t_rows.shape[-1]
@@ -613,16 +634,19 @@ def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do):
         pl.BlockSpec((None, None, bkv, plan.d), lambda bb, h, c: (bb, _div(h, g), c, 0)),
         pl.BlockSpec((None, None, bkv, plan.dv), lambda bb, h, c: (bb, _div(h, g), c, 0)),
         pl.BlockSpec((None, None, 1, bkv), lambda bb, h, c: (bb, _div(h, g), 0, c)),
-        _hbm(), _hbm(), _hbm(), _hbm(),
+        pl.BlockSpec((None, 1, bkv), lambda bb, h, c: (bb, 0, c)),
+        _hbm(), _hbm(), _hbm(), _hbm(), _hbm(),
         pl.BlockSpec(plan.arrays["masks"].shape, lambda *_: (0, 0, 0)),
     ]  # fmt: skip
-    inputs = [lengths, scale, eps[:, 0], t_rows, t_full, t_pmi, t_count, kh_, vh, nan4, qh, doh,
-              stats, bias, jnp.asarray(plan.arrays["masks"])]  # fmt: skip
+    inputs = [lengths, scale, eps[:, 0], t_rows, t_full, t_pmi, t_count, kh_, vh, nan4,
+              kv_ids[:, None, :], qh, doh, stats, bias, q_ids[:, None, :],
+              jnp.asarray(plan.arrays["masks"])]  # fmt: skip
     scratch = [
         pltpu.VMEM((2, bq, plan.d), q.dtype),
         pltpu.VMEM((2, bq, plan.dv), do.dtype),
         pltpu.VMEM((2, n_stats, bq), _F32),
         _bias_scratch(plan),
+        pltpu.VMEM((2, 1, bq), jnp.int32),
     ]
     aliases = None
     if dense:
@@ -632,7 +656,7 @@ def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, res, do):
         out_shape.append(jax.ShapeDtypeStruct((b, n, tq, tk), _F32))
         scratch.append(pltpu.VMEM((bq, bkv), _F32))
         aliases = {len(inputs) - 1: 3}
-    scratch.append(pltpu.SemaphoreType.DMA((4, 2)))
+    scratch.append(pltpu.SemaphoreType.DMA((5, 2)))
     grads = _call(
         _dkv_kernel, plan, (b, n, nk), in_specs, out_specs, out_shape, scratch,
         f"sparse_jax_mosaic_{plan.kind}_dkv", aliases,
