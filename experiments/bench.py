@@ -760,15 +760,21 @@ benchmark("kernels", KernelsConfig)(run_kernels)
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parses the subcommand and its flags, runs the benchmark, prints (and writes) markdown."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    config = tyro.extras.subcommand_cli_from_dict(
+def parse(argv: Sequence[str]) -> Any:
+    """The config of a benchmark command line (``["kernels", "--lengths", "4096"]``); a bad
+    flag exits with a message naming it."""
+    return tyro.extras.subcommand_cli_from_dict(
         {name: config_cls for name, (config_cls, _) in _BENCHMARKS.items()},
         prog="python -m experiments.bench",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        args=args,
+        args=list(argv),
     )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parses the subcommand and its flags, runs the benchmark, prints (and writes) markdown."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = parse(args)
     runner = next(r for cls, r in _BENCHMARKS.values() if type(config) is cls)
     markdown = runner(config, shlex.join(["python", "-m", "experiments.bench", *args]))
     print(markdown, end="", flush=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
+import shlex
+import subprocess
 
 import pytest
 
@@ -116,3 +119,26 @@ def test_bad_kernels_flags_are_refused(capsys):
         bench.main(["kernels", "--normalizers", "0.5"])
     assert exit_info.value.code == 2
     assert "finite α > 1" in capsys.readouterr().err
+
+
+def test_the_prepared_gpu_check_runs_commands_that_parse():
+    """.ci/gpu-check is run on a lent GPU with minutes of device time: a flag or a test file that
+    does not exist would waste them, so every command it runs is checked here."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = root / ".ci" / "gpu-check"
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    text = script.read_text().replace("\\\n", " ")
+    benches = re.findall(r"python3 -m experiments\.bench (.*)", text)
+    pytests = re.findall(r"python3 -m pytest (.*)", text)
+    assert len(benches) == 2 and len(pytests) == 2
+    configs = []
+    for line in benches:
+        args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
+        configs.append(bench.parse(args))
+    assert all(type(c).__name__ == "KernelsConfig" for c in configs)
+    assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
+    assert configs[1].lengths == (16384, 65536, 131072) and not configs[1].peers
+    for line in pytests:
+        files = [arg for arg in shlex.split(line) if arg.startswith("tests/")]
+        assert files and all((root / f).is_file() for f in files), files
