@@ -156,6 +156,26 @@ def test_cached_greedy_decoding_equals_the_full_forward_pass(cfg):
         np.testing.assert_array_equal(tokens[b, stop:], want[b, stop:])
 
 
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+def test_a_windowed_decoder_caches_only_the_sinks_and_a_ring_of_the_window(sinks):
+    # 19 positions through a ring of 3 slots (+ sinks): the logits of every position equal the
+    # full forward pass's, whose mask is causal & (local(2, 0) | sink(sinks)).
+    cfg = dataclasses.replace(SPARSE, decoder_window=3, decoder_sinks=sinks, decoder_layers=1)
+    model = _model(cfg)
+    src, lengths, _ = _batch(2)
+    assert model.cache_slots(19) == 3 + sinks and model.cache_slots(2) == 2
+    memory = model.encode(src, lengths)
+    cache = model.init_cache(memory, lengths, 19)
+    assert cache["layers"][0]["k"].shape == (2, 3 + sinks, 2, 8)
+    tokens, logits = greedy_decode(model, src, lengths, bos=1, eos=2, max_len=19)
+    target_in = jnp.concatenate([jnp.ones((2, 1), jnp.int32), tokens[:, :-1]], axis=1)
+    full = model(src, lengths, target_in)
+    np.testing.assert_allclose(logits, full, atol=2e-5, rtol=1e-5)
+    # the window matters: the same tokens under a causal decoder give other logits
+    causal = _model(dataclasses.replace(cfg, decoder_window=None, decoder_sinks=0))
+    assert float(jnp.abs(causal(src, lengths, target_in) - full).max()) > 1e-3
+
+
 def test_source_padding_changes_nothing_and_gradients_are_finite():
     model = _model(SPARSE)
     src, lengths, tgt = _batch()

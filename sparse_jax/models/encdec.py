@@ -30,7 +30,8 @@ softmax encoder–decoder of the same size, the baseline):
   entropy. Greedy decoding takes the argmax either way.
 
 :func:`greedy_decode` decodes with a key/value cache (the cross-attention keys and values are
-computed once per question); its logits equal the full forward pass's (a test).
+computed once per question; with ``decoder_window`` the self-attention cache holds only the
+sinks and a ring of the window's tokens); its logits equal the full forward pass's (a test).
 
 Example:
   >>> from flax import nnx
@@ -377,39 +378,66 @@ class EncoderDecoder(nnx.Module):
 
     # -- decoding with a cache ---------------------------------------------------------------
 
+    def cache_slots(self, max_len: int) -> int:
+        """Self-attention cache slots for decoding ``max_len`` positions: ``max_len``, or with a
+        ``decoder_window`` at most ``decoder_sinks + decoder_window`` (the sinks, then a ring of
+        the most recent tokens: what the mask lets a query see), so that a decoding step's work
+        follows the window, not the length decoded so far.
+
+        Example:
+          >>> cfg = EncDecConfig(vocab_size=7, d_model=8, num_heads=2, d_ff=16, cot_steps=0,
+          ...                    decoder_window=4, decoder_sinks=1)
+          >>> EncoderDecoder(cfg, rngs=nnx.Rngs(0)).cache_slots(100)
+          5
+        """
+        max_len = check_int(max_len, "max_len", "EncoderDecoder.cache_slots")
+        window = self.config.decoder_window
+        return max_len if window is None else min(max_len, window + self.config.decoder_sinks)
+
     def init_cache(self, memory: jax.Array, source_lengths: jax.Array, max_len: int) -> dict:
         """The decoding state for ``max_len`` target tokens: per decoder layer the self-attention
-        key/value cache ``[B, max_len, N, H]`` (zeros) and the cross-attention keys/values of
-        ``memory`` (computed once), the cross mask and the next position."""
+        key/value cache ``[B, P, N, H]`` (zeros; ``P = cache_slots(max_len)``) and the
+        cross-attention keys/values of ``memory`` (computed once), the absolute position held
+        in each slot ``[P]`` (-1: empty), the cross mask and the next position."""
         b = memory.shape[0]
         n, h = self.config.num_heads, self.config.head_dim
+        slots = self.cache_slots(max_len)
         _, cross_mask = self._source_masks(source_lengths, memory.shape[1])
         layers = []
         for layer in self.decoder:
             ck, cv = layer.cross_attn.keys_values(memory)
-            zeros = jnp.zeros((b, max_len, n, h), memory.dtype)
+            zeros = jnp.zeros((b, slots, n, h), memory.dtype)
             layers.append({"k": zeros, "v": zeros, "ck": ck, "cv": cv})
-        return {"layers": layers, "cross_mask": cross_mask, "index": jnp.int32(0)}
+        return {
+            "layers": layers,
+            "positions": jnp.full((slots,), -1, jnp.int32),
+            "cross_mask": cross_mask,
+            "index": jnp.int32(0),
+        }
 
     def decode_step(self, token: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         """Logits ``[B, V]`` for the next position after feeding ``token [B]`` at
-        ``cache["index"]``, and the updated cache."""
+        ``cache["index"]``, and the updated cache (with a decoder window the token takes the
+        slot of the oldest token outside the sinks)."""
         index = cache["index"]
-        max_len = cache["layers"][0]["k"].shape[1]
+        slots = cache["layers"][0]["k"].shape[1]
         y = self.sparse_embed(token[:, None]) + sinusoid(index[None], self.config.d_model)
-        pos = index + jnp.arange(1)
-        keys = jnp.arange(max_len)
-        allowed = self.config.decoder_mask().predicate(pos[:, None], keys[None, :])
-        self_mask = allowed & (keys[None, :] <= index)
+        sinks = self.config.decoder_sinks if self.config.decoder_window is not None else 0
+        ring = max(slots - sinks, 1)
+        slot = jnp.where(index < sinks, index, sinks + (index - sinks) % ring)
+        positions = cache["positions"].at[slot].set(index)
+        allowed = self.config.decoder_mask().predicate(index[None, None], positions[None, :])
+        self_mask = allowed & (positions >= 0)[None, :]  # [1, P]
         new_layers = []
         for layer, c in zip(self.decoder, cache["layers"], strict=True):
             k, v = layer.self_attn.keys_values(y)
-            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, index, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, index, 0, 0))
+            k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, slot, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, slot, 0, 0))
             y = layer(y, (k_all, v_all), self_mask, (c["ck"], c["cv"]), cache["cross_mask"])
             new_layers.append({**c, "k": k_all, "v": v_all})
         logits = self.head(y)[:, 0]
-        return logits, {"layers": new_layers, "cross_mask": cache["cross_mask"], "index": index + 1}
+        new_cache = {**cache, "layers": new_layers, "positions": positions, "index": index + 1}
+        return logits, new_cache
 
     # -- what the model is -------------------------------------------------------------------
 
