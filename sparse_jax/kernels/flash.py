@@ -423,6 +423,36 @@ def _eps_sigma(plan: _Plan, eps_ref, rows: int):
 # Forward kernels.
 
 
+def _softmax_init(plan: _Plan, rows: int):
+    """The online softmax's carry before the first key tile: (row max, total, acc)."""
+    return (
+        jnp.full((rows, 1), -jnp.inf, _F32),
+        jnp.zeros((rows, 1), _F32),
+        jnp.zeros((rows, plan.dv), _F32),
+    )
+
+
+def _softmax_step(plan: _Plan, carry, x, v):
+    """The online (flash) softmax after one more key tile: masked scores ``x [bq, bkv]``
+    (-inf where not allowed), values ``v [bkv, Dv]``."""
+    row_max, total, acc = carry
+    new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
+    shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    correction = jnp.exp(row_max - shift)
+    e = jnp.exp(x - shift)
+    acc = correction * acc + _dot(plan, e.astype(v.dtype), v, 1, 0)
+    return new_max, correction * total + jnp.sum(e, axis=-1, keepdims=True), acc
+
+
+def _softmax_finish(carry):
+    """(output ``[bq, Dv]`` float32, log-sum-exp ``[bq, 1]``; +inf for a row that sees no key,
+    whose output is 0) of the online softmax's final carry."""
+    row_max, total, acc = carry
+    shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
+    out = acc / jnp.where(total > 0.0, total, 1.0)
+    return out, jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)
+
+
 def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref,
                             qseg_ref, kvseg_ref, idx_ref, cnt_ref, full_ref, pmi_ref, masks_ref,
                             o_ref, lse_ref, *, plan: _Plan):  # fmt: skip
@@ -431,30 +461,18 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
     bq = q.shape[0]
 
     def body(j, carry):
-        row_max, total, acc = carry
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
         same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
         allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same)
-        x = jnp.where(allowed, s, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
-        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        correction = jnp.exp(row_max - shift)
-        e = jnp.exp(x - shift)
         start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
         v = v_ref[pl.ds(start, plan.bkv), :]
-        acc = correction * acc + _dot(plan, e.astype(v.dtype), v, 1, 0)
-        return new_max, correction * total + jnp.sum(e, axis=-1, keepdims=True), acc
+        return _softmax_step(plan, carry, jnp.where(allowed, s, -jnp.inf), v)
 
-    init = (
-        jnp.full((bq, 1), -jnp.inf, _F32),
-        jnp.zeros((bq, 1), _F32),
-        jnp.zeros((bq, plan.dv), _F32),
-    )
-    row_max, total, acc = jax.lax.fori_loop(0, cnt_ref[0], body, init)
-    o_ref[...] = (acc / jnp.where(total > 0.0, total, 1.0)).astype(o_ref.dtype)
-    shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
-    lse_ref[...] = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)[:, 0]
+    carry = jax.lax.fori_loop(0, cnt_ref[0], body, _softmax_init(plan, bq))
+    out, lse = _softmax_finish(carry)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse[:, 0]
 
 
 def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bias_ref,

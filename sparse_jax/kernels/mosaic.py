@@ -38,6 +38,9 @@ from sparse_jax.kernels.flash import (
     _dq_step,
     _recompute,
     _row_names,
+    _softmax_finish,
+    _softmax_init,
+    _softmax_step,
     _threshold,
     _weights,
     _z,
@@ -202,25 +205,13 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
     if softmax:
 
         def body(j, tiles, carry):
-            row_max, total, acc = carry
-            x = masked(j, tiles)
-            new_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
-            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            correction = jnp.exp(row_max - shift)
-            e = jnp.exp(x - shift)
-            v = tiles[-1][...]
-            acc = correction * acc + _dot(plan, e.astype(v.dtype), v, 1, 0)
-            return new_max, correction * total + jnp.sum(e, axis=-1, keepdims=True), acc
+            return _softmax_step(plan, carry, masked(j, tiles), tiles[-1][...])
 
-        init = (
-            jnp.full((bq, 1), -jnp.inf, _F32),
-            jnp.zeros((bq, 1), _F32),
-            jnp.zeros((bq, plan.dv), _F32),
-        )
-        row_max, total, acc = _stream(count, views(True), [*k_bufs, vbuf], sem, body, init)
-        o_ref[...] = (acc / jnp.where(total > 0.0, total, 1.0)).astype(o_ref.dtype)
-        shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
-        stats_ref[...] = _lanes(jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf))
+        init = _softmax_init(plan, bq)
+        carry = _stream(count, views(True), [*k_bufs, vbuf], sem, body, init)
+        out, lse = _softmax_finish(carry)
+        o_ref[...] = out.astype(o_ref.dtype)
+        stats_ref[...] = _lanes(lse)
         return
 
     def first(j, tiles, carry):
