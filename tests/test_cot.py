@@ -385,7 +385,10 @@ def test_the_default_command_and_the_study_preset():
         (["--data.test", "0"], "--data.test must be an int >= 1; got 0"),
         (["--model.num-heads", "3"], "--model.num-heads: .*`num_heads`=3 must divide"),
         (["--model.embed-keep", "0"], r"--model.embed-keep: .*`embed_keep` must be in \(0, 1\]"),
-        (["--model.decoder-sinks", "2"], "--model.decoder-sinks: .*needs a `decoder_window`"),
+        (
+            ["--model.decoder-window", "None", "--model.decoder-sinks", "2"],
+            "--model.decoder-sinks: .*needs a `decoder_window`",
+        ),
         (["--train.batch-size", "64", "--data.train", "10"], "--train.batch-size 64 is more"),
         (["--run.resume"], "--run.resume needs the --run.dir of the run to continue"),
         (["--eval.batch-size", "0"], "--eval.batch-size must be an int >= 1; got 0"),
