@@ -11,12 +11,12 @@ The task is :mod:`sparse_jax.data.linalg_cot` (the question as bytes into the en
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
 the sparse model (:class:`~sparse_jax.models.encdec.EncDecConfig`'s sparse switches: sparsemax
 attention and outputs, sparse embeddings, chain-of-thought feature masks, a decoder window of
-the 64 most recent tokens and 4 sinks) and then its dense
-baseline (``config.dense()``) with the project's trainer, each phase checkpointed under
-``<run>/checkpoints/<model>``. ``eval`` decodes the test split greedily with each trained model
-(restored by ``sparse_jax.cot.Solver.load``) and reports, per question kind, exact match of the
-final answer, the chain of thought's length in steps and tokens, decoding time per question,
-attention density and FLOPs. ``ask`` answers one question with the trained models.
+the 64 most recent tokens and 4 sinks) and then its dense baseline (``config.dense()``) with
+the project's trainer, each phase checkpointed under ``<run>/checkpoints/<model>``. ``eval``
+decodes the test split greedily with each trained model (restored by
+``sparse_jax.cot.Solver.load``) and reports, per question kind, exact match of the final answer,
+the chain of thought's length in steps and tokens, decoding time per question, attention
+density and FLOPs. ``ask`` answers one question with the trained models.
 
 The default fits a 2-core CPU: three of the six kinds (rref, solvability, column space) at small
 sizes (matrices up to 2 x 3, entries up to 3), whose solutions are at most ~270 bytes, and a small
