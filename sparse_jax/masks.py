@@ -342,12 +342,12 @@ class Mask:
 
     @property
     def batch_size(self) -> int | None:
-        """Batch size of a run-time (``padding``) mask, None for static masks."""
+        """Batch size of a run-time (``padding``, ``segments``) mask, None for static masks."""
         return None
 
     @property
     def is_dynamic(self) -> bool:
-        """True when the mask depends on run-time data (contains a ``padding`` mask)."""
+        """True when the mask depends on run-time data (a ``padding`` or ``segments`` leaf)."""
         return self.batch_size is not None
 
     def _children(self) -> tuple[Mask, ...]:
@@ -1004,8 +1004,23 @@ class FromArray(Mask):
         return arr[qc, kc] & inside
 
 
+class _RunTime(Mask):
+    """A leaf known only at run time (its data may be traced): statically every entry may be
+    allowed or masked, the same at every position, so a layout keeps every block as partial
+    and the kernels evaluate the leaf."""
+
+    def _toeplitz(self) -> bool:
+        return True
+
+    def _bounds(self, q, kv):
+        return np.zeros((), bool), np.ones((), bool)
+
+    def _block_bounds(self, qa, qb, ka, kb):
+        return np.False_, np.True_
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Padding(Mask):
+class Padding(_RunTime):
     """Run-time key padding: for batch element ``b``, key ``j`` allowed when
     ``j < lengths[b]``. ``lengths`` may be a (traced) jax array.
     """
@@ -1039,23 +1054,14 @@ class Padding(Mask):
     def _uses_jax(self) -> bool:
         return _is_jax(self.lengths)
 
-    def _toeplitz(self) -> bool:
-        return True
-
     def _eval(self, q, kv, h, b, xp):
         if b is None:
             raise ValueError("Padding: evaluating a run-time mask needs batch indices")
         return kv < xp.asarray(self.lengths)[b]
 
-    def _bounds(self, q, kv):
-        return np.zeros((), bool), np.ones((), bool)
-
-    def _block_bounds(self, qa, qb, ka, kb):
-        return np.False_, np.True_
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Segments(Mask):
+class Segments(_RunTime):
     """Run-time segments (packed sequences): for batch element ``b``, query ``i`` may see key
     ``j`` when ``q_ids[b, i] == kv_ids[b, j]``. The id arrays fix the mask's shape
     ``(q_len, kv_len)``, as ``from_array``'s array does.
@@ -1099,9 +1105,6 @@ class Segments(Mask):
     def _uses_jax(self) -> bool:
         return _is_jax(self.q_ids) or _is_jax(self.kv_ids)
 
-    def _toeplitz(self) -> bool:
-        return True  # its static bounds (unknown everywhere) do not depend on the position
-
     def _eval(self, q, kv, h, b, xp):
         if b is None:
             raise ValueError("Segments: evaluating a run-time mask needs batch indices")
@@ -1110,12 +1113,6 @@ class Segments(Mask):
         q_ids = xp.asarray(self.q_ids)[b, xp.clip(q, 0, rows - 1)]
         kv_ids = xp.asarray(self.kv_ids)[b, xp.clip(kv, 0, cols - 1)]
         return (q_ids == kv_ids) & inside
-
-    def _bounds(self, q, kv):
-        return np.zeros((), bool), np.ones((), bool)
-
-    def _block_bounds(self, qa, qb, ka, kb):
-        return np.False_, np.True_
 
 
 # ----------------------------------------------------------------------------------------------
