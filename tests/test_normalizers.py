@@ -377,3 +377,56 @@ def test_losses_with_labels_closed_over_under_jit():
 def test_bad_input_raises_a_clear_error(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# --- Two-stage row sums on CPU -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n, expected", [(264, (24, 264)), (259, (24, 264)), (1024, (64, 1024)), (40, None)]
+)
+def test_cpu_row_sums_split_rows_into_short_columns(n, expected):
+    from sparse_jax import normalizers
+
+    plan = normalizers._cpu_sum_width(n)
+    assert plan == expected
+    if plan is not None:
+        width, padded = plan
+        assert padded - n < 8 and width % 8 == 0 and 6 <= padded // width <= 32
+
+
+def _two_stage_shape(text: str, padded: int, width: int) -> bool:
+    return f"{padded // width},{width}]" in text
+
+
+@pytest.mark.parametrize("n", [259, 264])
+@pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax-1.3"])
+def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkeypatch):
+    from sparse_jax import normalizers
+
+    fn = {"sparsemax": sj.sparsemax, "entmax15": sj.entmax15}.get(name) or (
+        lambda x: sj.entmax(x, 1.3)
+    )
+    x = jax.random.normal(jax.random.PRNGKey(n), (6, n)) * 2.0
+    x = x.at[1, n // 2 :].set(-jnp.inf)  # a masked tail
+    cotangent = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+
+    def value_and_grad(x):
+        return jax.value_and_grad(lambda x: jnp.sum(fn(x) * cotangent))(x), fn(x)
+
+    width, padded = normalizers._cpu_sum_width(n)
+    # The CPU program sums over [.., n'/w, w]; one lowered for a GPU keeps plain row sums.
+    cpu_text = jax.jit(value_and_grad).lower(x).compile().as_text()
+    gpu_text = jax.jit(value_and_grad).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert _two_stage_shape(cpu_text, padded, width)
+    assert not _two_stage_shape(gpu_text, padded, width)
+
+    ((_, grad), p) = jax.jit(value_and_grad)(x)
+    monkeypatch.setattr(normalizers, "_cpu_sum_width", lambda n: None)
+    plain = jax.jit(lambda x: value_and_grad(x))  # a new function: traced again, without the split
+    assert not _two_stage_shape(plain.lower(x).compile().as_text(), padded, width)
+    ((_, grad_plain), p_plain) = plain(x)
+    np.testing.assert_allclose(p, p_plain, atol=2e-6)
+    np.testing.assert_allclose(grad, grad_plain, atol=2e-6)
+    np.testing.assert_allclose(np.sum(p, axis=-1), 1.0, atol=1e-5)
+    assert np.all(np.asarray(p)[1, n // 2 :] == 0.0)
