@@ -44,7 +44,7 @@ the same product serves forward and reverse mode), which is linear in the row le
 ``_entmax_dp_dalpha``. ``sparsemax`` has a custom JVP (forward and reverse mode: ``jax.jvp``,
 ``jax.jacfwd``, ``jax.hessian`` work); ``entmax15`` and ``entmax`` have custom VJPs (reverse
 mode only: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``; ``jax.jvp``/``jacfwd``/``hessian``
-raise), whose only residual is the output: see the comment above ``_sparsemax_s``.
+raise), whose only residual is the output: see the comment above ``_entmax15_s``.
 
 Conventions shared by every function here: the row is ``axis`` (default last); positions where
 ``where`` is False, or whose score is ``-inf``, get probability exactly 0; a row with no allowed
@@ -643,10 +643,6 @@ def _jacobian_product(s, dx):
 # slower with 1.5-entmax, so the VJPs stay.
 
 
-def _sparsemax_s(p):
-    return jnp.sign(p)  # 1 on the support, 0 off it, NaN on NaN rows
-
-
 def _entmax15_s(p):
     return jnp.sqrt(p)  # 0 off the support, NaN on NaN rows
 
@@ -657,7 +653,15 @@ def _entmax_s(p, eps):
 
 
 def _sparsemax_tangent(p, dx):
-    return _jacobian_product(_sparsemax_s(p), dx)
+    """The sparsemax tangent J·dx, s = 1 on the support; a NaN row (NaN everywhere in p) gets a
+    NaN tangent through a per-row term.
+
+    Why not s = sign(p), which is NaN on NaN rows by itself: XLA:CPU then runs the reverse pass
+    about 1.8x slower (rows of 2048, [1, 8, 2048, 2048] scores: 358 -> 206 ms fwd+bwd with the
+    comparison; the same with any other NaN-carrying form of s, e.g. where(p > 0, 1, 0 * p)).
+    """
+    nan_row = jnp.where(jnp.isnan(p[..., :1]), jnp.nan, 0.0)  # added, so that Jᵀ keeps it too
+    return _jacobian_product((p > 0.0).astype(p.dtype), dx) + nan_row * dx
 
 
 # Σ_k b^k / (k+2)! for k = 0..10: ψ(b) = (e^b - 1 - b) / b² to float64 rounding for |b| < 1/2.
