@@ -136,6 +136,9 @@ class Model:
     --model.decoder-sinks 0). Its decoding cache holds only these and the sinks."""
     decoder_sinks: int = 4
     """With --model.decoder-window: the first tokens every query also sees."""
+    decoder_block: int = 16
+    """Block size of the decoder self-attention's mask, with which `impl="auto"` chooses the
+    block-sparse kernel or the dense one (docs/results.md has the default's timings)."""
 
     def __post_init__(self):
         try:

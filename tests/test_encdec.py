@@ -20,6 +20,7 @@ from sparse_jax.models.encdec import (
     greedy_decode,
     sequence_loss,
 )
+from tests.engines import engines_used
 
 SMALL = dict(vocab_size=13, d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=2)
 SPARSE = EncDecConfig(**SMALL, cot_steps=2, decoder_keep=0.5, decoder_window=3, decoder_sinks=1)
@@ -176,6 +177,30 @@ def test_a_windowed_decoder_caches_only_the_sinks_and_a_ring_of_the_window(sinks
     assert float(jnp.abs(causal(src, lengths, target_in) - full).max()) > 1e-3
 
 
+def test_the_decoder_mask_reaches_the_block_sparse_kernel_with_the_dense_masks_values():
+    # 24 decoder positions in blocks of 4 under causal & (local(2, 0) | sink(1)): auto takes the
+    # block-sparse kernel for the decoder self-attention (the encoder and cross-attention masks
+    # are arrays: xla); with blocks of 64 the same mask has one block and runs on xla. Same
+    # weights, so the logits and gradients must agree.
+    cfg = dataclasses.replace(SPARSE, decoder_block=4)
+    src, lengths, tgt = _batch(3, t=24)
+    models = {block: _model(dataclasses.replace(cfg, decoder_block=block)) for block in (4, 64)}
+    assert engines_used(lambda: models[4](src, lengths, tgt)) == {"xla", "blocksparse"}
+    assert engines_used(lambda: models[64](src, lengths, tgt)) == {"xla"}
+
+    def grads(model):
+        return nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, tgt > 0))(model)
+
+    np.testing.assert_allclose(
+        models[4](src, lengths, tgt), models[64](src, lengths, tgt), atol=2e-5, rtol=1e-5
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4),
+        nnx.state(grads(models[4]), nnx.Param),
+        nnx.state(grads(models[64]), nnx.Param),
+    )
+
+
 def test_source_padding_changes_nothing_and_gradients_are_finite():
     model = _model(SPARSE)
     src, lengths, tgt = _batch()
@@ -216,6 +241,7 @@ def test_flops_by_hand():
         ({"decoder_sinks": 2}, "`decoder_sinks`=2 needs a `decoder_window`"),
         ({"output": "entmax"}, "unknown `output`='entmax'"),
         ({"embed_mask": "top"}, "unknown `embed_mask`='top'"),
+        ({"decoder_block": 0}, "decoder_block"),
     ],
 )
 def test_bad_configurations_are_rejected(kwargs, match):

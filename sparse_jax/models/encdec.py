@@ -104,6 +104,7 @@ class EncDecConfig:
     decoder_keep: float = 1.0  # kept fraction of each decoder FFN output, (0, 1] (1: off)
     decoder_window: int | None = None  # decoder self-attention: recent keys kept (None: causal)
     decoder_sinks: int = 0  # with decoder_window: the first tokens every query also sees
+    decoder_block: int = 16  # block size of the decoder self-attention's mask (see decoder_mask)
     seed: int = 0  # draws the fixed random SparseEmbed dimensions
 
     def __post_init__(self):
@@ -111,6 +112,7 @@ class EncDecConfig:
         for name in ("vocab_size", "d_model", "num_heads", "encoder_layers", "decoder_layers"):
             check_int(getattr(self, name), name, caller)
         check_int(self.d_ff, "d_ff", caller)
+        check_int(self.decoder_block, "decoder_block", caller)
         for name in ("cot_steps", "decoder_sinks", "seed"):
             check_int(getattr(self, name), name, caller, low=0)
         for name in ("encoder_window", "decoder_window"):
@@ -161,7 +163,12 @@ class EncDecConfig:
         return self.d_model // self.num_heads
 
     def decoder_mask(self) -> masks_lib.Mask:
-        """The decoder self-attention's static mask (the mask algebra)."""
+        """The decoder self-attention's static mask (the mask algebra).
+
+        Training hands it to :func:`sparse_jax.attention` as a mask object with blocks of
+        ``decoder_block`` x ``decoder_block``, so ``impl="auto"`` can take the block-sparse
+        kernel where the mask leaves blocks empty (causal, and more so a window).
+        """
         if self.decoder_window is None:
             return masks_lib.causal()
         keep = masks_lib.local(self.decoder_window - 1, 0)
@@ -220,11 +227,20 @@ class Attention(nnx.Module):
         """``k, v [B, Tk, N, H]`` of ``memory [B, Tk, D]``."""
         return self.heads(self.k(memory)), self.heads(self.v(memory))
 
-    def __call__(self, x, k, v, mask, *, weights: bool = False):
+    def __call__(self, x, k, v, mask, *, weights: bool = False, block: int = 128):
         """``x [B, Tq, D]`` queries against precomputed ``k, v [B, Tk, N, H]``; with
-        ``weights``, also the attention weights ``[B, N, Tq, Tk]``."""
+        ``weights``, also the attention weights ``[B, N, Tq, Tk]``. ``mask``: a bool array or
+        a :class:`sparse_jax.masks.Mask`, whose blocks are ``block`` x ``block``."""
         q = self.heads(self.q(x))
-        out = attention(q, k, v, mask=mask, normalizer=self.normalizer, return_weights=weights)
+        out = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            normalizer=self.normalizer,
+            return_weights=weights,
+            block_size=(block, block),
+        )
         out, w = out if weights else (out, None)
         out = self.o(out.reshape(*x.shape[:-1], -1))
         return (out, w) if weights else out
@@ -264,7 +280,7 @@ class DecoderLayer(nnx.Module):
     """``h = LN(y + A_self(y) + A_cross(y, C)); out = LN(h + FFN(h) ⊙ M_d)``."""
 
     def __init__(self, cfg: EncDecConfig, rngs: nnx.Rngs):
-        self.keep = cfg.decoder_keep
+        self.keep, self.block = cfg.decoder_keep, cfg.decoder_block
         self.self_attn = Attention(cfg, rngs)
         self.cross_attn = Attention(cfg, rngs)
         self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
@@ -272,11 +288,15 @@ class DecoderLayer(nnx.Module):
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
 
     def __call__(self, y, self_kv, self_mask, cross_kv, cross_mask, stats=None):
+        """``self_mask``: a bool array ``[.., T, P]`` or the static :class:`Mask` of the
+        decoder (see :meth:`EncDecConfig.decoder_mask`)."""
         want = stats is not None
-        a = self.self_attn(y, *self_kv, self_mask, weights=want)
+        a = self.self_attn(y, *self_kv, self_mask, weights=want, block=self.block)
         c = self.cross_attn(y, *cross_kv, cross_mask, weights=want)
         if want:
             (a, wa), (c, wc) = a, c
+            if isinstance(self_mask, masks_lib.Mask):
+                self_mask = jnp.asarray(self_mask.dense(*wa.shape[-2:]))
             stats += [("decoder_self", wa, self_mask), ("decoder_cross", wc, cross_mask)]
         h = self.ln1(y + a + c)
         return self.ln2(h + keep_largest(self.ffn(h), self.keep))
@@ -365,7 +385,7 @@ class EncoderDecoder(nnx.Module):
         memory = self.encode(source, source_lengths, stats)
         t = target.shape[1]
         y = self.sparse_embed(target) + sinusoid(jnp.arange(t), self.config.d_model)
-        self_mask = jnp.asarray(self.config.decoder_mask().dense(t, t))
+        self_mask = self.config.decoder_mask()
         _, cross_mask = self._source_masks(source_lengths, source.shape[1])
         for layer in self.decoder:
             self_kv = layer.self_attn.keys_values(y)
