@@ -137,8 +137,8 @@ class Model:
     decoder_sinks: int = 4
     """With --model.decoder-window: the first tokens every query also sees."""
     decoder_block: int = 16
-    """Block size of the decoder self-attention's mask, with which `impl="auto"` chooses the
-    block-sparse kernel or the dense one (docs/results.md has the default's timings)."""
+    """With --model.decoder-window: the block size of the decoder self-attention's mask, with
+    which `impl="auto"` chooses the block-sparse kernel or the dense one (docs/results.md)."""
 
     def __post_init__(self):
         try:

@@ -181,12 +181,14 @@ def test_the_decoder_mask_reaches_the_block_sparse_kernel_with_the_dense_masks_v
     # 24 decoder positions in blocks of 4 under causal & (local(2, 0) | sink(1)): auto takes the
     # block-sparse kernel for the decoder self-attention (the encoder and cross-attention masks
     # are arrays: xla); with blocks of 64 the same mask has one block and runs on xla. Same
-    # weights, so the logits and gradients must agree.
+    # weights, so the logits and gradients must agree. A causal decoder hands an array.
     cfg = dataclasses.replace(SPARSE, decoder_block=4)
     src, lengths, tgt = _batch(3, t=24)
     models = {block: _model(dataclasses.replace(cfg, decoder_block=block)) for block in (4, 64)}
     assert engines_used(lambda: models[4](src, lengths, tgt)) == {"xla", "blocksparse"}
     assert engines_used(lambda: models[64](src, lengths, tgt)) == {"xla"}
+    causal = _model(dataclasses.replace(cfg, decoder_window=None, decoder_sinks=0))
+    assert engines_used(lambda: causal(src, lengths, tgt)) == {"xla"}  # a dense array
 
     def grads(model):
         return nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, tgt > 0))(model)

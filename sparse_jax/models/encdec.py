@@ -104,7 +104,7 @@ class EncDecConfig:
     decoder_keep: float = 1.0  # kept fraction of each decoder FFN output, (0, 1] (1: off)
     decoder_window: int | None = None  # decoder self-attention: recent keys kept (None: causal)
     decoder_sinks: int = 0  # with decoder_window: the first tokens every query also sees
-    decoder_block: int = 16  # block size of the decoder self-attention's mask (see decoder_mask)
+    decoder_block: int = 16  # blocks of a windowed decoder's mask (see decoder_mask)
     seed: int = 0  # draws the fixed random SparseEmbed dimensions
 
     def __post_init__(self):
@@ -165,9 +165,11 @@ class EncDecConfig:
     def decoder_mask(self) -> masks_lib.Mask:
         """The decoder self-attention's static mask (the mask algebra).
 
-        Training hands it to :func:`sparse_jax.attention` as a mask object with blocks of
-        ``decoder_block`` x ``decoder_block``, so ``impl="auto"`` can take the block-sparse
-        kernel where the mask leaves blocks empty (causal, and more so a window).
+        With a window, the forward pass hands it to :func:`sparse_jax.attention` as a mask
+        object with blocks of ``decoder_block`` x ``decoder_block``, so that ``impl="auto"``
+        can take the block-sparse kernel, which skips the blocks the window leaves empty; a
+        plain causal mask goes as a dense array (half its blocks are kept, and at a few hundred
+        positions the block-sparse kernel measured no faster there: docs/results.md).
         """
         if self.decoder_window is None:
             return masks_lib.causal()
@@ -386,6 +388,8 @@ class EncoderDecoder(nnx.Module):
         t = target.shape[1]
         y = self.sparse_embed(target) + sinusoid(jnp.arange(t), self.config.d_model)
         self_mask = self.config.decoder_mask()
+        if self.config.decoder_window is None:
+            self_mask = jnp.asarray(self_mask.dense(t, t))
         _, cross_mask = self._source_masks(source_lengths, source.shape[1])
         for layer in self.decoder:
             self_kv = layer.self_attn.keys_values(y)
