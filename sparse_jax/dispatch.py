@@ -42,8 +42,8 @@ Implementations and dispatch
   :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of 128), and interpret mode on CPU
   (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
-  only, static masks, ``block_size`` multiples of 128; off TPU it runs in Pallas interpret
-  mode (slow: for tests).
+  only, static masks and ``static & padding(lengths)``, ``block_size`` multiples of 128; off
+  TPU it runs in Pallas interpret mode (slow: for tests).
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on NVIDIA GPUs
   (:func:`sparse_jax.fused.cudnn_attention`), softmax only, float16/bfloat16, masks
   ``causal()``, ``local(l, r)``, ``causal() & local(l, r)`` or none.
@@ -90,7 +90,12 @@ import numpy as np
 
 from sparse_jax import masks as masks_lib
 from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost, nonfinite_values
-from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
+from sparse_jax.fused import (
+    cudnn_attention,
+    cudnn_mask_arguments,
+    splash_attention,
+    splash_mask_parts,
+)
 from sparse_jax.kernels import pallas_attention, pallas_supports
 from sparse_jax.normalizers import NORMALIZERS, normalize
 from sparse_jax.validation import (
@@ -257,6 +262,8 @@ def _check_all(
         _check_fused(impl, normalizer, bias, None if is_obj else mask, return_weights, caller)
         if impl == "cudnn" and is_obj:
             cudnn_mask_arguments(mask)  # raises for masks cuDNN cannot express
+        if impl == "splash" and is_obj:
+            splash_mask_parts(mask, n, caller)  # raises for run-time masks splash cannot take
     if impl == "pallas":
         ok, why = _pallas_ok(q, mask, return_weights, block_size)
         if not ok:
@@ -301,17 +308,32 @@ def _layout(args: _Args) -> masks_lib.BlockLayout:
     return args.mask_obj.blocks(args.q.shape[1], args.k.shape[1], *args.block_size)
 
 
+def _splash_takes(mask: masks_lib.Mask | None) -> bool:
+    """Whether splash computes this mask: none, static, or static ``& padding(lengths)``."""
+    if mask is None:
+        return True
+    parts = masks_lib.split_runtime(mask)
+    return parts is not None and not parts[2]
+
+
 def _resolve_impl(args: _Args) -> ImplChoice:
     if args.impl != "auto":
         return ImplChoice(args.impl, f"impl={args.impl!r} was requested explicitly")
     backend = jax.default_backend()
     mask = args.mask_obj
-    fused_ok = not _fused_problems(
-        args.normalizer, args.bias, args.mask_arr, args.return_weights
-    ) and (mask is None or not mask.is_dynamic)
+    softmax_ok = not _fused_problems(args.normalizer, args.bias, args.mask_arr, args.return_weights)
+    fused_ok = softmax_ok and (mask is None or not mask.is_dynamic)
     same_dims = args.q.shape[3] == args.v.shape[3]
-    if backend == "tpu" and fused_ok and same_dims and args.q.dtype in (jnp.float32, jnp.bfloat16):
-        return ImplChoice("splash", "impl='auto': softmax with a static mask on TPU: splash")
+    if (
+        backend == "tpu"
+        and softmax_ok
+        and _splash_takes(mask)
+        and same_dims
+        and args.q.dtype in (jnp.float32, jnp.bfloat16)
+    ):
+        return ImplChoice(
+            "splash", "impl='auto': softmax with a static mask (& padding) on TPU: splash"
+        )
     if backend == "gpu" and fused_ok and same_dims and args.q.dtype in (jnp.float16, jnp.bfloat16):
         try:
             cudnn_mask_arguments(mask)

@@ -12,7 +12,8 @@ values there; the rows are found from the mask's block layout at trace time and 
   which the kernel turns into block metadata so that empty blocks are skipped, on TPU.
   Elsewhere it runs the same kernel in Pallas *interpret mode* (``interpret=None`` picks it off
   TPU): slow, for tests. Lengths that are not multiples of the blocks are padded internally
-  and the padded keys excluded with splash ``SegmentIds``. Grouped-query attention repeats the
+  and the padded keys excluded with splash ``SegmentIds``, as are the keys a run-time
+  ``& padding(lengths)`` leaves out. Grouped-query attention repeats the
   key/value heads (the per-head mask may differ between the query heads of a group). The
   kernel object is built once per (mask, lengths, heads, blocks) and cached.
 * :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA
@@ -67,8 +68,8 @@ def _check_static_mask(mask: Any, n: int, caller: str) -> masks_lib.Mask:
         )
     if mask.is_dynamic:
         raise ValueError(
-            f"{caller}: run-time `padding` masks are not supported by this kernel; use "
-            "impl='blocksparse' or impl='xla'"
+            f"{caller}: run-time masks (padding, segments) are not supported by this kernel; "
+            "use impl='pallas', impl='blocksparse' or impl='xla'"
         )
     if mask.num_heads is not None and mask.num_heads != n:
         raise ValueError(
@@ -78,26 +79,64 @@ def _check_static_mask(mask: Any, n: int, caller: str) -> masks_lib.Mask:
     return mask
 
 
-def _rows_with_keys(layout: masks_lib.BlockLayout) -> np.ndarray:
-    """bool ``[H, q_len]``: which query rows of the layout allow at least one key."""
-    h, nq, _ = layout.kv_block_indices.shape
-    rows = np.zeros((h, nq, layout.block_q), bool)
-    valid = layout.kv_block_indices != masks_lib.SENTINEL
-    rows |= (valid & layout.block_is_full).any(axis=2)[..., None]
-    partial = valid & ~layout.block_is_full
+def _first_keys(layout: masks_lib.BlockLayout) -> np.ndarray:
+    """int64 ``[H, q_len]``: each query row's first allowed key (``kv_len`` for a row with
+    none), from the layout's kept blocks and partial masks."""
+    idx, full = layout.kv_block_indices.astype(np.int64), layout.block_is_full
+    h, nq, _ = idx.shape
+    bq, bk, none = layout.block_q, layout.block_kv, layout.kv_len
+    valid = idx != masks_lib.SENTINEL
+    first = np.where(valid & full, idx * bk, none).min(axis=2)  # [H, nq]
+    first = np.repeat(first[..., None], bq, axis=2)  # [H, nq, bq]
+    partial = valid & ~full
     if partial.any():
-        row_any = layout.partial_masks.any(axis=2)  # [n_unique, bq]
+        masks = layout.partial_masks  # [n_unique, bq, bk]
+        col = np.where(masks.any(axis=2), masks.argmax(axis=2), none)  # [n_unique, bq]
         hh, rr, ss = np.nonzero(partial)
-        np.logical_or.at(rows, (hh, rr), row_any[layout.partial_mask_index[hh, rr, ss]])
-    return rows.reshape(h, nq * layout.block_q)[:, : layout.q_len]
+        keys = idx[hh, rr, ss][:, None] * bk + col[layout.partial_mask_index[hh, rr, ss]]
+        np.minimum.at(first, (hh, rr), np.minimum(keys, none))
+    return first.reshape(h, nq * bq)[:, : layout.q_len]
 
 
-def _zero_empty_rows(out: jax.Array, mask: masks_lib.Mask, tq: int, tk: int) -> jax.Array:
-    """``out [B, Tq, N, D]`` with rows that allow no key set to 0 (none: ``out`` unchanged)."""
-    live = _rows_with_keys(mask.blocks(tq, tk, min(tq, 128), min(tk, 128)))  # [H, Tq]
-    if live.all():
-        return out
-    return jnp.where(jnp.asarray(live.T)[None, :, :, None], out, jnp.zeros((), out.dtype))
+def _zero_empty_rows(
+    out: jax.Array, mask: masks_lib.Mask, tq: int, tk: int, lengths: jax.Array | None = None
+) -> jax.Array:
+    """``out [B, Tq, N, D]`` with rows that allow no key set to 0: rows whose static mask
+    allows none, and with run-time key ``lengths [B]`` rows whose first allowed key is beyond
+    their batch element's length (none of either: ``out`` unchanged)."""
+    first = _first_keys(mask.blocks(tq, tk, min(tq, 128), min(tk, 128)))  # [H, Tq]
+    if lengths is None:
+        if (first < tk).all():
+            return out
+        live = jnp.asarray(first.T < tk)[None, :, :, None]  # [1, Tq, H, 1]
+    else:
+        live = jnp.asarray(first.T)[None] < lengths[:, None, None]  # [B, Tq, H]
+        live = live[..., None]
+    return jnp.where(live, out, jnp.zeros((), out.dtype))
+
+
+def splash_mask_parts(
+    mask: Any, n: int, caller: str
+) -> tuple[masks_lib.Mask, tuple[masks_lib.Padding, ...]]:
+    """``(static part, padding leaves)`` of a splash call's mask (``full()`` for None); raises
+    for a mask splash cannot take (segments, other run-time masks, arrays)."""
+    if mask is None:
+        return masks_lib.full(), ()
+    if not isinstance(mask, masks_lib.Mask):
+        raise TypeError(
+            f"{caller}: `mask` must be None or a sparse_jax.masks.Mask (the kernel needs the "
+            f"pattern at trace time, not an array); got {type(mask).__name__}"
+        )
+    parts = masks_lib.split_runtime(mask)
+    if parts is None or parts[2]:
+        raise ValueError(
+            f"{caller}: the kernel takes run-time masks only as `& padding(lengths)` joined to a "
+            f"static mask; got {mask!r}. For segments(...) or other run-time masks use "
+            "impl='pallas', impl='blocksparse' or impl='xla'"
+        )
+    static, paddings, _ = parts
+    _check_static_mask(static, n, caller)
+    return static, paddings
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,9 +158,12 @@ def _splash_kernel(mask, tq: int, tk: int, n: int, bq: int, bk: int, interpret: 
         block_kv_dq=bk,
     )
     splash_mask = mask.to_splash(tq, tk, num_heads=n)
-    kernel = sa.make_splash_mha(
-        splash_mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
-    )
+    # Concrete arrays even when the first call is traced: the kernel (with its mask metadata)
+    # is cached and reused by later traces, which a tracer would leak into.
+    with jax.ensure_compile_time_eval():
+        kernel = sa.make_splash_mha(
+            splash_mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+        )
     return kernel, sa.SegmentIds
 
 
@@ -141,8 +183,9 @@ def splash_attention(
       q: ``[B, Tq, N, H]`` float32 or bfloat16 queries.
       k: ``[B, Tk, Kh, H]`` keys (``Kh`` divides ``N``), same dtype.
       v: ``[B, Tk, Kh, H]`` values (splash needs v's head_dim equal to q's).
-      mask: a static :class:`~sparse_jax.masks.Mask` (None: full attention). Per-head masks
-        need ``N`` heads; run-time ``padding`` masks are refused.
+      mask: a :class:`~sparse_jax.masks.Mask` (None: full attention): static, or static
+        ``& padding(lengths)`` (the keys beyond each batch element's length become splash
+        ``SegmentIds``; ``segments`` masks are refused). Per-head masks need ``N`` heads.
       scale: multiplier of ``q·k`` (applied to ``q``); default ``H ** -0.5``.
       block_size: ``(block_q, block_kv)`` of the kernel, multiples of 128 (the lengths are
         padded to multiples of them).
@@ -162,7 +205,8 @@ def splash_attention(
     _check_qkv(q, k, v, caller, (jnp.float32, jnp.bfloat16))
     _, tq, n, h = q.shape
     tk, kh = k.shape[1], k.shape[2]
-    mask = _check_static_mask(mask, n, caller)
+    mask, paddings = splash_mask_parts(mask, n, caller)
+    lengths = masks_lib.key_lengths(paddings, q.shape[0], tk, caller)
     scale = check_scale(scale, h, caller)
     bq, bk = check_block_size(block_size, caller, multiple_of=128)
     if interpret is None:
@@ -183,15 +227,21 @@ def splash_attention(
 
     qs = heads_first(q * jnp.asarray(scale, q.dtype), tq_p)
     ks, vs = heads_first(k, tk_p), heads_first(v, tk_p)
-    if tk_p != tk:  # padded keys form their own segment, which no query belongs to
-        segs = segment_ids(
-            q=jnp.zeros(tq_p, jnp.int32), kv=(jnp.arange(tk_p) >= tk).astype(jnp.int32)
-        )
-        out = jax.vmap(lambda a, c, d: kernel(a, c, d, segment_ids=segs))(qs, ks, vs)
+    if lengths is not None or tk_p != tk:
+        # Keys beyond a batch element's length (run-time padding, or the blocks' padding) form
+        # their own segment, which no query belongs to.
+        key_lengths = jnp.full((q.shape[0],), tk, jnp.int32) if lengths is None else lengths
+        kv_ids = (jnp.arange(tk_p)[None, :] >= key_lengths[:, None]).astype(jnp.int32)
+        q_ids = jnp.zeros(tq_p, jnp.int32)
+
+        def one(a, c, d, kv):
+            return kernel(a, c, d, segment_ids=segment_ids(q=q_ids, kv=kv))
+
+        out = jax.vmap(one)(qs, ks, vs, kv_ids)
     else:
         out = jax.vmap(kernel)(qs, ks, vs)
     out = jnp.transpose(out, (0, 2, 1, 3))[:, :tq].astype(q.dtype)
-    return _zero_empty_rows(out, mask, tq, tk)
+    return _zero_empty_rows(out, mask, tq, tk, lengths)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,12 +108,14 @@ __all__ = [
     "from_array",
     "full",
     "global_tokens",
+    "key_lengths",
     "local",
     "padding",
     "per_head",
     "random_blocks",
     "segments",
     "sink",
+    "split_runtime",
     "strided",
 ]
 
@@ -1570,6 +1573,55 @@ def segments(q_ids: Any, kv_ids: Any = None) -> Mask:
       [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     """
     return Segments(q_ids, q_ids if kv_ids is None else kv_ids)
+
+
+def split_runtime(mask: Mask) -> tuple[Mask, tuple[Padding, ...], tuple[Segments, ...]] | None:
+    """``(static part, padding leaves, segments leaves)`` of a mask that is a ``&`` of static
+    masks, ``padding`` and ``segments`` leaves (a fused kernel applies the run-time parts as
+    lengths and ids); None when a run-time leaf sits under ``|``, ``~`` or ``per_head``. The
+    static part is the ``&`` of the static operands (``full()`` when there are none).
+
+    Example:
+      >>> static, paddings, segs = split_runtime(causal() & padding([3, 5]))
+      >>> static == causal(), len(paddings), len(segs)
+      (True, 1, 0)
+      >>> split_runtime(causal() | padding([3, 5])) is None
+      True
+    """
+    static, paddings, segs, stack = [], [], [], [_check_mask("split_runtime", "mask", mask)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, And) and node.is_dynamic:
+            stack += [node.right, node.left]
+        elif isinstance(node, Padding):
+            paddings.append(node)
+        elif isinstance(node, Segments):
+            segs.append(node)
+        elif node.is_dynamic:
+            return None
+        else:
+            static.append(node)
+    whole = functools.reduce(operator.and_, static) if static else full()
+    return whole, tuple(paddings), tuple(segs)
+
+
+def key_lengths(paddings: Sequence[Padding], batch: int, kv_len: int, caller: str) -> Any:
+    """Each batch element's key length ``[batch]`` int32 under ``padding`` leaves (the minimum
+    of their lengths, at most ``kv_len``); None when there are none.
+
+    Example:
+      >>> key_lengths(split_runtime(padding([3, 9]) & padding([4, 2]))[1], 2, 8, "f").tolist()
+      [3, 2]
+    """
+    if not paddings:
+        return None
+    lengths = [jnp.asarray(part.lengths, jnp.int32) for part in paddings]
+    if any(length.shape != (batch,) for length in lengths):
+        raise ValueError(
+            f"{caller}: `mask` has padding lengths for batch size "
+            f"{[int(length.shape[0]) for length in lengths]} but q has batch size {batch}"
+        )
+    return jnp.minimum(functools.reduce(jnp.minimum, lengths), kv_len)
 
 
 def per_head(masks: Sequence[Mask]) -> Mask:

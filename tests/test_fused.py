@@ -12,7 +12,17 @@ import pytest
 
 from sparse_jax.dispatch import attention, attention_impl
 from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
-from sparse_jax.masks import causal, chunked, full, local, per_head, sink, strided
+from sparse_jax.masks import (
+    causal,
+    chunked,
+    full,
+    local,
+    padding,
+    per_head,
+    segments,
+    sink,
+    strided,
+)
 from tests.engines import assert_engine, assert_lowered_contains
 
 
@@ -66,6 +76,59 @@ def test_splash_fully_masked_rows_are_zero():
     np.testing.assert_allclose(out, attention(q, k, v, mask=mask, impl="xla"), atol=1e-5)
     grads = jax.grad(lambda q: splash_attention(q, k, v, mask=mask)[:, 0].sum())(q)
     np.testing.assert_array_equal(grads, 0.0)
+
+
+def test_splash_takes_run_time_padding_with_empty_rows_zero():
+    # causal & local(40, 0) & padding: in batch element 1 (60 keys) the rows from 100 on see no
+    # key (row i sees keys i - 40 ... i): output 0 and zero gradients, as xla gives.
+    # 200 positions: the blocks' own padding (to 256) is excluded as well. GQA: 4 heads, 2 kv.
+    q, k, v = _qkv(2, 200, 200, 4, 2, 16)
+    cot = jax.random.normal(jax.random.key(9), q.shape)
+    lengths = jnp.array([150, 60])
+
+    def loss(impl):
+        def f(q, k, v, lengths):
+            mask = causal() & local(40, 0) & padding(lengths)
+            return jnp.sum(attention(q, k, v, mask=mask, impl=impl) * cot)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))  # lengths traced
+
+    (got, got_grads), (want, want_grads) = (
+        loss("splash")(q, k, v, lengths),
+        loss("xla")(q, k, v, lengths),
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    np.testing.assert_array_equal(got_grads[0][1, 100:], 0.0)
+    out = splash_attention(q, k, v, mask=causal() & local(40, 0) & padding(lengths))
+    np.testing.assert_array_equal(out[1, 100:], 0.0)
+    assert float(jnp.abs(out[1, 99]).min()) > 0  # row 99 still sees key 59
+    assert_engine("splash", loss("splash"), q, k, v, lengths)
+
+
+def test_splash_refuses_run_time_masks_it_cannot_take():
+    q, k, v = _qkv(1, 128, 128, 2, 2, 8)
+    ids = jnp.zeros((1, 128), jnp.int32)
+    for mask in (causal() & segments(ids), causal() | padding([64])):
+        with pytest.raises(ValueError, match=r"only as `& padding\(lengths\)`.*impl='pallas'"):
+            splash_attention(q, k, v, mask=mask)
+        with pytest.raises(ValueError, match=r"attention: the kernel takes run-time masks only"):
+            attention(q, k, v, mask=mask, impl="splash")
+    with pytest.raises(ValueError, match=r"padding lengths for batch size \[2\]"):
+        splash_attention(q, k, v, mask=causal() & padding([3, 4]))
+
+
+def test_auto_takes_splash_for_padding_on_a_tpu(monkeypatch):
+    q, k, v = _qkv(2, 128, 128, 2, 2, 8)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    padded = causal() & padding(jnp.array([100, 28]))
+    choice = attention_impl(q, k, v, mask=padded)
+    assert choice.impl == "splash" and "& padding" in choice.reason
+    assert attention_impl(q, k, v, mask=causal() & segments(jnp.zeros((2, 128), int))).impl in (
+        "blocksparse", "xla",
+    )  # fmt: skip
+    assert_engine("splash", lambda q: attention(q, k, v, mask=padded), q)
 
 
 def test_splash_bfloat16_and_scale():

@@ -58,7 +58,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparse_jax.blocksparse import nonfinite_values
-from sparse_jax.masks import SENTINEL, And, BlockLayout, Mask, Padding, Segments, check_layout
+from sparse_jax.masks import (
+    SENTINEL,
+    BlockLayout,
+    Mask,
+    Padding,
+    Segments,
+    check_layout,
+    key_lengths,
+    split_runtime,
+)
 from sparse_jax.normalizers import (
     LIFT_FROM_EPS,
     SIGMA_MAX_EPS,
@@ -148,22 +157,12 @@ def _block_error(block_q: int, block_kv: int, target: str) -> str:
     return ""
 
 
-def _runtime_parts(mask: Mask) -> tuple[list[Padding], list[Segments]] | None:
-    """The ``Padding`` and ``Segments`` nodes of ``mask`` if its run-time part is ``&`` of any
+def _runtime_parts(mask: Mask) -> tuple[tuple[Padding, ...], tuple[Segments, ...]] | None:
+    """The ``Padding`` and ``Segments`` leaves of ``mask`` if its run-time part is ``&`` of any
     number of paddings and at most one segments leaf, joined by ``&`` to a static mask; None
     for other run-time masks."""
-    paddings, segments, stack = [], [], [mask]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, And):
-            stack += [node.left, node.right]
-        elif isinstance(node, Padding):
-            paddings.append(node)
-        elif isinstance(node, Segments):
-            segments.append(node)
-        elif node.is_dynamic:
-            return None
-    return (paddings, segments) if len(segments) <= 1 else None
+    parts = split_runtime(mask)
+    return None if parts is None or len(parts[2]) > 1 else parts[1:]
 
 
 def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) -> jax.Array:
@@ -185,13 +184,7 @@ def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) ->
         )
     if not parts[0]:
         return jnp.full((b,), tk, jnp.int32)
-    lengths = [jnp.asarray(part.lengths, jnp.int32) for part in parts[0]]
-    if any(length.shape != (b,) for length in lengths):
-        raise ValueError(
-            f"{caller}: `mask` has padding lengths for batch size "
-            f"{[int(length.shape[0]) for length in lengths]} but q has batch size {b}"
-        )
-    return jnp.minimum(functools.reduce(jnp.minimum, lengths), tk)
+    return key_lengths(parts[0], b, tk, caller)
 
 
 def _segment_ids(mask: Any, layout: BlockLayout, b: int, tq_pad: int, tk_pad: int, caller: str):
