@@ -131,6 +131,23 @@ def test_auto_takes_splash_for_padding_on_a_tpu(monkeypatch):
     assert_engine("splash", lambda q: attention(q, k, v, mask=padded), q)
 
 
+def test_splash_with_padding_lowers_for_a_tpu():
+    # The compiled (not interpreted) kernel with run-time lengths: forward and backward lower to
+    # Mosaic custom calls on this CPU machine (what only libtpu checks is not checked here).
+    q = k = v = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+
+    def loss(q, k, v, lengths):
+        out = splash_attention(q, k, v, mask=causal() & padding(lengths), interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    lengths = jnp.array([200, 7])
+    text = jax.jit(grad).trace(q, k, v, lengths).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3
+    for name in ("fwd_segmented", "dq_segmented", "dkv_segmented"):  # segment ids reach each
+        assert f"splash_mha_{name}" in text
+
+
 def test_splash_bfloat16_and_scale():
     q, k, v = _qkv(1, 128, 128, 2, 2, 8, jnp.bfloat16)
     got = splash_attention(q, k, v, mask=causal(), scale=0.3)
