@@ -182,7 +182,7 @@ def test_the_decoder_mask_reaches_the_block_sparse_kernel_with_the_dense_masks_v
     # block-sparse kernel for the decoder self-attention (the encoder and cross-attention masks
     # are arrays: xla); with blocks of 64 the same mask has one block and runs on xla. Same
     # weights, so the logits and gradients must agree. A causal decoder hands an array.
-    cfg = dataclasses.replace(SPARSE, decoder_block=4)
+    cfg = dataclasses.replace(SPARSE, decoder_block=4, decoder_layers=1, cot_steps=0)
     src, lengths, tgt = _batch(3, t=24)
     models = {block: _model(dataclasses.replace(cfg, decoder_block=block)) for block in (4, 64)}
     assert engines_used(lambda: models[4](src, lengths, tgt)) == {"xla", "blocksparse"}
@@ -190,16 +190,15 @@ def test_the_decoder_mask_reaches_the_block_sparse_kernel_with_the_dense_masks_v
     causal = _model(dataclasses.replace(cfg, decoder_window=None, decoder_sinks=0))
     assert engines_used(lambda: causal(src, lengths, tgt)) == {"xla"}  # a dense array
 
-    def grads(model):
-        return nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, tgt > 0))(model)
+    @nnx.jit
+    def logits_and_grads(model):
+        grads = nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, tgt > 0))(model)
+        return model(src, lengths, tgt), nnx.state(grads, nnx.Param)
 
-    np.testing.assert_allclose(
-        models[4](src, lengths, tgt), models[64](src, lengths, tgt), atol=2e-5, rtol=1e-5
-    )
+    (got, got_grads), (want, want_grads) = (logits_and_grads(models[b]) for b in (4, 64))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4),
-        nnx.state(grads(models[4]), nnx.Param),
-        nnx.state(grads(models[64]), nnx.Param),
+        lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4), got_grads, want_grads
     )
 
 
