@@ -308,12 +308,13 @@ def _layout(args: _Args) -> masks_lib.BlockLayout:
     return args.mask_obj.blocks(args.q.shape[1], args.k.shape[1], *args.block_size)
 
 
-def _splash_takes(mask: masks_lib.Mask | None) -> bool:
-    """Whether splash computes this mask: none, static, or static ``& padding(lengths)``."""
-    if mask is None:
-        return True
-    parts = masks_lib.split_runtime(mask)
-    return parts is not None and not parts[2]
+def _splash_takes(mask: masks_lib.Mask | None, num_heads: int) -> bool:
+    """Whether splash computes this mask (:func:`splash_mask_parts` accepts it)."""
+    try:
+        splash_mask_parts(mask, num_heads, "attention")
+    except ValueError:
+        return False
+    return True
 
 
 def _resolve_impl(args: _Args) -> ImplChoice:
@@ -327,7 +328,7 @@ def _resolve_impl(args: _Args) -> ImplChoice:
     if (
         backend == "tpu"
         and softmax_ok
-        and _splash_takes(mask)
+        and _splash_takes(mask, args.q.shape[2])
         and same_dims
         and args.q.dtype in (jnp.float32, jnp.bfloat16)
     ):

@@ -120,13 +120,8 @@ def splash_mask_parts(
 ) -> tuple[masks_lib.Mask, tuple[masks_lib.Padding, ...]]:
     """``(static part, padding leaves)`` of a splash call's mask (``full()`` for None); raises
     for a mask splash cannot take (segments, other run-time masks, arrays)."""
-    if mask is None:
-        return masks_lib.full(), ()
-    if not isinstance(mask, masks_lib.Mask):
-        raise TypeError(
-            f"{caller}: `mask` must be None or a sparse_jax.masks.Mask (the kernel needs the "
-            f"pattern at trace time, not an array); got {type(mask).__name__}"
-        )
+    if not isinstance(mask, masks_lib.Mask):  # None: full(); anything else: its TypeError
+        return _check_static_mask(mask, n, caller), ()
     parts = masks_lib.split_runtime(mask)
     if parts is None or parts[2]:
         raise ValueError(
@@ -230,8 +225,8 @@ def splash_attention(
     if lengths is not None or tk_p != tk:
         # Keys beyond a batch element's length (run-time padding, or the blocks' padding) form
         # their own segment, which no query belongs to.
-        key_lengths = jnp.full((q.shape[0],), tk, jnp.int32) if lengths is None else lengths
-        kv_ids = (jnp.arange(tk_p)[None, :] >= key_lengths[:, None]).astype(jnp.int32)
+        kv_lengths = jnp.full((q.shape[0],), tk, jnp.int32) if lengths is None else lengths
+        kv_ids = (jnp.arange(tk_p)[None, :] >= kv_lengths[:, None]).astype(jnp.int32)
         q_ids = jnp.zeros(tq_p, jnp.int32)
 
         def one(a, c, d, kv):
