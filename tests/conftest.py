@@ -7,7 +7,38 @@ distillation job, several processes, SIGKILL and resume) for a fast inner loop. 
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import jax
+
+# One on-disk cache of compiled programs for the whole run, shared by the pytest-xdist workers
+# and by every process the tests start (the experiments' subprocess runs, SIGKILL and resume,
+# several processes, the notebooks' kernels), which compile the same programs again and again:
+# a resumed run, the second process of a distributed run, a notebook's tiny experiment. Nothing
+# a test checks changes (the cache is keyed by the program, its compile options and the
+# backend); the process that made the folder removes it at exit. A cache the caller names in
+# JAX_COMPILATION_CACHE_DIR is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sparse_jax-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# Every program is worth caching here: the suite's programs are tiny and compile in well under
+# jax's default threshold of a second.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# jax reads these variables when it is imported, which may have happened before this file ran
+# (above, or in a plugin): set them in this process's config too.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
+jax.config.update(
+    "jax_persistent_cache_min_entry_size_bytes",
+    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
+)
 
 # XLA options for tests bound by compile time (tiny problems, a scan or the normalizers' while
 # loops per case, on a 2-core CPU): about half the compile time, the same computation, only less
