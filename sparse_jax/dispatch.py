@@ -42,8 +42,9 @@ Implementations and dispatch
   :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of 128), and interpret mode on CPU
   (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
-  only, static masks and ``static & padding(lengths)``, ``block_size`` multiples of 128; off
-  TPU it runs in Pallas interpret mode (slow: for tests).
+  only, static masks joined with ``& padding(lengths)`` and/or ``& segments(ids)`` (packed
+  sequences), ``block_size`` multiples of 128; off TPU it runs in Pallas interpret mode (slow:
+  for tests).
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on NVIDIA GPUs
   (:func:`sparse_jax.fused.cudnn_attention`), softmax only, float16/bfloat16, masks
   ``causal()``, ``local(l, r)``, ``causal() & local(l, r)`` or none.
@@ -333,7 +334,8 @@ def _resolve_impl(args: _Args) -> ImplChoice:
         and args.q.dtype in (jnp.float32, jnp.bfloat16)
     ):
         return ImplChoice(
-            "splash", "impl='auto': softmax with a static mask (& padding) on TPU: splash"
+            "splash",
+            "impl='auto': softmax with a static mask (& padding, & segments) on TPU: splash",
         )
     if backend == "gpu" and fused_ok and same_dims and args.q.dtype in (jnp.float16, jnp.bfloat16):
         try:

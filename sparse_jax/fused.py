@@ -5,7 +5,9 @@ Both kernels compute softmax attention only (sparsemax and entmax need the thres
 (``[batch, seq, heads, head_dim]``) and with its conventions: ``scale`` defaults to
 ``head_dim ** -0.5``, grouped-query attention when the key heads divide the query heads, and
 a query row with no allowed key gives output 0 (the kernels themselves would average the
-values there; the rows are found from the mask's block layout at trace time and zeroed).
+values there: splash starts every row from a zero-valued sink whose logit only counts when the
+row has no key; for cuDNN the rows are found from the mask's block layout at trace time and
+zeroed).
 
 * :func:`splash_attention`: ``jax.experimental.pallas.ops.tpu.splash_attention``. The
   :class:`~sparse_jax.masks.Mask` becomes a splash ``MultiHeadMask`` (``Mask.to_splash``),
@@ -13,7 +15,8 @@ values there; the rows are found from the mask's block layout at trace time and 
   Elsewhere it runs the same kernel in Pallas *interpret mode* (``interpret=None`` picks it off
   TPU): slow, for tests. Lengths that are not multiples of the blocks are padded internally
   and the padded keys excluded with splash ``SegmentIds``, as are the keys a run-time
-  ``& padding(lengths)`` leaves out. Grouped-query attention repeats the
+  ``& padding(lengths)`` leaves out; a run-time ``& segments(ids)`` becomes those
+  ``SegmentIds`` itself. Grouped-query attention repeats the
   key/value heads (the per-head mask may differ between the query heads of a group). The
   kernel object is built once per (mask, lengths, heads, blocks) and cached.
 * :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA
@@ -44,6 +47,10 @@ from sparse_jax import masks as masks_lib
 from sparse_jax.validation import check_block_size, check_qkv, check_scale
 
 __all__ = ["cudnn_attention", "cudnn_mask_arguments", "splash_attention"]
+
+# The logit of the zero-valued sink that every splash row starts from: far above splash's
+# mask value (-0.7 x float32's largest), far below any score of real inputs.
+EMPTY_ROW_LOGIT = -1e30
 
 
 def _check_qkv(q: Any, k: Any, v: Any, caller: str, dtypes: tuple[Any, ...]) -> None:
@@ -98,40 +105,75 @@ def _first_keys(layout: masks_lib.BlockLayout) -> np.ndarray:
     return first.reshape(h, nq * bq)[:, : layout.q_len]
 
 
-def _zero_empty_rows(
-    out: jax.Array, mask: masks_lib.Mask, tq: int, tk: int, lengths: jax.Array | None = None
-) -> jax.Array:
-    """``out [B, Tq, N, D]`` with rows that allow no key set to 0: rows whose static mask
-    allows none, and with run-time key ``lengths [B]`` rows whose first allowed key is beyond
-    their batch element's length (none of either: ``out`` unchanged)."""
+def _zero_empty_rows(out: jax.Array, mask: masks_lib.Mask, tq: int, tk: int) -> jax.Array:
+    """``out [B, Tq, N, D]`` with the rows that the static ``mask`` leaves without a key set to
+    0 (none: ``out`` unchanged)."""
     first = _first_keys(mask.blocks(tq, tk, min(tq, 128), min(tk, 128)))  # [H, Tq]
-    if lengths is None:
-        if (first < tk).all():
-            return out
-        live = jnp.asarray(first.T < tk)[None, :, :, None]  # [1, Tq, H, 1]
-    else:
-        live = jnp.asarray(first.T)[None] < lengths[:, None, None]  # [B, Tq, H]
-        live = live[..., None]
+    if (first < tk).all():
+        return out
+    live = jnp.asarray(first.T < tk)[None, :, :, None]  # [1, Tq, H, 1]
     return jnp.where(live, out, jnp.zeros((), out.dtype))
 
 
 def splash_mask_parts(
     mask: Any, n: int, caller: str
-) -> tuple[masks_lib.Mask, tuple[masks_lib.Padding, ...]]:
-    """``(static part, padding leaves)`` of a splash call's mask (``full()`` for None); raises
-    for a mask splash cannot take (segments, other run-time masks, arrays)."""
+) -> tuple[masks_lib.Mask, tuple[masks_lib.Padding, ...], masks_lib.Segments | None]:
+    """``(static part, padding leaves, segments leaf or None)`` of a splash call's mask
+    (``full()`` for None); raises for a mask splash cannot take (run-time masks under ``|``,
+    ``~`` or ``per_head``, more than one ``segments`` leaf, arrays)."""
     if not isinstance(mask, masks_lib.Mask):  # None: full(); anything else: its TypeError
-        return _check_static_mask(mask, n, caller), ()
+        return _check_static_mask(mask, n, caller), (), None
     parts = masks_lib.split_runtime(mask)
-    if parts is None or parts[2]:
+    if parts is None or len(parts[2]) > 1:
         raise ValueError(
-            f"{caller}: the kernel takes run-time masks only as `& padding(lengths)` joined to a "
-            f"static mask; got {mask!r}. For segments(...) or other run-time masks use "
-            "impl='pallas', impl='blocksparse' or impl='xla'"
+            f"{caller}: the kernel takes run-time masks only as `& padding(lengths)` and/or one "
+            f"`& segments(ids)` joined to a static mask; got {mask!r}. For other run-time "
+            "masks use impl='pallas', impl='blocksparse' or impl='xla'"
         )
-    static, paddings, _ = parts
+    static, paddings, segs = parts
     _check_static_mask(static, n, caller)
-    return static, paddings
+    return static, paddings, (segs[0] if segs else None)
+
+
+def _splash_segment_ids(
+    segs: masks_lib.Segments | None,
+    lengths: jax.Array | None,
+    b: int,
+    shapes: tuple[int, int, int, int],
+    caller: str,
+) -> tuple[jax.Array, jax.Array] | None:
+    """``(q_ids [B, Tq_p], kv_ids [B, Tk_p])`` int32 for splash's ``SegmentIds``, None when
+    every key is allowed (no segments, no run-time lengths, no padded keys). ``shapes`` is
+    ``(Tq, Tk, Tq_p, Tk_p)``: the call's lengths and the blocks' padded ones. Queries see the
+    keys of their own segment; the padded queries, and the padded keys and those beyond each
+    batch element's ``lengths``, get ids below every id of ``segs`` (one for queries, another
+    for keys), so they match nothing."""
+    tq, tk, tq_p, tk_p = shapes
+    if segs is None and lengths is None and tk_p == tk:
+        return None
+    if segs is None:
+        q_ids, kv_ids = jnp.zeros((b, tq), jnp.int32), jnp.zeros((b, tk), jnp.int32)
+        low = jnp.int32(0)
+    else:
+        if segs.batch_size != b:
+            raise ValueError(
+                f"{caller}: `mask` has segment ids for batch size {segs.batch_size} but q has "
+                f"batch size {b}"
+            )
+        if segs.shape[0] < tq or segs.shape[1] < tk:
+            raise ValueError(
+                f"{caller}: `mask` has the fixed shape {segs.shape} (segments) but the inputs "
+                f"need (q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {segs.shape[0]}, "
+                f"kv_len <= {segs.shape[1]}"
+            )
+        q_ids = jnp.asarray(segs.q_ids, jnp.int32)[:, :tq]
+        kv_ids = jnp.asarray(segs.kv_ids, jnp.int32)[:, :tk]
+        low = jnp.minimum(q_ids.min(), kv_ids.min())
+    kv_lengths = jnp.full((b,), tk, jnp.int32) if lengths is None else lengths
+    q_ids = jnp.pad(q_ids, ((0, 0), (0, tq_p - tq)), constant_values=low - 1)
+    kv_ids = jnp.pad(kv_ids, ((0, 0), (0, tk_p - tk)))
+    kv_ids = jnp.where(jnp.arange(tk_p)[None, :] < kv_lengths[:, None], kv_ids, low - 2)
+    return q_ids, kv_ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,8 +221,10 @@ def splash_attention(
       k: ``[B, Tk, Kh, H]`` keys (``Kh`` divides ``N``), same dtype.
       v: ``[B, Tk, Kh, H]`` values (splash needs v's head_dim equal to q's).
       mask: a :class:`~sparse_jax.masks.Mask` (None: full attention): static, or static
-        ``& padding(lengths)`` (the keys beyond each batch element's length become splash
-        ``SegmentIds``; ``segments`` masks are refused). Per-head masks need ``N`` heads.
+        ``& padding(lengths)`` and/or ``& segments(q_ids, kv_ids)`` (packed sequences; one
+        ``segments`` leaf, its ids greater than int32's minimum + 2): both become splash
+        ``SegmentIds``, the keys beyond each batch element's length given an id no query has.
+        Per-head masks need ``N`` heads.
       scale: multiplier of ``q·k`` (applied to ``q``); default ``H ** -0.5``.
       block_size: ``(block_q, block_kv)`` of the kernel, multiples of 128 (the lengths are
         padded to multiples of them).
@@ -188,20 +232,24 @@ def splash_attention(
         is not TPU.
 
     Returns:
-      ``[B, Tq, N, H]`` in ``q``'s dtype.
+      ``[B, Tq, N, H]`` in ``q``'s dtype; a row with no allowed key is 0 (and so are its
+      gradients).
 
     Example:
-      >>> from sparse_jax.masks import causal
+      >>> from sparse_jax.masks import causal, segments
       >>> q = k = v = jnp.ones((2, 12, 4, 8))
       >>> splash_attention(q, k, v, mask=causal()).shape
+      (2, 12, 4, 8)
+      >>> ids = jnp.array([[0] * 5 + [1] * 7, [3] * 12])  # [batch, seq]: packed sequences
+      >>> splash_attention(q, k, v, mask=causal() & segments(ids)).shape
       (2, 12, 4, 8)
     """
     caller = "splash_attention"
     _check_qkv(q, k, v, caller, (jnp.float32, jnp.bfloat16))
-    _, tq, n, h = q.shape
+    b, tq, n, h = q.shape
     tk, kh = k.shape[1], k.shape[2]
-    mask, paddings = splash_mask_parts(mask, n, caller)
-    lengths = masks_lib.key_lengths(paddings, q.shape[0], tk, caller)
+    mask, paddings, segs = splash_mask_parts(mask, n, caller)
+    lengths = masks_lib.key_lengths(paddings, b, tk, caller)
     scale = check_scale(scale, h, caller)
     bq, bk = check_block_size(block_size, caller, multiple_of=128)
     if interpret is None:
@@ -212,7 +260,13 @@ def splash_attention(
             f"{caller}: a from_array mask cannot be padded to the blocks: lengths ({tq}, {tk}) "
             f"must be multiples of `block_size`={block_size}"
         )
+    ids = _splash_segment_ids(segs, lengths, b, (tq, tk, tq_p, tk_p), caller)
     kernel, segment_ids = _splash_kernel(mask, tq_p, tk_p, n, bq, bk, bool(interpret))
+    # Every row's softmax starts from a sink of logit EMPTY_ROW_LOGIT and value 0: it adds
+    # exp(EMPTY_ROW_LOGIT - max) = 0 to a row with an allowed key, and is the whole of a row
+    # without one, whose output and gradients are then exactly 0 (the kernel alone would
+    # average the masked values there).
+    sinks = jnp.full((n,), EMPTY_ROW_LOGIT, jnp.float32)
 
     def heads_first(x, t_p):  # [B, T, heads, H] -> [B, N, T_p, H]
         x = jnp.pad(x, ((0, 0), (0, t_p - x.shape[1]), (0, 0), (0, 0)))
@@ -222,21 +276,15 @@ def splash_attention(
 
     qs = heads_first(q * jnp.asarray(scale, q.dtype), tq_p)
     ks, vs = heads_first(k, tk_p), heads_first(v, tk_p)
-    if lengths is not None or tk_p != tk:
-        # Keys beyond a batch element's length (run-time padding, or the blocks' padding) form
-        # their own segment, which no query belongs to.
-        kv_lengths = jnp.full((q.shape[0],), tk, jnp.int32) if lengths is None else lengths
-        kv_ids = (jnp.arange(tk_p)[None, :] >= kv_lengths[:, None]).astype(jnp.int32)
-        q_ids = jnp.zeros(tq_p, jnp.int32)
-
-        def one(a, c, d, kv):
-            return kernel(a, c, d, segment_ids=segment_ids(q=q_ids, kv=kv))
-
-        out = jax.vmap(one)(qs, ks, vs, kv_ids)
+    if ids is None:
+        out = jax.vmap(lambda a, c, d: kernel(a, c, d, sinks=sinks))(qs, ks, vs)
     else:
-        out = jax.vmap(kernel)(qs, ks, vs)
-    out = jnp.transpose(out, (0, 2, 1, 3))[:, :tq].astype(q.dtype)
-    return _zero_empty_rows(out, mask, tq, tk, lengths)
+
+        def one(a, c, d, q_ids, kv_ids):
+            return kernel(a, c, d, segment_ids=segment_ids(q=q_ids, kv=kv_ids), sinks=sinks)
+
+        out = jax.vmap(one)(qs, ks, vs, *ids)
+    return jnp.transpose(out, (0, 2, 1, 3))[:, :tq].astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -107,16 +107,55 @@ def test_splash_takes_run_time_padding_with_empty_rows_zero():
     assert_engine("splash", loss("splash"), q, k, v, lengths)
 
 
+def test_splash_takes_segments_with_padding_and_empty_rows_zero():
+    # Packed sequences (segments) & run-time padding & a window, cross lengths, GQA: values and
+    # gradients equal xla's with ids and lengths traced. Rows with no key are exactly 0 with
+    # zero gradients: in batch element 0 the segment-2 queries, whose keys all lie beyond the
+    # length (120); in element 1 the queries of segment 9, which no key has.
+    q, k, v = _qkv(2, 200, 180, 4, 2, 16)
+    cot = jax.random.normal(jax.random.key(9), q.shape)
+    q_ids = jnp.array([[0] * 70 + [1] * 50 + [2] * 80, [5] * 100 + [9] * 100])  # [2, 200]
+    kv_ids = jnp.array([[0] * 70 + [1] * 50 + [2] * 60, [5] * 120 + [7] * 60])  # [2, 180]
+    lengths = jnp.array([120, 170])
+    static = causal() & local(100, 0)
+
+    def loss(impl):
+        def f(q, k, v, q_ids, kv_ids, lengths):
+            mask = static & segments(q_ids, kv_ids) & padding(lengths)
+            return jnp.sum(attention(q, k, v, mask=mask, impl=impl) * cot)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    args = (q, k, v, q_ids, kv_ids, lengths)
+    (got, got_grads), (want, want_grads) = loss("splash")(*args), loss("xla")(*args)
+    np.testing.assert_allclose(got, want, atol=1e-3)  # a sum of 51,200 terms
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    assert_engine("splash", loss("splash"), *args)
+    mask = static & segments(q_ids, kv_ids) & padding(lengths)
+    out = splash_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, attention(q, k, v, mask=mask, impl="xla"), atol=1e-5)
+    empty = {0: np.r_[120:200], 1: np.r_[100:200]}
+    for b, rows in empty.items():
+        np.testing.assert_array_equal(out[b, rows], 0.0)
+        np.testing.assert_array_equal(got_grads[0][b, rows], 0.0)
+    assert float(jnp.abs(out[0, 119]).min()) > 0 and float(jnp.abs(out[1, 99]).min()) > 0
+
+
 def test_splash_refuses_run_time_masks_it_cannot_take():
     q, k, v = _qkv(1, 128, 128, 2, 2, 8)
     ids = jnp.zeros((1, 128), jnp.int32)
-    for mask in (causal() & segments(ids), causal() | padding([64])):
+    for mask in (causal() | padding([64]), causal() & segments(ids) & segments(ids)):
         with pytest.raises(ValueError, match=r"only as `& padding\(lengths\)`.*impl='pallas'"):
             splash_attention(q, k, v, mask=mask)
         with pytest.raises(ValueError, match=r"attention: the kernel takes run-time masks only"):
             attention(q, k, v, mask=mask, impl="splash")
     with pytest.raises(ValueError, match=r"padding lengths for batch size \[2\]"):
         splash_attention(q, k, v, mask=causal() & padding([3, 4]))
+    with pytest.raises(ValueError, match=r"segment ids for batch size 2 but q has batch size 1"):
+        splash_attention(q, k, v, mask=causal() & segments(jnp.zeros((2, 128), jnp.int32)))
+    with pytest.raises(ValueError, match=r"fixed shape \(100, 100\) \(segments\).*q_len <= 100"):
+        splash_attention(q, k, v, mask=causal() & segments(jnp.zeros((1, 100), jnp.int32)))
 
 
 def test_auto_takes_splash_for_padding_on_a_tpu(monkeypatch):
@@ -125,10 +164,12 @@ def test_auto_takes_splash_for_padding_on_a_tpu(monkeypatch):
     padded = causal() & padding(jnp.array([100, 28]))
     choice = attention_impl(q, k, v, mask=padded)
     assert choice.impl == "splash" and "& padding" in choice.reason
-    assert attention_impl(q, k, v, mask=causal() & segments(jnp.zeros((2, 128), int))).impl in (
-        "blocksparse", "xla",
-    )  # fmt: skip
+    packed = causal() & segments(jnp.zeros((2, 128), int))
+    assert attention_impl(q, k, v, mask=packed).impl == "splash"
+    twice = packed & segments(jnp.zeros((2, 128), int))  # splash takes one segments leaf
+    assert attention_impl(q, k, v, mask=twice).impl in ("blocksparse", "xla")
     assert_engine("splash", lambda q: attention(q, k, v, mask=padded), q)
+    assert_engine("splash", lambda q: attention(q, k, v, mask=packed), q)
 
 
 def test_splash_with_padding_lowers_for_a_tpu():
