@@ -576,7 +576,16 @@ def head_groups(layout: BlockLayout) -> list[tuple[np.ndarray, BlockLayout]]:
 
 
 class BlockSparseCost(NamedTuple):
-    """Work of :func:`blocksparse_attention` (see :func:`blocksparse_cost`)."""
+    """Work of :func:`blocksparse_attention` (see :func:`blocksparse_cost`).
+
+    Example (causal, 4 x 4 blocks of 2 x 2: 10 kept; the row groups of :func:`row_groups`
+    compute 1, 2, 4 and 4 key blocks for the 4 query blocks, 11 blocks of 4 scores):
+      >>> from sparse_jax.masks import causal
+      >>> layout = causal().blocks(8, 8, 2, 2)
+      >>> blocksparse_cost(layout, batch=1, num_heads=1, head_dim=4)  # q, k, v [1, 8, 1, 4]
+      BlockSparseCost(computed_scores=44, kept_scores=40, dense_scores=64, flops=704,
+                      dense_flops=1024)
+    """
 
     computed_scores: int  # score entries the kernel forms: B·N·Σ_groups rows·K·bq·bkv
     kept_scores: int  # entries of the kept blocks: B·N·Σ counts·bq·bkv

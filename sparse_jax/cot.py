@@ -222,7 +222,18 @@ def pack(problems: Iterable[linalg_cot.Problem], fmt: CotFormat) -> np.ndarray:
 
 
 class Batch(NamedTuple):
-    """A batch of packed rows taken apart: what the model and its loss read."""
+    """A batch of packed rows taken apart: what the model and its loss read.
+
+    Example (:func:`split_rows` of rows ``[B, S + T + 1]`` gives ``source [B, S]``,
+    ``source_lengths [B]`` and ``target_in``, ``target_out``, ``where`` each ``[B, T]``):
+      >>> p = linalg_cot.Problem("rref", "rref of A = [[2]]?", ("R1 = (1/2)*R1 -> [[1]]",), "[[1]]")
+      >>> batch = split_rows(jnp.asarray(pack([p, p], CotFormat(24, 40))), 24)
+      >>> [tuple(x.shape) for x in batch]
+      [(2, 24), (2,), (2, 40), (2, 40), (2, 40)]
+      >>> n = int(batch.where[0].sum())  # solution tokens, EOS included
+      >>> int(batch.target_in[0, 0]) == BOS_ID, int(batch.target_out[0, n - 1]) == EOS_ID
+      (True, True)
+    """
 
     source: jax.Array  # [B, S] question bytes, PAD after them
     source_lengths: jax.Array  # [B] question lengths
@@ -255,7 +266,21 @@ def split_rows(rows: jax.Array, source_len: int) -> Batch:
 def loss_fn(model: EncoderDecoder, rows: jax.Array, rng: Any = None, *, source_len: int):
     """The trainer's loss of packed rows: ``(sequence_loss, {"target_tokens": count})``
     (``rng`` unused: the model has no random parts). Bind ``source_len`` with
-    ``functools.partial`` for :class:`~sparse_jax.training.loop.Trainer`."""
+    ``functools.partial`` for :class:`~sparse_jax.training.loop.Trainer`.
+
+    Example (2 problems packed as ``rows [2, 24 + 40 + 1]`` and a tiny model; ``jax.eval_shape``
+    traces the loss without compiling it, ``jax.jit`` of the same partial, as the trainer runs
+    it, computes it):
+      >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+      >>> problems = [linalg_cot.Problem("rref", f"rref of A = [[{k}]]?",
+      ...                                (f"R1 = (1/{k})*R1 -> [[1]]",), "[[1]]") for k in (2, 3)]
+      >>> rows = jnp.asarray(pack(problems, CotFormat(24, 40)))
+      >>> loss, metrics = jax.eval_shape(functools.partial(loss_fn, source_len=24), model, rows)
+      >>> loss.shape, loss.dtype, list(metrics)  # a scalar loss; the targets' count beside it
+      ((), dtype('float32'), ['target_tokens'])
+    """
     b = split_rows(rows, source_len)
     loss = sequence_loss(model, b.source, b.source_lengths, b.target_in, b.target_out, b.where)
     return loss, {"target_tokens": jnp.sum(b.where).astype(jnp.float32)}
@@ -380,6 +405,13 @@ class Answer:
     be answered, a message that starts with ``Cannot answer:`` and says why); ``final`` and
     ``steps`` are :func:`~sparse_jax.data.linalg_cot.split_solution` of it (``final`` None when
     the model wrote no ``Answer:`` line, and for questions it could not answer).
+
+    Example (what :meth:`Solver.answer` returns for a decoded text; the numbers are made up):
+      >>> text = "R1 = (1/2)*R1 -> [[1, 2]]\\nAnswer: [[1, 2]]"
+      >>> steps, final = linalg_cot.split_solution(text)
+      >>> answer = Answer(text, final, steps, seconds=0.01, tokens=42, finished=True, kind="rref")
+      >>> answer.final, answer.steps, answer.error is None
+      ('[[1, 2]]', ('R1 = (1/2)*R1 -> [[1, 2]]',), True)
     """
 
     text: str  # the decoded solution (steps, then "Answer: ..."), or "Cannot answer: <why>"
@@ -413,6 +445,18 @@ class Solver:
       chunk: positions per compiled decoding call (:class:`GreedyDecoder`).
       kinds: the kinds it was trained on (informative; None: unknown).
       step: the training step its weights are from (None: unknown).
+
+    Example (an untrained tiny model; a question that fits ``fmt`` is decoded, compiling the
+    decoder once per batch shape, as in the module's example; this one is refused before any
+    decoding, being longer than ``fmt.source_len``):
+      >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> solver = Solver(EncoderDecoder(cfg, rngs=nnx.Rngs(0)), CotFormat(48, 64), name="tiny")
+      >>> answer = solver.answer("Find the reduced row echelon form R of A = [[1, 2], [3, 4]].")
+      >>> answer.kind, answer.final, answer.tokens
+      ('rref', None, 0)
+      >>> print(answer.text)
+      Cannot answer: the question is 60 bytes long; this model reads at most 48 (the longest ...)
     """
 
     def __init__(
@@ -759,7 +803,20 @@ def write_record(
 ) -> Path:
     """Writes ``folder/cot.json``: the format, and per model name its ``EncDecConfig``, its
     ``TrainConfig`` and checkpoint folder (``checkpoints/<name>``), what :meth:`Solver.load`
-    needs. Written atomically (a temporary file, then a rename); returns its path."""
+    needs. Written atomically (a temporary file, then a rename); returns its path.
+
+    Example (the record of a run with a sparse model and its dense baseline):
+      >>> import tempfile
+      >>> from sparse_jax.models.encdec import EncDecConfig
+      >>> from sparse_jax.training.loop import TrainConfig
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16)
+      >>> models = {"sparse": (cfg, TrainConfig(steps=10)), "dense": (cfg.dense(), TrainConfig())}
+      >>> path = write_record(tmp.name, CotFormat(96, 64), models, kinds=["rref"])
+      >>> path.name, sorted(read_record(tmp.name)["models"])
+      ('cot.json', ['dense', 'sparse'])
+      >>> tmp.cleanup()
+    """
     if not isinstance(fmt, CotFormat):
         raise TypeError(f"write_record: `fmt` must be a CotFormat; got {type(fmt).__name__}")
     entries = {}
@@ -790,7 +847,26 @@ def write_record(
 
 def read_record(folder: str | os.PathLike) -> dict[str, Any]:
     """``folder/cot.json`` as :func:`write_record` wrote it; ``FileNotFoundError`` when the
-    folder holds none, ``ValueError`` when it cannot be read."""
+    folder holds none, ``ValueError`` when it cannot be read.
+
+    Example (a round trip through :func:`write_record`):
+      >>> import tempfile
+      >>> from sparse_jax.models.encdec import EncDecConfig
+      >>> from sparse_jax.training.loop import TrainConfig
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16)
+      >>> _ = write_record(tmp.name, CotFormat(96, 64), {"sparse": (cfg, TrainConfig(steps=10))})
+      >>> record = read_record(tmp.name)
+      >>> CotFormat(**record["format"]), record["models"]["sparse"]["checkpoint"]
+      (CotFormat(source_len=96, target_len=64), 'checkpoints/sparse')
+      >>> EncDecConfig(**record["models"]["sparse"]["model"]) == cfg
+      True
+      >>> read_record(Path(tmp.name) / "elsewhere")
+      Traceback (most recent call last):
+      ...
+      FileNotFoundError: .../elsewhere is not a chain-of-thought run folder: it has no cot.json ...
+      >>> tmp.cleanup()
+    """
     path = Path(folder) / RECORD
     if not path.is_file():
         raise FileNotFoundError(

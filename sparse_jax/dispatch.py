@@ -131,7 +131,18 @@ _NAME = "attention"
 
 
 class ImplChoice(NamedTuple):
-    """Which implementation :func:`attention` uses, and why (see :func:`attention_impl`)."""
+    """Which implementation :func:`attention` uses, and why (see :func:`attention_impl`).
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> q = jax.ShapeDtypeStruct((1, 8, 2, 4), jnp.float32)  # [batch, seq, heads, head_dim]
+      >>> attention_impl(q, q, q, normalizer="sparsemax")  # no Mask: no blocks to skip
+      ImplChoice(impl='xla', reason="impl='auto': no sparse_jax.masks.Mask, so no block
+      structure to exploit: 'xla' (query-chunked dense)")
+      >>> impl, reason = attention_impl(q, q, q, mask=causal(), impl="blocksparse")
+      >>> impl, reason
+      ('blocksparse', "impl='blocksparse' was requested explicitly")
+    """
 
     impl: str  # the concrete implementation, e.g. "xla"
     reason: str  # one sentence on why it was chosen

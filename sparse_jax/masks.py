@@ -638,7 +638,14 @@ class Mask:
 
 @dataclasses.dataclass(frozen=True)
 class Full(Mask):
-    """Every query attends to every key."""
+    """Every query attends to every key. Returned by :func:`full`.
+
+    Example:
+      >>> full()
+      Full()
+      >>> full().dense(2, 3).astype(int).tolist()  # [q, kv]
+      [[1, 1, 1], [1, 1, 1]]
+    """
 
     def _toeplitz(self) -> bool:
         return True
@@ -652,7 +659,14 @@ class Full(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class Causal(Mask):
-    """Key ``j`` allowed for query ``i`` when ``j <= i``."""
+    """Key ``j`` allowed for query ``i`` when ``j <= i``. Returned by :func:`causal`.
+
+    Example:
+      >>> causal()
+      Causal()
+      >>> causal().dense(3, 3).astype(int).tolist()  # [q, kv]
+      [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    """
 
     def _toeplitz(self) -> bool:
         return True
@@ -668,7 +682,19 @@ class Causal(Mask):
 class Local(Mask):
     """Key ``j`` allowed for query ``i`` when ``i - left <= j <= i + right`` (None: unbounded).
 
-    The convention of splash attention's ``LocalMask(window_size=(left, right))``.
+    The convention of splash attention's ``LocalMask(window_size=(left, right))``. Returned by
+    :func:`local`.
+
+    Example:
+      >>> local(1, 0)  # a causal window of 2 keys: the query and the key before it
+      Local(left=1, right=0)
+      >>> local(1, 0).dense(4, 4).astype(int)  # [q, kv]
+      array([[1, 0, 0, 0],
+             [1, 1, 0, 0],
+             [0, 1, 1, 0],
+             [0, 0, 1, 1]])
+      >>> bool((local(None, 0).dense(5, 5) == causal().dense(5, 5)).all())  # None: unbounded
+      True
     """
 
     left: int | None  # keys allowed before the query (None: all)
@@ -706,7 +732,16 @@ class Dilated(Mask):
     """Key ``j`` allowed for query ``i`` when ``i - j = k * dilation`` for ``k in 0..window``.
 
     That is ``window + 1`` keys: the query itself and ``window`` dilated positions back
-    (causal). ``dilated(w, 1) == local(w, 0)``.
+    (causal). ``dilated(w, 1)`` allows the same pairs as ``local(w, 0)`` (the two objects are
+    different classes and do not compare equal). Returned by :func:`dilated`.
+
+    Example:
+      >>> dilated(2, 2)
+      Dilated(window=2, dilation=2)
+      >>> dilated(2, 2).dense(5, 5)[4].astype(int).tolist()  # query 4 sees keys 4, 2 and 0
+      [1, 0, 1, 0, 1]
+      >>> bool((dilated(2, 1).dense(5, 5) == local(2, 0).dense(5, 5)).all())
+      True
     """
 
     window: int  # number of dilated steps back (>= 0)
@@ -744,7 +779,17 @@ class Strided(Mask):
 
     Key ``j`` allowed for query ``i`` when ``j <= i`` and (``i - j < stride`` or
     ``(i - j) % stride == 0``): the previous ``stride`` positions (self included) plus every
-    ``stride``-th position before them.
+    ``stride``-th position before them. Returned by :func:`strided`.
+
+    Example:
+      >>> strided(2)
+      Strided(stride=2)
+      >>> strided(2).dense(5, 5).astype(int)  # [q, kv]
+      array([[1, 0, 0, 0, 0],
+             [1, 1, 0, 0, 0],
+             [1, 1, 1, 0, 0],
+             [0, 1, 1, 1, 0],
+             [1, 0, 1, 1, 1]])
     """
 
     stride: int  # l in the paper (>= 1)
@@ -771,7 +816,17 @@ class Fixed(Mask):
 
     Key ``j`` allowed for query ``i`` when ``j <= i`` and (``j // block == i // block``, the
     same block, or ``j % block >= block - summary``, one of the last ``summary`` positions of a
-    block).
+    block). Returned by :func:`fixed`.
+
+    Example:
+      >>> fixed(2, 1)  # blocks {0, 1}, {2, 3}, {4}; summary keys 1 and 3
+      Fixed(block=2, summary=1)
+      >>> fixed(2, 1).dense(5, 5).astype(int)  # [q, kv]
+      array([[1, 0, 0, 0, 0],
+             [1, 1, 0, 0, 0],
+             [0, 1, 1, 0, 0],
+             [0, 1, 1, 1, 0],
+             [0, 1, 0, 1, 1]])
     """
 
     block: int  # l in the paper (>= 1)
@@ -798,7 +853,15 @@ class Fixed(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class Sink(Mask):
-    """Every query may attend to the first ``n`` keys (not causal by itself)."""
+    """Every query may attend to the first ``n`` keys (not causal by itself). Returned by
+    :func:`sink`.
+
+    Example:
+      >>> sink(2)
+      Sink(n=2)
+      >>> sink(2).dense(2, 4).astype(int).tolist()  # query 0 also sees key 1: not causal
+      [[1, 1, 0, 0], [1, 1, 0, 0]]
+    """
 
     n: int  # number of sink keys (>= 0)
 
@@ -814,7 +877,17 @@ class Sink(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class GlobalTokens(Mask):
-    """Tokens at ``indices`` attend to every key and are attended by every query."""
+    """Tokens at ``indices`` attend to every key and are attended by every query. Returned by
+    :func:`global_tokens`, which sorts the indices and drops duplicates.
+
+    Example:
+      >>> global_tokens([2, 0, 2])
+      GlobalTokens(indices=(0, 2))
+      >>> global_tokens([1]).dense(3, 3).astype(int)  # [q, kv]
+      array([[0, 1, 0],
+             [1, 1, 1],
+             [0, 1, 0]])
+    """
 
     indices: tuple[int, ...]  # sorted, distinct absolute positions
 
@@ -855,7 +928,18 @@ class GlobalTokens(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class Chunked(Mask):
-    """Attention only within the same chunk: ``i // size == j // size`` (not causal)."""
+    """Attention only within the same chunk: ``i // size == j // size`` (not causal). Returned
+    by :func:`chunked`.
+
+    Example:
+      >>> chunked(2)
+      Chunked(size=2)
+      >>> chunked(2).dense(4, 4).astype(int)  # [q, kv]
+      array([[1, 1, 0, 0],
+             [1, 1, 0, 0],
+             [0, 0, 1, 1],
+             [0, 0, 1, 1]])
+    """
 
     size: int  # chunk length (>= 1)
 
@@ -886,7 +970,20 @@ class RandomBlocks(Mask):
     kept independently with probability ``density``.
 
     The choice is a hash of ``(seed, i // block, j // block)``, so it is deterministic, the same
-    in numpy and in jit, and independent of the sequence length. Not causal by itself.
+    in numpy and in jit, and independent of the sequence length. Not causal by itself. Returned
+    by :func:`random_blocks`.
+
+    Example:
+      >>> m = random_blocks(0.5, 2, seed=0)
+      >>> m
+      RandomBlocks(density=0.5, block=2, seed=0)
+      >>> m.dense(4, 4).astype(int)  # [q, kv]: whole 2 x 2 blocks kept or dropped
+      array([[1, 1, 1, 1],
+             [1, 1, 1, 1],
+             [1, 1, 0, 0],
+             [1, 1, 0, 0]])
+      >>> bool((m.dense(8, 8)[:4, :4] == m.dense(4, 4)).all())  # a longer sequence extends it
+      True
     """
 
     density: float  # probability of keeping a block pair, in (0, 1]
@@ -940,7 +1037,20 @@ class FromArray(Mask):
     """A fixed bool array ``[q, kv]`` (or ``[h, q, kv]``, one mask per head).
 
     Positions outside the array evaluate to False. ``dense(q_len, kv_len)`` requires the
-    lengths to fit (``q_len <= q``, ``kv_len <= kv``) and returns the top-left corner.
+    lengths to fit (``q_len <= q``, ``kv_len <= kv``) and returns the top-left corner. Returned
+    by :func:`from_array` (which copies the array); the repr shows the shape and the fraction
+    of True entries.
+
+    Example:
+      >>> m = from_array(np.tri(3, dtype=bool))  # [q, kv] = [3, 3]
+      >>> m
+      FromArray(shape=(3, 3), density=0.667)
+      >>> m.shape, m.num_heads
+      ((3, 3), None)
+      >>> m.dense(2, 3).astype(int).tolist()  # the top-left corner
+      [[1, 0, 0], [1, 1, 0]]
+      >>> from_array(np.ones((2, 3, 3), bool)).num_heads  # [h, q, kv]: one mask per head
+      2
     """
 
     array: np.ndarray  # read-only bool [q, kv] or [h, q, kv]
@@ -1025,7 +1135,17 @@ class _RunTime(Mask):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Padding(_RunTime):
     """Run-time key padding: for batch element ``b``, key ``j`` allowed when
-    ``j < lengths[b]``. ``lengths`` may be a (traced) jax array.
+    ``j < lengths[b]``. ``lengths`` (int ``[batch]``) may be a (traced) jax array.
+
+    Returned by :func:`padding`. The mask is dynamic: ``dense`` returns ``[batch, q_len, kv_len]``
+    (``[batch, h, q_len, kv_len]`` combined with a per-head mask).
+
+    Example:
+      >>> m = padding([1, 3])  # lengths [batch] = [2]
+      >>> m, m.is_dynamic, m.batch_size
+      (Padding(batch_size=2), True, 2)
+      >>> m.dense(2, 3).astype(int).tolist()  # [batch, q, kv]
+      [[[1, 0, 0], [1, 0, 0]], [[1, 1, 1], [1, 1, 1]]]
     """
 
     lengths: Any  # int [batch], numpy or jax
@@ -1068,6 +1188,17 @@ class Segments(_RunTime):
     """Run-time segments (packed sequences): for batch element ``b``, query ``i`` may see key
     ``j`` when ``q_ids[b, i] == kv_ids[b, j]``. The id arrays fix the mask's shape
     ``(q_len, kv_len)``, as ``from_array``'s array does.
+
+    Returned by :func:`segments`, with ``q_ids`` int ``[batch, q_len]`` and ``kv_ids`` int
+    ``[batch, kv_len]``. Dynamic, like :class:`Padding`: ``dense`` returns
+    ``[batch, q_len, kv_len]``.
+
+    Example:
+      >>> m = segments([[0, 0, 1]])  # q_ids = kv_ids, [batch, len] = [1, 3]
+      >>> m
+      Segments(batch_size=1, shape=(3, 3))
+      >>> m.dense(3, 3).astype(int).tolist()  # [batch, q, kv]
+      [[[1, 1, 0], [1, 1, 0], [0, 0, 1]]]
     """
 
     q_ids: Any  # int [batch, q_len], numpy or jax
@@ -1124,7 +1255,15 @@ class Segments(_RunTime):
 
 @dataclasses.dataclass(frozen=True)
 class And(Mask):
-    """``left & right``: both masks allow the pair."""
+    """``left & right``: both masks allow the pair. The operator ``&`` on masks returns it.
+
+    Example:
+      >>> m = local(1, 1) & causal()
+      >>> type(m).__name__, m
+      ('And', (Local(left=1, right=1) & Causal()))
+      >>> m.dense(3, 3).astype(int).tolist()  # [q, kv]
+      [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
 
     left: Mask
     right: Mask
@@ -1164,7 +1303,15 @@ class And(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class Or(Mask):
-    """``left | right``: either mask allows the pair."""
+    """``left | right``: either mask allows the pair. The operator ``|`` on masks returns it.
+
+    Example:
+      >>> m = local(0, 0) | sink(1)
+      >>> type(m).__name__, m
+      ('Or', (Local(left=0, right=0) | Sink(n=1)))
+      >>> m.dense(3, 3).astype(int).tolist()  # [q, kv]
+      [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    """
 
     left: Mask
     right: Mask
@@ -1204,7 +1351,16 @@ class Or(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class Not(Mask):
-    """``~mask``: the complement (within the mask's own shape)."""
+    """``~mask``: the complement (within the mask's own shape). The operator ``~`` on a mask
+    returns it.
+
+    Example:
+      >>> m = ~local(0, 0)
+      >>> type(m).__name__, m
+      ('Not', ~Local(left=0, right=0))
+      >>> m.dense(3, 3).astype(int).tolist()  # [q, kv]
+      [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
+    """
 
     mask: Mask
 
@@ -1242,7 +1398,20 @@ class Not(Mask):
 @dataclasses.dataclass(frozen=True)
 class Shifted(Mask):
     """``mask.with_offset(offset)``: row ``i`` is the query at absolute position
-    ``i + offset``."""
+    ``i + offset``.
+
+    :meth:`Mask.with_offset` returns it for ``offset >= 1`` (the mask itself for 0); nested
+    shifts collapse into one.
+
+    Example:
+      >>> m = causal().with_offset(2)
+      >>> type(m).__name__, m
+      ('Shifted', Causal().with_offset(2))
+      >>> m.dense(2, 4).astype(int).tolist()  # [q, kv]: queries at positions 2 and 3
+      [[1, 1, 1, 0], [1, 1, 1, 1]]
+      >>> m.with_offset(1)
+      Causal().with_offset(3)
+    """
 
     mask: Mask
     offset: int  # >= 0
@@ -1292,7 +1461,18 @@ class Shifted(Mask):
 
 @dataclasses.dataclass(frozen=True)
 class PerHead(Mask):
-    """One head-agnostic mask per head."""
+    """One head-agnostic mask per head. Returned by :func:`per_head`; ``dense`` gives
+    ``[heads, q_len, kv_len]``.
+
+    Example:
+      >>> m = per_head([causal(), local(0, 0)])
+      >>> m
+      PerHead(masks=(Causal(), Local(left=0, right=0)))
+      >>> m.num_heads, m.for_head(1)
+      (2, Local(left=0, right=0))
+      >>> m.dense(2, 2).astype(int).tolist()  # [heads, q, kv]
+      [[[1, 0], [1, 1]], [[1, 0], [0, 1]]]
+    """
 
     masks: tuple[Mask, ...]
 

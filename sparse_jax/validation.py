@@ -18,6 +18,17 @@ def check_qkv(q: Any, k: Any, v: Any, caller: str, abstract: bool = False) -> tu
     """q ``[B, Tq, N, H]``, k ``[B, Tk, K, H]``, v ``[B, Tk, K, Hv]`` (K divides N), one dtype.
 
     ``abstract`` also accepts ``jax.ShapeDtypeStruct`` (only shapes and dtypes are read).
+
+    Example:
+      >>> q = np.zeros((2, 5, 4, 8), np.float32)  # [batch, seq, heads, head_dim]
+      >>> k = v = np.zeros((2, 7, 2, 8), np.float32)  # 2 key/value heads for the 4 query heads
+      >>> [x.shape for x in check_qkv(q, k, v, "my_kernel")]  # returned as they are
+      [(2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8)]
+      >>> k3 = v3 = np.zeros((2, 7, 3, 8), np.float32)  # 3 key/value heads do not divide 4
+      >>> check_qkv(q, k3, v3, "my_kernel")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: the number of key/value heads (3, axis 2 of k) must divide the ...
     """
     kinds = (jax.Array, np.ndarray, jax.ShapeDtypeStruct) if abstract else (jax.Array, np.ndarray)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -74,7 +85,16 @@ def check_qkv(q: Any, k: Any, v: Any, caller: str, abstract: bool = False) -> tu
 
 
 def check_int(value: Any, name: str, caller: str, *, low: int = 1, high: int | None = None) -> int:
-    """``value`` as a python int in ``[low, high]`` (``high`` None: unbounded; bools refused)."""
+    """``value`` as a python int in ``[low, high]`` (``high`` None: unbounded; bools refused).
+
+    Example:
+      >>> check_int(np.int64(3), "query_chunk", "my_kernel")  # a numpy int: a python int
+      3
+      >>> check_int(0, "query_chunk", "my_kernel")  # low=1 by default
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `query_chunk` must be an int >= 1; got 0
+    """
     allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
@@ -86,7 +106,16 @@ def check_int(value: Any, name: str, caller: str, *, low: int = 1, high: int | N
 def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -> None:
     """Refuses token ids outside ``[0, vocab_size)`` when ``ids`` is concrete (a numpy or jax
     array). A tracer (under ``jit``) cannot be checked without a host sync and is passed on:
-    the model then gives NaN logits for such ids (see ``GPT2.__call__``)."""
+    the model then gives NaN logits for such ids (see ``GPT2.__call__``).
+
+    Example:
+      >>> ids = np.array([[0, 5, 9], [3, 10, 1]])  # [batch, seq]
+      >>> check_token_ids(ids[:1], 10, "GPT2")  # all in [0, 10): returns None
+      >>> check_token_ids(ids, 10, "GPT2")
+      Traceback (most recent call last):
+      ...
+      ValueError: GPT2: `ids` must be token ids in [0, vocab_size) = [0, 10); got 10 at index ...
+    """
     if isinstance(ids, jax.core.Tracer) or not hasattr(ids, "shape") or not np.size(ids):
         return
     # On the host with numpy: ids are small, and a concrete array closed over by a traced
@@ -105,14 +134,32 @@ def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -
 
 
 def check_bool(value: Any, name: str, caller: str) -> bool:
-    """``value`` as a python bool (numpy bools accepted, ints refused)."""
+    """``value`` as a python bool (numpy bools accepted, ints refused).
+
+    Example:
+      >>> check_bool(np.True_, "return_weights", "my_kernel")  # a numpy bool: a python bool
+      True
+      >>> check_bool(1, "return_weights", "my_kernel")
+      Traceback (most recent call last):
+      ...
+      TypeError: my_kernel: `return_weights` must be a bool; got 1
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{caller}: `{name}` must be a bool; got {value!r}")
     return bool(value)
 
 
 def check_block_size(block_size: Any, caller: str, *, multiple_of: int = 1) -> tuple[int, int]:
-    """A pair ``(block_q, block_kv)`` of positive ints, each a multiple of ``multiple_of``."""
+    """A pair ``(block_q, block_kv)`` of positive ints, each a multiple of ``multiple_of``.
+
+    Example:
+      >>> check_block_size([128, 64], "my_kernel")  # a list or tuple: a tuple of python ints
+      (128, 64)
+      >>> check_block_size((128, 64), "my_kernel", multiple_of=128)
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `block_size` must be a pair of positive multiples of 128 ...
+    """
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise TypeError(
             f"{caller}: `block_size` must be a pair of ints (block_q, block_kv); got {block_size!r}"
@@ -127,7 +174,16 @@ def check_block_size(block_size: Any, caller: str, *, multiple_of: int = 1) -> t
 
 
 def check_scale(scale: Any, head_dim: int, caller: str) -> Any:
-    """``scale`` of the scores: None -> ``head_dim ** -0.5``, a finite real, or a float scalar."""
+    """``scale`` of the scores: None -> ``head_dim ** -0.5``, a finite real, or a float scalar.
+
+    Example:
+      >>> check_scale(None, 16, "my_kernel")  # the default for head_dim 16: 16 ** -0.5
+      0.25
+      >>> check_scale(float("inf"), 16, "my_kernel")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `scale` must be finite; got inf
+    """
     if scale is None:
         return head_dim**-0.5
     if isinstance(scale, (bool, np.bool_)):
@@ -147,7 +203,17 @@ def check_scale(scale: Any, head_dim: int, caller: str) -> Any:
 
 
 def as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], caller: str) -> jax.Array:
-    """``x`` left-padded to rank 4; checks that it broadcasts to ``target`` [B, N, Tq, Tk]."""
+    """``x`` left-padded to rank 4; checks that it broadcasts to ``target`` [B, N, Tq, Tk].
+
+    Example:
+      >>> mask = np.ones((4, 6), bool)  # [q_len, kv_len], shared by batch and heads
+      >>> as_4d_broadcastable(mask, "mask", (2, 3, 4, 6), "my_kernel").shape  # [1, 1, Tq, Tk]
+      (1, 1, 4, 6)
+      >>> as_4d_broadcastable(np.ones((5, 6), bool), "mask", (2, 3, 4, 6), "my_kernel")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `mask` with shape (5, 6) does not broadcast to [batch, heads, ...
+    """
     shape = tuple(x.shape)
     ok = len(shape) <= 4
     if ok:
@@ -164,7 +230,19 @@ def as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], caller: str)
 
 
 def check_bias(bias: Any, target: tuple[int, int, int, int], caller: str) -> Any:
-    """None, or a float array broadcastable to ``target``, returned with rank 4."""
+    """None, or a float array broadcastable to ``target``, returned with rank 4.
+
+    Example:
+      >>> bias = np.zeros((3, 1, 6), np.float32)  # per head and key: [N, 1, Tk]
+      >>> check_bias(bias, (2, 3, 4, 6), "my_kernel").shape  # target [B, N, Tq, Tk]
+      (1, 3, 1, 6)
+      >>> check_bias(None, (2, 3, 4, 6), "my_kernel") is None  # no bias
+      True
+      >>> check_bias(np.zeros((4, 5), np.float32), (2, 3, 4, 6), "my_kernel")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `bias` with shape (4, 5) does not broadcast to [batch, heads, ...
+    """
     if bias is None:
         return None
     if not isinstance(bias, (jax.Array, np.ndarray)):
@@ -178,7 +256,18 @@ def check_bias(bias: Any, target: tuple[int, int, int, int], caller: str) -> Any
 
 
 def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
-    """A name of NORMALIZERS, a python float α > 1, or a float array α of shape [] or [N]."""
+    """A name of NORMALIZERS, a python float α > 1, or a float array α of shape [] or [N].
+
+    Example:
+      >>> check_normalizer("sparsemax", 4, "my_kernel"), check_normalizer(1.5, 4, "my_kernel")
+      ('sparsemax', 1.5)
+      >>> check_normalizer(np.array([1.2, 1.5, 2.0, 3.0]), 4, "my_kernel").shape  # α per head
+      (4,)
+      >>> check_normalizer(1.0, 4, "my_kernel")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `normalizer` α must be finite and > 1 (α -> 1 is softmax: pass ...
+    """
     allowed = (
         f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
         f"[heads] = [{num_heads}] (one α per query head)"

@@ -1674,7 +1674,17 @@ def _builder_classes() -> tuple[type, type]:
 
     @dataclasses.dataclass(eq=False)
     class SparseJaxLinalgCotConfig(tfds.core.BuilderConfig):
-        """Generated splits: the name is ``s<seed>_<hash of the sizes and GeneratorConfig>``."""
+        """Generated splits: the name is ``s<seed>_<hash of the sizes and GeneratorConfig>``.
+
+        Example (a config like those :func:`prepare` makes, not built):
+
+        >>> import json
+        >>> from sparse_jax.data.linalg_cot import SparseJaxLinalgCotConfig
+        >>> details = {"seed": 0, "sizes": {"train": 12, "validation": 6, "test": 6}}
+        >>> config = SparseJaxLinalgCotConfig("s0_0123456789abcdef", details=json.dumps(details))
+        >>> config.name, json.loads(config.details)["sizes"]["train"]
+        ('s0_0123456789abcdef', 12)
+        """
 
         # JSON with the seed, split sizes and GeneratorConfig (stored as dataset metadata).
         details: str = "{}"
@@ -1685,6 +1695,22 @@ def _builder_classes() -> tuple[type, type]:
 
         Written in ``array_record`` format by :func:`prepare` (which passes the problems to the
         constructor); read back with ``builder.as_data_source()``.
+
+        Example (a dataset :func:`prepare` wrote, read back by name: one dict per problem):
+
+        >>> import tempfile
+        >>> import tensorflow_datasets as tfds
+        >>> from sparse_jax.data.linalg_cot import SparseJaxLinalgCot
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> data = prepare(tmp.name, train=6, validation=6, test=6)  # TFDS prints 2 lines
+        Downloading and preparing dataset ...
+        Dataset sparse_jax_linalg_cot downloaded and prepared to ... reuse this data.
+        >>> SparseJaxLinalgCot.name, data.dataset_name
+        ('sparse_jax_linalg_cot', 'sparse_jax_linalg_cot/s0_...:1.0.0')
+        >>> test = tfds.data_source(data.dataset_name, data_dir=tmp.name)["test"]
+        >>> sorted(test[0]), test[0]["kind"]
+        (['answer', 'kind', 'question', 'steps'], b'complete_solution')
+        >>> tmp.cleanup()
         """
 
         VERSION = tfds.core.Version(_BUILDER_VERSION)
@@ -1749,7 +1775,21 @@ def _text(value: Any) -> str:
 
 
 class ProblemSource:
-    """Random access to one prepared split: ``len``, ``[i]`` -> :class:`Problem`, iteration."""
+    """Random access to one prepared split: ``len``, ``[i]`` -> :class:`Problem`, iteration.
+
+    Example:
+
+    >>> import tempfile
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> data = prepare(tmp.name, train=6, validation=6, test=6)  # TFDS prints 2 lines
+    Downloading and preparing dataset ...
+    Dataset sparse_jax_linalg_cot downloaded and prepared to ... reuse this data.
+    >>> data.test, [p.kind for p in data.test] == list(KINDS)
+    (ProblemSource(split='test', problems=6), True)
+    >>> data.test[-1] == make_splits(6, 6, 6)["test"][-1]  # the problem written, read back
+    True
+    >>> tmp.cleanup()
+    """
 
     def __init__(self, data_source: Any, split: str):
         self._source = data_source
@@ -1782,7 +1822,23 @@ class ProblemSource:
 
 @dataclass(frozen=True)
 class LinalgCotData:
-    """The prepared splits, read back from the TFDS ``array_record`` files."""
+    """The prepared splits, read back from the TFDS ``array_record`` files.
+
+    Example:
+
+    >>> import tempfile
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> data = prepare(tmp.name, train=6, validation=6, test=6)  # TFDS prints 2 lines
+    Downloading and preparing dataset ...
+    Dataset sparse_jax_linalg_cot downloaded and prepared to ... reuse this data.
+    >>> [len(data.train), len(data.validation), len(data.test)], data.built
+    ([6, 6, 6], True)
+    >>> data.dataset_name  # the config name: s<seed>_<hash of the request>
+    'sparse_jax_linalg_cot/s0_...:1.0.0'
+    >>> (data.dataset_dir / "dataset_info.json").is_file()
+    True
+    >>> tmp.cleanup()
+    """
 
     train: ProblemSource
     validation: ProblemSource

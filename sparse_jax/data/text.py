@@ -112,7 +112,18 @@ _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
 
 class RandomAccess(Protocol):
-    """What :class:`BatchIterator` draws from: a length and integer indexing."""
+    """What :class:`BatchIterator` draws from: a length and integer indexing.
+
+    Example (a :class:`WindowSource`, an array ``[n, seq_len + 1]``, or any object like this):
+      >>> class Squares:
+      ...     def __len__(self):
+      ...         return 4
+      ...
+      ...     def __getitem__(self, index):
+      ...         return np.full(3, index * index, np.int32)
+      >>> next(BatchIterator(Squares(), batch_size=2, shuffle=False)).tolist()  # [2, 3]
+      [[0, 0, 0], [1, 1, 1]]
+    """
 
     def __len__(self) -> int: ...
 
@@ -583,7 +594,14 @@ def _builder_classes() -> tuple[type, type]:
 
     @dataclasses.dataclass(eq=False)
     class SparseJaxTextConfig(tfds.core.BuilderConfig):
-        """A prepared corpus: its name is ``<kind>_<tokenizer>_s<seq_len>_<hash>``."""
+        """A prepared corpus: its name is ``<kind>_<tokenizer>_s<seq_len>_<hash>``.
+
+        Example (a config like those :func:`prepare` makes, not built):
+          >>> from sparse_jax.data.text import SparseJaxTextConfig
+          >>> config = SparseJaxTextConfig(name="file_byte_s16_0123456789abcdef", window=17)
+          >>> config.name, config.window, config.details  # windows of seq_len + 1 tokens
+          ('file_byte_s16_0123456789abcdef', 17, '{}')
+        """
 
         # Tokens per example (seq_len + 1).
         window: int = 0
@@ -595,6 +613,23 @@ def _builder_classes() -> tuple[type, type]:
 
         Written in ``array_record`` format by :func:`prepare` (which passes the windows to the
         constructor); read back with ``tfds.data_source("sparse_jax_text/<config>", data_dir=...)``.
+
+        Example (a dataset :func:`prepare` wrote from a small file, read back by name):
+          >>> import tempfile
+          >>> import tensorflow_datasets as tfds
+          >>> from sparse_jax.data.text import SparseJaxText
+          >>> tmp = tempfile.TemporaryDirectory()
+          >>> path = Path(tmp.name) / "corpus.txt"
+          >>> _ = path.write_text("".join(f"line {i}: the quick brown fox.\\n" for i in range(20)))
+          >>> data = prepare(path, "byte", seq_len=16, data_dir=tmp.name)  # TFDS prints 2 lines
+          Downloading and preparing dataset ...
+          Dataset sparse_jax_text downloaded and prepared to ... reuse this data.
+          >>> SparseJaxText.name, data.dataset_name
+          ('sparse_jax_text', 'sparse_jax_text/file_byte_s16_...:1.0.0')
+          >>> train = tfds.data_source(data.dataset_name, data_dir=tmp.name)["train"]
+          >>> len(train), train[0]["tokens"].shape, train[0]["tokens"].dtype  # int32 [seq_len + 1]
+          (33, (17,), dtype('int32'))
+          >>> tmp.cleanup()
         """
 
         VERSION = tfds.core.Version(_BUILDER_VERSION)
@@ -670,6 +705,21 @@ class WindowSource:
 
     ``source[[i, j, ...]]`` or ``source.__getitems__([i, j, ...])`` reads several windows at
     once as an int32 ``[n, seq_len + 1]`` array.
+
+    Example (the train windows of a small file, ``seq_len + 1 = 17`` byte tokens each):
+      >>> import tempfile
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = Path(tmp.name) / "corpus.txt"
+      >>> _ = path.write_text("".join(f"line {i}: the quick brown fox.\\n" for i in range(20)))
+      >>> data = prepare(path, "byte", seq_len=16, data_dir=Path(tmp.name) / "cache")
+      Downloading and preparing dataset ...
+      Dataset sparse_jax_text downloaded and prepared to ... Subsequent calls will reuse this data.
+      >>> windows = data.train
+      >>> windows, windows[0].shape, windows[[0, 1, 2]].shape  # [17], then [3, 17]
+      (WindowSource(split='train', windows=33, seq_len=16), (17,), (3, 17))
+      >>> bytes(windows[0][:16].tolist()), int(windows[1][0]) == int(windows[0][16])  # stride 16
+      (b'line 0: the quic', True)
+      >>> tmp.cleanup()
     """
 
     def __init__(self, data_source: Any, *, split: str, seq_len: int, num_tokens: int):
@@ -708,7 +758,24 @@ class WindowSource:
 
 @dataclass(frozen=True)
 class PreparedData:
-    """A corpus tokenized, cut into windows and stored as a TFDS ``array_record`` dataset."""
+    """A corpus tokenized, cut into windows and stored as a TFDS ``array_record`` dataset.
+
+    Example (what :func:`prepare` returns for a small file):
+      >>> import tempfile
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> path = Path(tmp.name) / "corpus.txt"
+      >>> _ = path.write_text("".join(f"line {i}: the quick brown fox.\\n" for i in range(20)))
+      >>> data = prepare(path, "byte", seq_len=16, data_dir=Path(tmp.name) / "cache")
+      Downloading and preparing dataset ...
+      Dataset sparse_jax_text downloaded and prepared to ... Subsequent calls will reuse this data.
+      >>> data.tokenizer_name, data.vocab_size, data.eos_id, data.seq_len, data.built
+      ('byte', 257, 256, 16, True)
+      >>> data.stats["eval"]
+      {'documents': 1, 'tokens': 61, 'windows': 3, 'dropped': 12}
+      >>> print(data.describe().splitlines()[2])
+      train: 531 tokens in 1 documents -> 33 windows (2 tail tokens dropped); eval: 61 tokens ...
+      >>> tmp.cleanup()
+    """
 
     # What was tokenized.
     source: TextSource

@@ -51,6 +51,11 @@ from sparse_jax.normalizers import (
 )
 
 _F32 = jnp.float32
+# Public: the block-size rule. ``forward`` and ``backward`` are the entry points of
+# :mod:`sparse_jax.kernels.flash` for ``target="mosaic"`` (they take its private plan of a call):
+# the API is :func:`sparse_jax.kernels.pallas_attention`.
+__all__ = ["LANES", "mosaic_block_error"]
+
 _MAX = float(jnp.finfo(jnp.float32).max)
 LANES = 128  # the TPU's lane width: both block sizes must be multiples of it
 

@@ -445,6 +445,18 @@ class CascadeLM(nnx.Module):
     weight-decay them (``weight_decay=0``: decay would pull λ back to 0), and should give them
     and the gates a faster rate (``fast_params="gate/logits|router|lagrange"``: they start far
     from where the targets take them). For warmed-up targets pass the update's ``step``.
+
+    Example:
+      >>> cfg = CascadeConfig(GPT2Config.preset("tiny"), keep_ratios=(1.0, 0.5))  # L = 2
+      >>> model = CascadeLM(cfg, rngs=nnx.Rngs(0))  # D 48, 3 heads, 192 units, V 101
+      >>> ids = jnp.zeros((2, 8), jnp.int32)  # [B, T]
+      >>> model(ids).shape  # evaluation (rngs=None, hard gates): logits [B, T, V]
+      (2, 8, 101)
+      >>> logits, aux = model(ids, return_aux=True)  # training adds rngs=nnx.Rngs(gates=...)
+      >>> aux["kept_heads"].shape, aux["targets"].shape, aux["penalty"].shape  # [L, N], [L, 3]
+      ((2, 3), (2, 3), ())
+      >>> model.heads_kept()  # heads per block that hard gates keep
+      [3, 3]
     """
 
     def __init__(self, config: CascadeConfig, *, rngs: nnx.Rngs):

@@ -95,7 +95,18 @@ def mask_block_cost(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, i
 
 @dataclasses.dataclass(frozen=True)
 class LayerFlops:
-    """Forward FLOPs of one transformer block."""
+    """Forward FLOPs of one transformer block.
+
+    Example:
+      >>> from sparse_jax.models import GPT2Config
+      >>> g = GPT2Config.preset("tiny")  # D 48, 2 blocks, 3 heads of 16, 192 units, V 101
+      >>> layer = kept_flops(g, 4, [4, 2], [3, 2], [192, 96]).layers[1]  # 2 of 4 tokens
+      >>> layer  # causal among 2 kept tokens: 3 of 16 entries
+      LayerFlops(layer=1, heads=2, ffn_units=96, attention_density=0.1875,
+                 computed_fraction=0.1875, projections=24576, attention=384, ffn=36864)
+      >>> layer.total, layer.ffn == 2 * 2 * 2 * 48 * 96  # 2 x 2 matrices x tokens x D x U
+      (61824, True)
+    """
 
     layer: int  # block index
     heads: int  # attention heads
@@ -113,7 +124,18 @@ class LayerFlops:
 
 @dataclasses.dataclass(frozen=True)
 class ModelFlops:
-    """Forward FLOPs of a model on ``batch`` sequences of ``seq_len`` tokens."""
+    """Forward FLOPs of a model on ``batch`` sequences of ``seq_len`` tokens.
+
+    Example:
+      >>> from flax import nnx
+      >>> from sparse_jax.models import GPT2, GPT2Config
+      >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))  # D 48, 2 blocks, V 101
+      >>> report = model_flops(model, 8, batch=2)  # ids [B, T] = [2, 8]
+      >>> report.seq_len, report.batch, len(report.layers), report.lm_head  # 2 x B x T x D x V
+      (8, 2, 2, 155136)
+      >>> report.total, report.per_token, report.attention, report.attention_density
+      (1973760, 123360.0, 49152, 0.5625)
+    """
 
     seq_len: int
     batch: int

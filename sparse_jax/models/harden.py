@@ -49,7 +49,28 @@ __all__ = ["HardenReport", "harden", "harden_plan"]
 
 @dataclasses.dataclass(frozen=True)
 class HardenReport:
-    """What :func:`harden_plan` decided, per block."""
+    """What :func:`harden_plan` decided, per block.
+
+    Example:
+      >>> from sparse_jax.masks import causal, local
+      >>> from sparse_jax.models.gpt2 import GPT2Config
+      >>> cands = (causal() & local(1, 0), causal())  # C = 2: the last 2 keys, or all
+      >>> spec = AttentionSpec(kind="candidates", candidates=cands, granularity="head",
+      ...                      head_gate="sigmoid_ste")
+      >>> student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))  # 3 heads a block
+      >>> student.h[0].attn.head_gate.logits[...] = jnp.array([1.0, -1.0, 1.0])  # closes head 1
+      >>> for block in student.h:  # candidate logits [N, C]: heads 0, 1 the window, 2 causal
+      ...     block.attn.core.logits[...] = jnp.array([[1.0, -1.0], [1.0, -1.0], [-1.0, 1.0]])
+      >>> report = harden_plan(student, length=8)
+      >>> [heads.tolist() for heads in report.kept_heads], [len(u) for u in report.kept_units]
+      ([[0, 2], [0, 1, 2]], [192, 192])
+      >>> report.head_masks[0]  # block 0's kept heads
+      ((Causal() & Local(left=1, right=0)), Causal())
+      >>> report.kept_candidates[0].astype(int).tolist()  # bool [N, C], every head
+      [[1, 0], [1, 0], [0, 1]]
+      >>> report.threshold, report.price, report.density  # mean of 15/64 (x3), 36/64 (x2)
+      (None, 'density', 0.365625)
+    """
 
     kept_heads: tuple[np.ndarray, ...]  # per block: indices of the heads that stay
     kept_units: tuple[np.ndarray, ...]  # per block: indices of the FFN units that stay

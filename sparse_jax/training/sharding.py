@@ -450,6 +450,15 @@ def maybe_initialize_distributed(*, force: bool = False, environ=None) -> bool:
 
     Returns:
       True when ``jax.distributed.initialize`` was called.
+
+    Example:
+      >>> maybe_initialize_distributed(environ={})  # no launcher: one process, nothing to do
+      False
+      >>> maybe_initialize_distributed(environ={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+      ...                                       "JAX_NUM_PROCESSES": "2"})  # no JAX_PROCESS_ID
+      Traceback (most recent call last):
+      ...
+      ValueError: maybe_initialize_distributed: JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES ...
     """
     env = os.environ if environ is None else environ
     kind = distributed_environment(env)
@@ -492,7 +501,13 @@ def is_primary() -> bool:
 
 def sync_processes(name: str) -> None:
     """Waits until every process has reached the point called ``name`` (nothing on one
-    process): e.g. the others wait while the primary writes a file they then read."""
+    process): e.g. the others wait while the primary writes a file they then read.
+
+    Example:
+      >>> jax.process_count()  # a single process ...
+      1
+      >>> sync_processes("run_dir_ready")  # ... has no one to wait for: returns None at once
+    """
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
 
