@@ -104,9 +104,10 @@ def check_int(value: Any, name: str, caller: str, *, low: int = 1, high: int | N
 
 
 def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -> None:
-    """Refuses token ids outside ``[0, vocab_size)`` when ``ids`` is concrete (a numpy or jax
-    array). A tracer (under ``jit``) cannot be checked without a host sync and is passed on:
-    the model then gives NaN logits for such ids (see ``GPT2.__call__``).
+    """Refuses ids that are not integers (``TypeError``; traced ones too), and token ids
+    outside ``[0, vocab_size)`` when ``ids`` is concrete (a numpy or jax array). A tracer
+    (under ``jit``) cannot be checked for range without a host sync and is passed on: the
+    model then gives NaN logits for such ids (see ``GPT2.__call__``).
 
     Example:
       >>> ids = np.array([[0, 5, 9], [3, 10, 1]])  # [batch, seq]
@@ -115,7 +116,14 @@ def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -
       Traceback (most recent call last):
       ...
       ValueError: GPT2: `ids` must be token ids in [0, vocab_size) = [0, 10); got 10 at index ...
+      >>> check_token_ids(np.array([1.0, 2.0]), 10, "GPT2")
+      Traceback (most recent call last):
+      ...
+      TypeError: GPT2: `ids` must be integer token ids; got dtype float64
     """
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{caller}: `{name}` must be integer token ids; got dtype {dtype}")
     if isinstance(ids, jax.core.Tracer) or not hasattr(ids, "shape") or not np.size(ids):
         return
     # On the host with numpy: ids are small, and a concrete array closed over by a traced

@@ -649,10 +649,14 @@ def test_budget_picks_the_lowest_threshold_that_fits():
     assert plan.density <= 0.3
     masks = [m for block in plan.head_masks for m in block]
     assert causal() in masks and cands[1] in masks and cands[0] not in masks
-    with pytest.raises(ValueError, match="`budget`"):
+    with pytest.raises(ValueError, match=r"`budget` \(mean attention density\) must be in"):
         harden(student, budget=0.0)
+    with pytest.raises(ValueError, match=r"`budget` \(mean block cost\) must be in"):
+        harden(student, budget=1.5, price="blocks")
     with pytest.raises(ValueError, match="not both"):
         harden(student, budget=0.5, threshold=0.5)
+    with pytest.raises(ValueError, match=r"harden: `length` must be an int >= 1; got 0"):
+        harden_plan(student, budget=0.3, length=0)  # not the default length in disguise
 
 
 def test_budget_in_blocks_prices_what_the_kernel_computes():

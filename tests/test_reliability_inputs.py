@@ -59,6 +59,14 @@ def test_traced_ids_outside_the_vocabulary_give_nan_never_another_token(tiny):
         np.testing.assert_array_equal(np.asarray(forward(tiny, jnp.array([[1, 2, 3]], dtype))), ref)
 
 
+def test_ids_that_are_not_integers_are_refused_traced_or_not(tiny):
+    ids = np.array([[1.0, 2.0]], np.float32)
+    with pytest.raises(TypeError, match=r"GPT2: `ids` must be integer token ids; got dtype float"):
+        tiny(ids)
+    with pytest.raises(TypeError, match=r"GPT2: `ids` must be integer token ids; got dtype bool"):
+        nnx.jit(lambda model, x: model(x))(tiny, jnp.ones((1, 2), bool))
+
+
 def test_ids_at_the_edges_of_the_vocabulary_are_fine(tiny):
     assert np.isfinite(np.asarray(tiny(np.array([[0, 100]])))).all()
 

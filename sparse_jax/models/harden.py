@@ -43,6 +43,7 @@ from sparse_jax import masks as masks_lib
 from sparse_jax.models.flops import mask_block_cost, mask_density
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
 from sparse_jax.models.layers import CandidateMaskAttention, Gate
+from sparse_jax.validation import check_int
 
 __all__ = ["HardenReport", "harden", "harden_plan"]
 
@@ -76,7 +77,9 @@ class HardenReport:
     kept_units: tuple[np.ndarray, ...]  # per block: indices of the FFN units that stay
     head_masks: tuple[tuple[masks_lib.Mask, ...] | None, ...]  # per block: kept heads' masks
     kept_candidates: tuple[np.ndarray | None, ...]  # per block: bool [N, C] kept candidates
-    threshold: float | None  # the candidate threshold used (None: each layer's default)
+    # The candidate threshold used: None for each layer's default (no budget) or when a budget
+    # moved heads to cheaper candidates; inf when only each head's strongest candidate fits.
+    threshold: float | None
     density: float  # mean density of the kept heads' masks at the reference length
     price: str = "density"  # what `budget` counted: "density" or "blocks"
     cost: float = 0.0  # the kept heads' mean cost in `price` at the reference length
@@ -182,10 +185,9 @@ def harden_plan(
     if threshold is not None and not (isinstance(threshold, numbers.Real) and 0 < threshold < 1):
         raise ValueError(f"{caller}: `threshold` must be in (0, 1); got {threshold!r}")
     if budget is not None and not (isinstance(budget, numbers.Real) and 0 < budget <= 1):
-        raise ValueError(
-            f"{caller}: `budget` (mean attention density) must be in (0, 1]; got {budget!r}"
-        )
-    n_ref = length or model.config.n_positions
+        what = "mean block cost" if price == "blocks" else "mean attention density"
+        raise ValueError(f"{caller}: `budget` ({what}) must be in (0, 1]; got {budget!r}")
+    n_ref = model.config.n_positions if length is None else check_int(length, "length", caller)
     blocks = list(model.h)
     block_sizes = [spec.block_size for spec in model.specs]
 
