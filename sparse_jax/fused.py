@@ -86,33 +86,26 @@ def _check_static_mask(mask: Any, n: int, caller: str) -> masks_lib.Mask:
     return mask
 
 
-def _first_keys(layout: masks_lib.BlockLayout) -> np.ndarray:
-    """int64 ``[H, q_len]``: each query row's first allowed key (``kv_len`` for a row with
-    none), from the layout's kept blocks and partial masks."""
-    idx, full = layout.kv_block_indices.astype(np.int64), layout.block_is_full
-    h, nq, _ = idx.shape
-    bq, bk, none = layout.block_q, layout.block_kv, layout.kv_len
-    valid = idx != masks_lib.SENTINEL
-    first = np.where(valid & full, idx * bk, none).min(axis=2)  # [H, nq]
-    first = np.repeat(first[..., None], bq, axis=2)  # [H, nq, bq]
-    partial = valid & ~full
+def _rows_with_keys(layout: masks_lib.BlockLayout) -> np.ndarray:
+    """bool ``[H, q_len]``: which query rows of the layout allow at least one key."""
+    h, nq, _ = layout.kv_block_indices.shape
+    rows = np.zeros((h, nq, layout.block_q), bool)
+    valid = layout.kv_block_indices != masks_lib.SENTINEL
+    rows |= (valid & layout.block_is_full).any(axis=2)[..., None]
+    partial = valid & ~layout.block_is_full
     if partial.any():
-        masks = layout.partial_masks  # [n_unique, bq, bk]
-        col = np.where(masks.any(axis=2), masks.argmax(axis=2), none)  # [n_unique, bq]
+        row_any = layout.partial_masks.any(axis=2)  # [n_unique, bq]
         hh, rr, ss = np.nonzero(partial)
-        keys = idx[hh, rr, ss][:, None] * bk + col[layout.partial_mask_index[hh, rr, ss]]
-        np.minimum.at(first, (hh, rr), np.minimum(keys, none))
-    return first.reshape(h, nq * bq)[:, : layout.q_len]
+        np.logical_or.at(rows, (hh, rr), row_any[layout.partial_mask_index[hh, rr, ss]])
+    return rows.reshape(h, nq * layout.block_q)[:, : layout.q_len]
 
 
 def _zero_empty_rows(out: jax.Array, mask: masks_lib.Mask, tq: int, tk: int) -> jax.Array:
-    """``out [B, Tq, N, D]`` with the rows that the static ``mask`` leaves without a key set to
-    0 (none: ``out`` unchanged)."""
-    first = _first_keys(mask.blocks(tq, tk, min(tq, 128), min(tk, 128)))  # [H, Tq]
-    if (first < tk).all():
+    """``out [B, Tq, N, D]`` with rows that allow no key set to 0 (none: ``out`` unchanged)."""
+    live = _rows_with_keys(mask.blocks(tq, tk, min(tq, 128), min(tk, 128)))  # [H, Tq]
+    if live.all():
         return out
-    live = jnp.asarray(first.T < tk)[None, :, :, None]  # [1, Tq, H, 1]
-    return jnp.where(live, out, jnp.zeros((), out.dtype))
+    return jnp.where(jnp.asarray(live.T)[None, :, :, None], out, jnp.zeros((), out.dtype))
 
 
 def splash_mask_parts(
@@ -155,19 +148,14 @@ def _splash_segment_ids(
         q_ids, kv_ids = jnp.zeros((b, tq), jnp.int32), jnp.zeros((b, tk), jnp.int32)
         low = jnp.int32(0)
     else:
-        if segs.batch_size != b:
-            raise ValueError(
-                f"{caller}: `mask` has segment ids for batch size {segs.batch_size} but q has "
-                f"batch size {b}"
-            )
+        q_ids, kv_ids = masks_lib.segment_ids(segs, b, caller)
         if segs.shape[0] < tq or segs.shape[1] < tk:
             raise ValueError(
                 f"{caller}: `mask` has the fixed shape {segs.shape} (segments) but the inputs "
                 f"need (q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {segs.shape[0]}, "
                 f"kv_len <= {segs.shape[1]}"
             )
-        q_ids = jnp.asarray(segs.q_ids, jnp.int32)[:, :tq]
-        kv_ids = jnp.asarray(segs.kv_ids, jnp.int32)[:, :tk]
+        q_ids, kv_ids = q_ids[:, :tq], kv_ids[:, :tk]
         low = jnp.minimum(q_ids.min(), kv_ids.min())
     kv_lengths = jnp.full((b,), tk, jnp.int32) if lengths is None else lengths
     q_ids = jnp.pad(q_ids, ((0, 0), (0, tq_p - tq)), constant_values=low - 1)

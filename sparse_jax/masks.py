@@ -113,6 +113,7 @@ __all__ = [
     "padding",
     "per_head",
     "random_blocks",
+    "segment_ids",
     "segments",
     "sink",
     "split_runtime",
@@ -1802,6 +1803,23 @@ def key_lengths(paddings: Sequence[Padding], batch: int, kv_len: int, caller: st
             f"{[int(length.shape[0]) for length in lengths]} but q has batch size {batch}"
         )
     return jnp.minimum(functools.reduce(jnp.minimum, lengths), kv_len)
+
+
+def segment_ids(segs: Segments, batch: int, caller: str) -> tuple[Any, Any]:
+    """``(q_ids [batch, q_len], kv_ids [batch, kv_len])`` int32 of a ``segments`` leaf, for a
+    call of batch size ``batch`` (ValueError naming ``caller`` for another).
+
+    Example:
+      >>> q_ids, kv_ids = segment_ids(split_runtime(segments([[0, 0, 1]]))[2][0], 1, "f")
+      >>> q_ids.dtype, q_ids.tolist(), kv_ids.shape
+      (dtype('int32'), [[0, 0, 1]], (1, 3))
+    """
+    if segs.batch_size != batch:
+        raise ValueError(
+            f"{caller}: `mask` has segment ids for batch size {segs.batch_size} but q has batch "
+            f"size {batch}"
+        )
+    return jnp.asarray(segs.q_ids, jnp.int32), jnp.asarray(segs.kv_ids, jnp.int32)
 
 
 def per_head(masks: Sequence[Mask]) -> Mask:

@@ -66,6 +66,7 @@ from sparse_jax.masks import (
     Segments,
     check_layout,
     key_lengths,
+    segment_ids,
     split_runtime,
 )
 from sparse_jax.normalizers import (
@@ -196,14 +197,8 @@ def _segment_ids(mask: Any, layout: BlockLayout, b: int, tq_pad: int, tk_pad: in
     parts = _runtime_parts(mask)
     if parts is None or not parts[1]:
         return None
-    seg = parts[1][0]
-    if seg.batch_size != b:
-        raise ValueError(
-            f"{caller}: `mask` has segment ids for batch size {seg.batch_size} but q has batch "
-            f"size {b}"
-        )
-    q_ids = jnp.asarray(seg.q_ids, jnp.int32)[:, :tq_pad]
-    kv_ids = jnp.asarray(seg.kv_ids, jnp.int32)[:, :tk_pad]
+    q_ids, kv_ids = segment_ids(parts[1][0], b, caller)
+    q_ids, kv_ids = q_ids[:, :tq_pad], kv_ids[:, :tk_pad]
     q_ids = jnp.pad(q_ids, ((0, 0), (0, tq_pad - q_ids.shape[1])), constant_values=-1)
     kv_ids = jnp.pad(kv_ids, ((0, 0), (0, tk_pad - kv_ids.shape[1])), constant_values=-2)
     return q_ids, kv_ids
