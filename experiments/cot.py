@@ -6,6 +6,7 @@ its dense baseline of the same size, data, steps and seed (issue 16, the GiantRa
     python -m experiments.cot train --run.dir R      # train only (--run.resume continues R)
     python -m experiments.cot eval --run.dir R       # evaluate R's models on its test split
     python -m experiments.cot ask "What is rref(A) for A = [[2, 4], [1, 3]]?" --run.dir R
+    python -m experiments.cot seeds --seeds 0 1 2    # each model at each seed: the spread
 
 The task is :mod:`sparse_jax.data.linalg_cot` (the question as bytes into the encoder, the worked
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
@@ -16,7 +17,10 @@ the project's trainer, each phase checkpointed under ``<run>/checkpoints/<model>
 decodes the test split greedily with each trained model (restored by
 ``sparse_jax.cot.Solver.load``) and reports, per question kind, exact match of the final answer,
 the chain of thought's length in steps and tokens, decoding time per question, attention
-density and FLOPs. ``ask`` answers one question with the trained models.
+density and FLOPs. ``ask`` answers one question with the trained models. ``seeds`` trains and
+evaluates the chosen models at several seeds (the same data) and prints each one's exact match
+beside their mean and range: at the default's size one kind moves by up to 24 points between
+seeds (docs/results.md), so a difference between two single runs says little.
 
 The default fits a 2-core CPU: three of the six kinds (rref, solvability, column space) at small
 sizes (matrices up to 2 x 3, entries up to 3), whose solutions are at most ~270 bytes, and a small
@@ -249,6 +253,41 @@ class AllCommand(TrainCommand):
 
 
 @dataclasses.dataclass(frozen=True)
+class SeedsCommand(TrainCommand):
+    """Train and evaluate the chosen models at several seeds (initial weights and batches; the
+    data stay the same): each seed's run in <run.dir>/seed-<s>, the table in <run.dir>/seeds.md."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """Seeds, each one run's --run.seed."""
+    models: tuple[Literal["sparse", "dense"], ...] = MODELS
+    """The models trained and evaluated at each seed."""
+    eval: Eval = Eval()
+
+    def __post_init__(self):
+        super().__post_init__()
+        seeds = self.seeds
+        if (
+            not seeds
+            or len(set(seeds)) != len(seeds)
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds)
+        ):
+            raise ValueError(f"--seeds must be distinct ints >= 0; got {list(seeds)}")
+        if not self.models or len(set(self.models)) != len(self.models):
+            raise ValueError(f"--models must be distinct models of {list(MODELS)}")
+        if self.run.seed != 0:
+            raise ValueError(
+                f"--run.seed {self.run.seed}: the seeds command takes its seeds from --seeds"
+            )
+        if self.run.dir is not None and not self.run.resume:
+            held = sorted(p.name for p in pathlib.Path(self.run.dir).glob("seed-*"))
+            if held:
+                raise ValueError(
+                    f"--run.dir {str(self.run.dir)!r} already holds runs ({', '.join(held)}); "
+                    "continue them with --run.resume or pass another --run.dir"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
 class RunDir:
     dir: pathlib.Path | None = None
     """The run folder (required)."""
@@ -334,7 +373,7 @@ def _preset(argv: list[str]) -> str:
     return "default"
 
 
-Command = Union[AllCommand, TrainCommand, EvalCommand, AskCommand]  # noqa: UP007
+Command = Union[AllCommand, TrainCommand, EvalCommand, AskCommand, SeedsCommand]  # noqa: UP007
 
 
 def parse(argv: list[str] | None = None) -> Command:
@@ -347,11 +386,13 @@ def parse(argv: list[str] | None = None) -> Command:
     base = PRESETS.get(_preset(argv), AllCommand)()  # an unknown preset: tyro says why
     fields = dataclasses.fields(TrainCommand)
     train_base = TrainCommand(**{f.name: getattr(base, f.name) for f in fields})
+    seeds_base = SeedsCommand(**{f.name: getattr(base, f.name) for f in fields}, eval=base.eval)
     spec = Union[  # noqa: UP007
         Annotated[AllCommand, tyro.conf.subcommand("all", default=base)],
         Annotated[TrainCommand, tyro.conf.subcommand("train", default=train_base)],
         Annotated[EvalCommand, tyro.conf.subcommand("eval")],
         Annotated[AskCommand, tyro.conf.subcommand("ask")],
+        Annotated[SeedsCommand, tyro.conf.subcommand("seeds", default=seeds_base)],
     ]
     return tyro.cli(spec, args=argv, description=__doc__.split("\n\n")[0])
 
@@ -426,8 +467,8 @@ def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, row
     return seconds
 
 
-def train(cfg: TrainCommand) -> pathlib.Path:
-    """Trains both models into the run folder; returns it."""
+def train(cfg: TrainCommand, models: tuple[str, ...] = MODELS) -> pathlib.Path:
+    """Trains ``models`` (both by default) into the run folder; returns it."""
     started = time.perf_counter()
     folder = pathlib.Path(cfg.run.dir or pathlib.Path("runs") / time.strftime("cot-%Y%m%d-%H%M%S"))
     data = _data(cfg.data, cfg.run.cache_dir)
@@ -452,7 +493,7 @@ def train(cfg: TrainCommand) -> pathlib.Path:
         f"{len(rows)} training problems of {', '.join(cfg.data.kinds)}; questions up to "
         f"{fmt.source_len} bytes, solutions up to {fmt.target_len} tokens; run folder {folder}"
     )
-    for name in MODELS:
+    for name in models:
         seconds[f"train_{name}"] = _phase(cfg, folder, name, configs, fmt, rows, val_rows)
     training = {"phase_seconds": seconds, "dataset": data.dataset_name}
     write_text_atomically(folder / "training.json", json.dumps(training, indent=2) + "\n")
@@ -686,6 +727,134 @@ def _report(folder: pathlib.Path, s: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Seeds.
+
+
+def seeds(cmd: SeedsCommand) -> dict:
+    """Trains and evaluates ``cmd.models`` at each of ``cmd.seeds`` (one run folder per seed,
+    ``<run.dir>/seed-<s>``, with ``answers-<model>.jsonl`` and ``eval-<model>.json``); writes
+    ``seeds.json`` and ``seeds.md`` and prints the table. With ``--run.resume`` a model already
+    evaluated at a seed is read back, one whose training stopped continues from its checkpoint."""
+    name = time.strftime("cot-seeds-%Y%m%d-%H%M%S")
+    top = pathlib.Path(cmd.run.dir or pathlib.Path("runs") / name)
+    base = TrainCommand(**{f.name: getattr(cmd, f.name) for f in dataclasses.fields(TrainCommand)})
+    data = _data(cmd.data, cmd.run.cache_dir)
+    test = list(data.test)
+    rows = []
+    for seed in cmd.seeds:
+        folder = top / f"seed-{seed}"
+        resume = cmd.run.resume and (folder / "config.json").is_file()
+        one = dataclasses.replace(
+            base, run=dataclasses.replace(cmd.run, seed=seed, dir=folder, resume=resume)
+        )
+        done = {m for m in cmd.models if resume and (folder / f"eval-{m}.json").is_file()}
+        pending = tuple(m for m in cmd.models if m not in done)
+        if pending:
+            log(f"seed {seed}: training {', '.join(pending)} in {folder}")
+            train(one, models=pending)
+            trained = json.loads((folder / "training.json").read_text())["phase_seconds"]
+        for name in cmd.models:
+            path = folder / f"eval-{name}.json"
+            if name in pending:
+                solver = cot.Solver.load(folder, name, batch_size=cmd.eval.batch_size,
+                                         chunk=cmd.eval.chunk)  # fmt: skip
+                log(f"seed {seed}, {name}: decoding {len(test)} test questions")
+                result = cot.evaluate(solver, test, repeats=cmd.eval.repeats)
+                lines = "".join(json.dumps(r) + "\n" for r in result.pop("records"))
+                write_text_atomically(folder / f"answers-{name}.jsonl", lines)
+                result["train_seconds"] = trained[f"train_{name}"]
+                write_text_atomically(path, json.dumps(result, indent=2) + "\n")
+            rows.append({"seed": seed, "model": name, **json.loads(path.read_text())})
+    kinds = list(cmd.data.kinds)
+    summary = {
+        "kinds": kinds,
+        "seeds": list(cmd.seeds),
+        "models": list(cmd.models),
+        "switches": describe(cmd.model.config(0)),
+        "runs": rows,
+        "exact_match": _seed_spread(rows, cmd.models, [*kinds, "overall"]),
+    }
+    write_text_atomically(top / "seeds.json", json.dumps(summary, indent=2) + "\n")
+    table = _seeds_table(summary)
+    write_text_atomically(top / "seeds.md", table)
+    print(table)
+    log(f"table: {top / 'seeds.md'}")
+    return summary
+
+
+def _exact(row: dict, kind: str) -> float:
+    return (row["overall"] if kind == "overall" else row["kinds"][kind])["exact_match"]
+
+
+def _seed_spread(rows: list[dict], models, kinds: list[str]) -> dict:
+    """Per model and kind: exact match's mean, min and max over the seeds; with both models,
+    the sparse minus dense difference at each seed (points) and its mean."""
+    out: dict[str, Any] = {}
+    for name in models:
+        mine = [r for r in rows if r["model"] == name]
+        out[name] = {
+            k: {
+                "mean": float(np.mean([_exact(r, k) for r in mine])),
+                "min": min(_exact(r, k) for r in mine),
+                "max": max(_exact(r, k) for r in mine),
+            }
+            for k in kinds
+        }
+    if set(models) == set(MODELS):
+        by = {(r["seed"], r["model"]): r for r in rows}
+        points = {
+            str(seed): 100 * (_exact(by[seed, "sparse"], "overall") - _exact(r, "overall"))
+            for (seed, name), r in by.items()
+            if name == "dense"
+        }
+        out["sparse_minus_dense_points"] = {
+            "per_seed": points,
+            "mean": float(np.mean(list(points.values()))),
+        }
+    return out
+
+
+def _seeds_table(s: dict) -> str:
+    kinds = [*s["kinds"], "overall"]
+    lines = [
+        "# Chain-of-thought linear algebra: exact match over seeds",
+        "",
+        f"Models: {', '.join(s['models'])}; sparse switches: {s['switches']}. Each run differs "
+        "only in --run.seed (initial weights, batches); the data and the test split are the "
+        "same. Exact match on the test split (linalg_cot.grade); decoding ms per question: the "
+        "median of the evaluation's repeats; training s: the call that trained the model (of "
+        "a resumed training, the part after the resume).",
+        "",
+        "| seed | model | " + " | ".join(kinds) + " | decode ms/question | training s |",
+        "|--:|:--|" + "--:|" * (len(kinds) + 2),
+    ]
+    for r in s["runs"]:
+        lines.append(
+            f"| {r['seed']} | {r['model']} | "
+            + " | ".join(_pct(_exact(r, k)) for k in kinds)
+            + f" | {1e3 * r['overall']['seconds_per_question']:.2f} | {r['train_seconds']:.0f} |"
+        )
+    spread = s["exact_match"]
+    for name in s["models"]:
+        cells = [spread[name][k] for k in kinds]
+        lines.append(f"| mean | {name} | " + " | ".join(_pct(c["mean"]) for c in cells) + " | | |")
+        lines.append(
+            f"| range | {name} | "
+            + " | ".join(f"{_pct(c['min'])}-{_pct(c['max'])}" for c in cells)
+            + " | | |"
+        )
+    gap = spread.get("sparse_minus_dense_points")
+    if gap:
+        lines += [
+            "",
+            "Sparse minus dense, overall exact match: "
+            + ", ".join(f"seed {k} {v:+.1f}" for k, v in gap["per_seed"].items())
+            + f"; mean {gap['mean']:+.1f} points.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
 # Asking.
 
 
@@ -710,11 +879,13 @@ def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
 
 
 def run(cmd: Command) -> Any:
-    """Runs a parsed command: the summary (all, eval), the run folder (train) or the answers
-    (ask)."""
+    """Runs a parsed command: the summary (all, eval, seeds), the run folder (train) or the
+    answers (ask)."""
     started = time.perf_counter()
     if isinstance(cmd, AskCommand):
         return ask(cmd)
+    if isinstance(cmd, SeedsCommand):
+        return seeds(cmd)
     if isinstance(cmd, EvalCommand):
         return evaluate_run(pathlib.Path(cmd.run.dir), cmd.eval, cmd.run.cache_dir, started)
     folder = train(cmd)

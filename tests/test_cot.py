@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -360,6 +361,67 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
     assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
 
 
+def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
+    from experiments import cot as experiment
+
+    top = tmp_path / "seeds"
+    flags = [*RUN_FLAGS, "--train.steps", "30", "--run.checkpoint-every", "15",
+             "--eval.batch-size", "4", "--eval.repeats", "1", "--run.cache-dir", str(tmp_path),
+             "--run.dir", str(top)]  # fmt: skip
+    summary = experiment.run(experiment.parse(["seeds", "--seeds", "3", "0", *flags]))
+    printed = capsys.readouterr().out
+    generator = lc.GeneratorConfig(kinds=("rref",), **experiment.SIZES["small"])
+    test = list(lc.prepare(tmp_path / "tfds", train=4, validation=1, test=4, seed=0,
+                           config=generator).test)  # fmt: skip
+    assert [(r["seed"], r["model"]) for r in summary["runs"]] == [
+        (3, "sparse"), (3, "dense"), (0, "sparse"), (0, "dense")]  # fmt: skip
+    exact = {}
+    for r in summary["runs"]:
+        folder = top / f"seed-{r['seed']}"
+        config = json.loads((folder / "config.json").read_text())
+        assert config["run"]["seed"] == r["seed"] and config["train"]["steps"] == 30
+        assert _trained(folder, r["model"]).step == 30
+        rows = [json.loads(line) for line in (folder / f"answers-{r['model']}.jsonl").open()]
+        assert [row["question"] for row in rows] == [p.question for p in test]
+        graded = [
+            (final := lc.split_solution(row["text"])[1]) is not None and lc.grade(final, p.answer)
+            for row, p in zip(rows, test, strict=True)
+        ]
+        exact[r["seed"], r["model"]] = np.mean(graded)
+        assert r["kinds"]["rref"]["exact_match"] == r["overall"]["exact_match"] == np.mean(graded)
+        assert r["train_seconds"] > 0
+        line = f"| {r['seed']} | {r['model']} | {100 * np.mean(graded):.1f}% |"
+        assert line in printed and line in (top / "seeds.md").read_text()
+    # The seed decides the weights: the two seeds' sparse models differ.
+    weights = [
+        jax.tree.leaves(nnx.state(_trained(top / f"seed-{seed}", "sparse").model, nnx.Param))
+        for seed in (0, 3)
+    ]
+    assert any(not np.array_equal(a, b) for a, b in zip(*weights, strict=True))
+    for name in ("sparse", "dense"):
+        spread = summary["exact_match"][name]["overall"]
+        mine = [exact[seed, name] for seed in (3, 0)]
+        assert spread == pytest.approx(dict(mean=np.mean(mine), min=min(mine), max=max(mine)))
+    gap = summary["exact_match"]["sparse_minus_dense_points"]
+    for seed in (3, 0):
+        want = 100 * (exact[seed, "sparse"] - exact[seed, "dense"])
+        assert gap["per_seed"][str(seed)] == pytest.approx(want)
+    assert f"mean {gap['mean']:+.1f} points" in printed
+    assert json.loads((top / "seeds.json").read_text()) == json.loads(json.dumps(summary))
+    # A second call on the folder is refused without --run.resume; with it, what was evaluated
+    # is read back and a missing evaluation is made again, training nothing.
+    with pytest.raises(SystemExit):
+        experiment.parse(["seeds", "--seeds", "3", "0", *flags])
+    printed = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert "already holds runs (seed-0, seed-3)" in printed
+    lines = {s: (top / f"seed-{s}" / "metrics.jsonl").read_text() for s in (0, 3)}
+    (top / "seed-3" / "eval-dense.json").unlink()
+    again = experiment.run(experiment.parse(["seeds", "--seeds", "3", "0", *flags, "--run.resume"]))
+    assert {s: (top / f"seed-{s}" / "metrics.jsonl").read_text() for s in (0, 3)} == lines
+    assert again["exact_match"] == summary["exact_match"]
+    assert again["runs"][:1] + again["runs"][2:] == summary["runs"][:1] + summary["runs"][2:]
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line.
 
@@ -397,6 +459,9 @@ def test_the_default_command_and_the_study_preset():
         (["eval"], "--run.dir is required"),
         (["eval", "--run.dir", "/nonexistent/run"], "is not a chain-of-thought run folder"),
         (["ask", "What is rref(A)?"], "--run.dir is required"),
+        (["seeds", "--seeds", "1", "1"], r"--seeds must be distinct ints >= 0; got \[1, 1\]"),
+        (["seeds", "--run.seed", "2"], "--run.seed 2: the seeds command takes its seeds from"),
+        (["seeds", "--models", "dense", "dense"], "--models must be distinct models"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_runs(flags, match, capsys):
