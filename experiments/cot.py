@@ -735,8 +735,8 @@ def seeds(cmd: SeedsCommand) -> dict:
     ``<run.dir>/seed-<s>``, with ``answers-<model>.jsonl`` and ``eval-<model>.json``); writes
     ``seeds.json`` and ``seeds.md`` and prints the table. With ``--run.resume`` a model already
     evaluated at a seed is read back, one whose training stopped continues from its checkpoint."""
-    name = time.strftime("cot-seeds-%Y%m%d-%H%M%S")
-    top = pathlib.Path(cmd.run.dir or pathlib.Path("runs") / name)
+    stamp = time.strftime("cot-seeds-%Y%m%d-%H%M%S")
+    top = pathlib.Path(cmd.run.dir or pathlib.Path("runs") / stamp)
     base = TrainCommand(**{f.name: getattr(cmd, f.name) for f in dataclasses.fields(TrainCommand)})
     data = _data(cmd.data, cmd.run.cache_dir)
     test = list(data.test)
