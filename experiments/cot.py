@@ -523,11 +523,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     results, models = {}, {}
     record = cot.read_record(folder)
     for name in MODELS:
-        solver = cot.Solver.load(folder, name, batch_size=ev.batch_size, chunk=ev.chunk)
-        log(f"{name}: decoding {len(test)} test questions")
-        result = cot.evaluate(solver, test, repeats=ev.repeats)
-        lines = "".join(json.dumps(r) + "\n" for r in result.pop("records"))
-        write_text_atomically(folder / f"answers-{name}.jsonl", lines)
+        solver, result = _decode_test(folder, name, test, ev)
         results[name] = result
         config = solver.model.config
         models[name] = {
@@ -571,6 +567,17 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     return summary
 
 
+def _decode_test(folder: pathlib.Path, name: str, test: list, ev: Eval) -> tuple[cot.Solver, dict]:
+    """Decodes ``test`` with the trained model ``name`` of ``folder`` (``cot.evaluate``) and
+    writes its ``answers-<name>.jsonl``; the solver and the result without its records."""
+    solver = cot.Solver.load(folder, name, batch_size=ev.batch_size, chunk=ev.chunk)
+    log(f"{folder.name}, {name}: decoding {len(test)} test questions")
+    result = cot.evaluate(solver, test, repeats=ev.repeats)
+    lines = "".join(json.dumps(r) + "\n" for r in result.pop("records"))
+    write_text_atomically(folder / f"answers-{name}.jsonl", lines)
+    return solver, result
+
+
 def _final_loss(folder: pathlib.Path, name: str) -> float | None:
     path = folder / "metrics.jsonl"
     if not path.exists():
@@ -589,6 +596,11 @@ def _density(r: dict, part: str) -> float:
 
 def _self_density(r: dict) -> float:
     return _density(r, "decoder_self")
+
+
+def _figures(result: dict, kind: str) -> dict:
+    """One kind's figures of a ``cot.evaluate`` result, or the whole split's (``"overall"``)."""
+    return result["overall"] if kind == "overall" else result["kinds"][kind]
 
 
 def _pct(x: float) -> str:
@@ -661,8 +673,8 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         "|:--|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for k in [*kinds, "overall"]:
-        a = sp["kinds"][k] if k != "overall" else sp["overall"]
-        b = dn["kinds"][k] if k != "overall" else dn["overall"]
+        a = _figures(sp, k)
+        b = _figures(dn, k)
         lines.append(
             f"| {k} | {_pct(a['exact_match'])} | {_pct(b['exact_match'])} | "
             f"{a['steps']:.1f} / {b['steps']:.1f} / {a['reference_steps']:.1f} | "
@@ -689,8 +701,8 @@ def _report(folder: pathlib.Path, s: dict) -> None:
     ]
 
     for k in [*kinds, "overall"]:
-        a = sp["kinds"][k] if k != "overall" else sp["overall"]
-        b = dn["kinds"][k] if k != "overall" else dn["overall"]
+        a = _figures(sp, k)
+        b = _figures(dn, k)
         cells = [
             f"{_density(r, part):.3f}"
             for part in ("encoder", "decoder_self", "decoder_cross")
@@ -756,12 +768,7 @@ def seeds(cmd: SeedsCommand) -> dict:
         for name in cmd.models:
             path = folder / f"eval-{name}.json"
             if name in pending:
-                solver = cot.Solver.load(folder, name, batch_size=cmd.eval.batch_size,
-                                         chunk=cmd.eval.chunk)  # fmt: skip
-                log(f"seed {seed}, {name}: decoding {len(test)} test questions")
-                result = cot.evaluate(solver, test, repeats=cmd.eval.repeats)
-                lines = "".join(json.dumps(r) + "\n" for r in result.pop("records"))
-                write_text_atomically(folder / f"answers-{name}.jsonl", lines)
+                _, result = _decode_test(folder, name, test, cmd.eval)
                 result["train_seconds"] = trained[f"train_{name}"]
                 write_text_atomically(path, json.dumps(result, indent=2) + "\n")
             rows.append({"seed": seed, "model": name, **json.loads(path.read_text())})
@@ -783,7 +790,7 @@ def seeds(cmd: SeedsCommand) -> dict:
 
 
 def _exact(row: dict, kind: str) -> float:
-    return (row["overall"] if kind == "overall" else row["kinds"][kind])["exact_match"]
+    return _figures(row, kind)["exact_match"]
 
 
 def _seed_spread(rows: list[dict], models, kinds: list[str]) -> dict:
