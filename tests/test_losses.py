@@ -167,7 +167,9 @@ def test_negative_infinite_logits_stay_finite(direction):
 def test_jit_and_low_precision():
     student, teacher = _logits(19), _logits(20)
     loss = jax.jit(lambda s, t: distillation_loss(s, t, temperature=2.0)[0])(student, teacher)
-    np.testing.assert_allclose(loss, distillation_loss(student, teacher, temperature=2.0)[0])
+    # jit fuses what eager runs op by op: equal up to float32 rounding, not bit for bit
+    eager = distillation_loss(student, teacher, temperature=2.0)[0]
+    np.testing.assert_allclose(loss, eager, rtol=1e-6)
     low, _ = distillation_loss(jnp.asarray(student, jnp.bfloat16), jnp.asarray(teacher))
     assert low.dtype == jnp.float32
     # a traced temperature is used unchecked

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import runpy
 import sys
 from pathlib import Path
@@ -32,7 +31,6 @@ NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 QUICK = {"quickstart.ipynb"}
 # The notebooks that write a run folder with report.md.
 RUN_JOBS = {"distill_gpt2.ipynb", "cascade.ipynb", "cot.ipynb"}
-XLA_FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _load(path: Path) -> nbformat.NotebookNode:
@@ -164,7 +162,6 @@ def test_notebook_runs_in_its_small_setting(path, tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSE_JAX_NOTEBOOK_DIR", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {XLA_FAST}".strip())
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     before = sorted(p.name for p in COLAB.iterdir())
     nb = _execute(path)
