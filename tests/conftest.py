@@ -8,6 +8,7 @@ distillation job, several processes, SIGKILL and resume) for a fast inner loop. 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -46,11 +47,17 @@ jax.config.update(
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 XLA_FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
-# Every program of the suite gets them, in the test processes and in every process they start
-# (whose runs must match the in-process ones bit for bit): most of the suite's time is compiling
-# tiny programs (measured: the whole suite 21% faster on a 2-core CPU, the experiments' runs of
-# many steps no slower). XLA reads XLA_FLAGS when the backend starts, below.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FAST}".strip()
+# On CPU every program of the suite gets them, in the test processes and in every process they
+# start (whose runs must match the in-process ones bit for bit): most of the suite's time is
+# compiling tiny programs (measured: the whole suite 21% faster on a 2-core CPU, the experiments'
+# runs of many steps no slower). XLA reads XLA_FLAGS when the backend starts, below, so whether
+# it will be a CPU is judged before: no accelerator plugin installed (GPU PJRT plugins live in
+# the `jax_plugins` namespace, TPUs need `libtpu`), or JAX_PLATFORMS=cpu.
+_cpu_only = os.environ.get("JAX_PLATFORMS", "").strip() == "cpu" or not any(
+    importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu")
+)
+if _cpu_only:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FAST}".strip()
 
 
 def jit_fast(fn, *args):
