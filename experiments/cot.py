@@ -125,6 +125,9 @@ class Model:
     """Chain-of-thought steps T_c of the reasoning module (both models: they are layers)."""
     normalizer: Literal["softmax", "sparsemax", "entmax15"] = "sparsemax"
     """The sparse model's attention normalizer (the dense one's: softmax)."""
+    logit_scale: float | None = None
+    """The sparse model's attention: a learned per-head factor on QKᵀ/√d, starting at this value
+    (None: none)."""
     output: Literal["softmax", "sparsemax"] = "sparsemax"
     """The sparse model's output distribution and loss (the dense one's: softmax)."""
     embed_keep: float = EncDecConfig.embed_keep

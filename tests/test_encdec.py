@@ -14,6 +14,7 @@ from flax import nnx
 
 from sparse_jax import sparsemax, sparsemax_loss
 from sparse_jax.models.encdec import (
+    Attention,
     EncDecConfig,
     EncoderDecoder,
     describe,
@@ -65,6 +66,7 @@ def test_dense_baseline_has_every_switch_off_and_the_same_parameters():
         ("cot_keep", 0.25),
         ("decoder_keep", 0.5),
         ("decoder_window", 2),
+        ("logit_scale", 0.5),
     ],
 )
 def test_each_switch_changes_the_forward_pass_and_only_what_it_names(switch, value):
@@ -93,7 +95,7 @@ def test_each_switch_changes_the_forward_pass_and_only_what_it_names(switch, val
         assert float(stats["decoder_self_allowed"]) == pytest.approx(
             np.mean([min(i + 1, 2) / t for i in range(t)])
         )
-    else:  # a feature mask: the masks of attention are untouched
+    else:  # a feature mask or the scores' factor: the masks of attention are untouched
         for kind in kinds:
             assert float(stats[f"{kind}_allowed"]) == pytest.approx(
                 float(dense_stats[f"{kind}_allowed"])
@@ -105,6 +107,36 @@ def test_each_switch_changes_the_forward_pass_and_only_what_it_names(switch, val
     if switch == "cot_keep":  # each position keeps its 4 largest features
         memory = np.asarray(model.encode(src, lengths))
         np.testing.assert_array_equal((memory != 0).sum(-1), 4)
+
+
+def test_logit_scale_is_a_learned_factor_on_each_heads_scores():
+    # A factor c_h on head h's scores QKᵀ/√d is the same as c_h on its query projection.
+    scaled = _model(dataclasses.replace(SPARSE, logit_scale=0.5))
+    plain = _model(SPARSE)  # the same draws: the factors take no random numbers
+    factors = jnp.array([0.5, 3.0])  # N = 2 heads of 8 dimensions
+    per_column = jnp.repeat(factors, SPARSE.head_dim)
+    attentions = [m for _, m in nnx.iter_graph(scaled) if isinstance(m, Attention)]
+    assert len(attentions) == 1 + 2 + 2 * 2  # encoder, 2 CoT steps, 2 decoders x (self, cross)
+    for _, m in nnx.iter_graph(scaled):
+        if isinstance(m, Attention):
+            np.testing.assert_allclose(np.exp(m.log_scale[...]), [0.5, 0.5], rtol=1e-6)
+            m.log_scale[...] = jnp.log(factors)
+    for _, m in nnx.iter_graph(plain):
+        if isinstance(m, Attention):
+            assert m.log_scale is None
+            m.q.kernel[...] = m.q.kernel[...] * per_column
+            m.q.bias[...] = m.q.bias[...] * per_column
+    src, lengths, tgt = _batch()
+    np.testing.assert_allclose(
+        scaled(src, lengths, tgt), plain(src, lengths, tgt), rtol=1e-5, atol=1e-5
+    )
+    # learned: every factor gets a gradient
+    where = jnp.ones(tgt.shape, bool)
+    grads = nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, where))(scaled)
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    scale_grads = [np.asarray(g) for path, g in leaves if "log_scale" in jax.tree_util.keystr(path)]
+    assert len(scale_grads) == len(attentions)
+    assert all(np.all(g != 0) for g in scale_grads)
 
 
 def test_magnitude_embedding_keeps_each_tokens_largest_entries():
@@ -242,6 +274,9 @@ def test_flops_by_hand():
         ({"output": "entmax"}, "unknown `output`='entmax'"),
         ({"embed_mask": "top"}, "unknown `embed_mask`='top'"),
         ({"decoder_block": 0}, "decoder_block"),
+        ({"logit_scale": 0}, r"`logit_scale` must be a finite number > 0 or None; got 0"),
+        ({"logit_scale": float("inf")}, "`logit_scale` must be a finite number > 0"),
+        ({"logit_scale": True}, "`logit_scale` must be a finite number > 0"),
     ],
 )
 def test_bad_configurations_are_rejected(kwargs, match):

@@ -14,7 +14,10 @@ softmax encoder–decoder of the same size, the baseline):
   row's information but saves no parameters). Sinusoidal positions are added after the mask.
 * Encoder layers (post-norm, "Add & Norm"): self-attention ``normalizer(QKᵀ/√d + M) V``
   (``normalizer="sparsemax"``; ``M`` is ``-inf`` outside the source's padding and, with
-  ``encoder_window``, outside a window of that many keys either side), then an FFN.
+  ``encoder_window``, outside a window of that many keys either side), then an FFN. With
+  ``logit_scale = c`` every attention's scores get a learned factor per head, ``c_h QKᵀ/√d``,
+  starting at ``c`` (for sparsemax it sets how many keys a head keeps, not only how peaked its
+  weights are).
 * A chain-of-thought module (``cot_steps = T_c > 0``): ``C_0`` is the encoder output and
   ``R_t = f_t(SparseEmbed(x), C_{t-1})``: the embedded question is added to ``C_{t-1}``, then a
   self-attention and an FFN (each with Add & Norm); ``C_t = R_t ⊙ M_t`` with ``M_t`` each
@@ -95,6 +98,7 @@ class EncDecConfig:
     decoder_layers: int = 2  # decoder layers
     d_ff: int = 512  # FFN inner width
     normalizer: str = "sparsemax"  # every attention's normalizer: softmax/sparsemax/entmax15
+    logit_scale: float | None = None  # a learned per-head factor on QKᵀ/√d, starting here
     output: Literal["softmax", "sparsemax"] = "sparsemax"  # output distribution and its loss
     embed_keep: float = 0.5  # SparseEmbed: kept fraction of embedding dims, (0, 1] (1: off)
     embed_mask: Literal["random", "magnitude"] = "random"  # which dims SparseEmbed keeps
@@ -126,6 +130,15 @@ class EncDecConfig:
             raise ValueError(
                 f"{caller}: unknown `normalizer`={self.normalizer!r}; allowed: {NORMALIZERS}"
             )
+        if self.logit_scale is not None and not (
+            isinstance(self.logit_scale, (int, float))
+            and not isinstance(self.logit_scale, bool)
+            and 0 < self.logit_scale < math.inf
+        ):
+            raise ValueError(
+                f"{caller}: `logit_scale` must be a finite number > 0 or None; "
+                f"got {self.logit_scale!r}"
+            )
         if self.output not in OUTPUTS:
             raise ValueError(f"{caller}: unknown `output`={self.output!r}; allowed: {OUTPUTS}")
         if self.embed_mask not in EMBED_MASKS:
@@ -149,6 +162,7 @@ class EncDecConfig:
         return dataclasses.replace(
             self,
             normalizer="softmax",
+            logit_scale=None,
             output="softmax",
             embed_keep=1.0,
             encoder_window=None,
@@ -218,6 +232,11 @@ class Attention(nnx.Module):
         d = cfg.d_model
         self.num_heads, self.head_dim, self.normalizer = cfg.num_heads, cfg.head_dim, cfg.normalizer
         self.q = nnx.Linear(d, d, rngs=rngs)
+        self.log_scale = (
+            None
+            if cfg.logit_scale is None
+            else nnx.Param(jnp.full((cfg.num_heads,), math.log(cfg.logit_scale), jnp.float32))
+        )
         self.k = nnx.Linear(d, d, rngs=rngs)
         self.v = nnx.Linear(d, d, rngs=rngs)
         self.o = nnx.Linear(d, d, rngs=rngs)
@@ -234,6 +253,8 @@ class Attention(nnx.Module):
         ``weights``, also the attention weights ``[B, N, Tq, Tk]``. ``mask``: a bool array or
         a :class:`sparse_jax.masks.Mask`, whose blocks are ``block`` x ``block``."""
         q = self.heads(self.q(x))
+        if self.log_scale is not None:  # the logits' per-head factor, learned
+            q = q * jnp.exp(self.log_scale[...])[:, None].astype(q.dtype)
         out = attention(
             q,
             k,
