@@ -11,8 +11,9 @@ its dense baseline of the same size, data, steps and seed (issue 16, the GiantRa
 The task is :mod:`sparse_jax.data.linalg_cot` (the question as bytes into the encoder, the worked
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
 the sparse model (:class:`~sparse_jax.models.encdec.EncDecConfig`'s sparse switches: sparsemax
-attention and outputs, sparse embeddings, chain-of-thought feature masks, a decoder window of
-the 64 most recent tokens and 4 sinks) and then its dense baseline (``config.dense()``) with
+attention, its scores scaled by a learned factor per head that starts at 0.25, sparsemax
+outputs, sparse embeddings, chain-of-thought feature masks, a decoder window of the 64 most
+recent tokens and 4 sinks) and then its dense baseline (``config.dense()``) with
 the project's trainer, each phase checkpointed under ``<run>/checkpoints/<model>``. ``eval``
 decodes the test split greedily with each trained model (restored by
 ``sparse_jax.cot.Solver.load``) and reports, per question kind, exact match of the final answer,
@@ -125,9 +126,9 @@ class Model:
     """Chain-of-thought steps T_c of the reasoning module (both models: they are layers)."""
     normalizer: Literal["softmax", "sparsemax", "entmax15"] = "sparsemax"
     """The sparse model's attention normalizer (the dense one's: softmax)."""
-    logit_scale: float | None = None
+    logit_scale: float | None = 0.25
     """The sparse model's attention: a learned per-head factor on QKᵀ/√d, starting at this value
-    (None: none)."""
+    (None: none). Sparsemax keeps more keys at 0.25 and answers more (docs/results.md)."""
     output: Literal["softmax", "sparsemax"] = "sparsemax"
     """The sparse model's output distribution and loss (the dense one's: softmax)."""
     embed_keep: float = EncDecConfig.embed_keep
@@ -348,7 +349,8 @@ def study() -> AllCommand:
         data=Data(kinds=linalg_cot.KINDS, sizes="default", train=12_000, validation=600, test=600),
         # A window of 256 keeps a step line and the one before it (up to 261 tokens at these
         # sizes). Unmeasured; at the default's small sizes 64 measured better than 128 and than
-        # causal (docs/results.md).
+        # causal (docs/results.md). The sparse model's logit scale starts at the default's 0.25,
+        # also measured at the default's sizes only.
         model=Model(
             d_model=256,
             num_heads=8,
