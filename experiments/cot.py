@@ -716,10 +716,16 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     models = s["models"]
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in s["phase_seconds"].items())
+    sizes = {models[m]["parameters"] for m in ("sparse", "dense")}
+    parameters = (  # the logit scale's factors are the sparse model's only extra parameters
+        f"both models {models['sparse']['parameters']:,} parameters"
+        if len(sizes) == 1
+        else f"{models['sparse']['parameters']:,} parameters sparse, "
+        f"{models['dense']['parameters']:,} dense"
+    )
     lines += [
         "",
-        f"Sparse switches: {models['sparse']['switches']}; both models "
-        f"{models['sparse']['parameters']:,} parameters (d_model "
+        f"Sparse switches: {models['sparse']['switches']}; {parameters} (d_model "
         f"{models['sparse']['config']['d_model']}, {models['sparse']['config']['encoder_layers']}"
         f" + {models['sparse']['config']['decoder_layers']} layers, "
         f"{models['sparse']['config']['cot_steps']} CoT steps), trained "
