@@ -128,7 +128,7 @@ class Model:
     """The sparse model's attention normalizer (the dense one's: softmax)."""
     logit_scale: float | None = 0.25
     """The sparse model's attention: a learned per-head factor on QKᵀ/√d, starting at this value
-    (None: none). Sparsemax keeps more keys at 0.25 and answers more (docs/results.md)."""
+    (None: none; docs/results.md compares starts)."""
     output: Literal["softmax", "sparsemax"] = "sparsemax"
     """The sparse model's output distribution and loss (the dense one's: softmax)."""
     embed_keep: float = EncDecConfig.embed_keep
