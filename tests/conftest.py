@@ -45,7 +45,7 @@ jax.config.update(
 # loops per case, on a 2-core CPU): about half the compile time, the same computation, only less
 # optimised machine code.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-XLA_FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+XLA_FAST = " ".join(f"--{name}={str(value).lower()}" for name, value in FAST_COMPILE.items())
 
 # On CPU every program of the suite gets them, in the test processes and in every process they
 # start (whose runs must match the in-process ones bit for bit): most of the suite's time is

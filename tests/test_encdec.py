@@ -117,10 +117,9 @@ def test_logit_scale_is_a_learned_factor_on_each_heads_scores():
     per_column = jnp.repeat(factors, SPARSE.head_dim)
     attentions = [m for _, m in nnx.iter_graph(scaled) if isinstance(m, Attention)]
     assert len(attentions) == 1 + 2 + 2 * 2  # encoder, 2 CoT steps, 2 decoders x (self, cross)
-    for _, m in nnx.iter_graph(scaled):
-        if isinstance(m, Attention):
-            np.testing.assert_allclose(np.exp(m.log_scale[...]), [0.5, 0.5], rtol=1e-6)
-            m.log_scale[...] = jnp.log(factors)
+    for m in attentions:
+        np.testing.assert_allclose(np.exp(m.log_scale[...]), [0.5, 0.5], rtol=1e-6)
+        m.log_scale[...] = jnp.log(factors)
     for _, m in nnx.iter_graph(plain):
         if isinstance(m, Attention):
             assert m.log_scale is None
