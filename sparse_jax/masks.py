@@ -69,6 +69,7 @@ import dataclasses
 import functools
 import numbers
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +101,7 @@ __all__ = [
     "Shifted",
     "Sink",
     "Strided",
+    "TileExpression",
     "causal",
     "check_layout",
     "chunked",
@@ -113,11 +115,13 @@ __all__ = [
     "padding",
     "per_head",
     "random_blocks",
+    "runtime_leaves",
     "segment_ids",
     "segments",
     "sink",
     "split_runtime",
     "strided",
+    "tile_expression",
 ]
 
 #: Value of the padded entries of ``BlockLayout.kv_block_indices`` and of
@@ -1786,6 +1790,27 @@ def split_runtime(mask: Mask) -> tuple[Mask, tuple[Padding, ...], tuple[Segments
     return whole, tuple(paddings), tuple(segs)
 
 
+def runtime_leaves(mask: Mask) -> tuple[tuple[Padding, ...], tuple[Segments, ...]]:
+    """The ``padding`` and ``segments`` leaves of ``mask``, wherever they sit, left to right.
+
+    Example:
+      >>> paddings, segs = runtime_leaves(causal() | ~padding([3, 5]))
+      >>> len(paddings), len(segs)
+      (1, 0)
+    """
+    found: tuple[list, list] = ([], [])
+    stack = [_check_mask("runtime_leaves", "mask", mask)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Padding):
+            found[0].append(node)
+        elif isinstance(node, Segments):
+            found[1].append(node)
+        else:
+            stack += reversed(node._children())
+    return tuple(found[0]), tuple(found[1])
+
+
 def key_lengths(paddings: Sequence[Padding], batch: int, kv_len: int, caller: str) -> Any:
     """Each batch element's key length ``[batch]`` int32 under ``padding`` leaves (the minimum
     of their lengths, at most ``kv_len``); None when there are none.
@@ -1820,6 +1845,101 @@ def segment_ids(segs: Segments, batch: int, caller: str) -> tuple[Any, Any]:
             f"size {batch}"
         )
     return jnp.asarray(segs.q_ids, jnp.int32), jnp.asarray(segs.kv_ids, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot(Mask):
+    """Stands for a run-time leaf in a :class:`TileExpression`: its value on the tile is read
+    from the ``b`` argument of ``_eval`` (``{"padding": key length, "segments": tile}``)."""
+
+    kind: str  # "padding" | "segments"
+
+    def _eval(self, q, kv, h, b, xp):
+        return kv < b["padding"] if self.kind == "padding" else b["segments"]
+
+
+# Static leaves a kernel can evaluate from index tiles alone (no array lookups, no boolean
+# reductions): integer comparisons and arithmetic on the positions.
+_TILE_LEAVES = (Full, Causal, Local, Dilated, Strided, Fixed, Sink, Chunked)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileExpression:
+    """A run-time mask as a fused kernel evaluates it on one ``[bq, bkv]`` tile: the mask with
+    its ``padding`` and ``segments`` leaves (at most one of each, anywhere under ``&``, ``|``,
+    ``~``) replaced by the tile's values of those leaves. It holds no run-time data, so a
+    kernel's static description can keep it. Built by :func:`tile_expression`.
+
+    Example:
+      >>> expr = tile_expression(causal() | padding([2]))  # a prefix-LM mask, run-time prefix
+      >>> rows, keys = jnp.arange(3)[:, None], jnp.arange(3)[None, :]
+      >>> expr(rows, keys, key_length=2, same_segment=None).astype(int).tolist()
+      [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
+    """
+
+    tree: Mask
+    uses_padding: bool
+    uses_segments: bool
+
+    def __call__(self, rows: Any, keys: Any, *, key_length: Any, same_segment: Any) -> Any:
+        """The mask on a tile: ``rows`` ``[bq, 1]`` and ``keys`` ``[1, bkv]`` int positions,
+        ``key_length`` the batch element's ``padding`` length (scalar), ``same_segment`` its
+        ``segments`` tile ``[bq, bkv]`` bool (None without one). Returns bool ``[bq, bkv]``."""
+        values = {"padding": key_length, "segments": same_segment}
+        value = self.tree._eval(rows, keys, None, values, jnp)
+        return jnp.broadcast_to(value, np.broadcast_shapes(rows.shape, keys.shape))
+
+
+def tile_expression(mask: Mask) -> TileExpression | str:
+    """The :class:`TileExpression` of a run-time mask whose ``padding`` / ``segments`` leaves
+    may sit under ``|`` and ``~`` (what :func:`split_runtime` does not take), or a sentence
+    saying why it has none: more than one leaf of a kind, a run-time leaf under
+    ``with_offset``, a per-head mask, or a static leaf that needs an array lookup
+    (``from_array``, ``global_tokens``, ``random_blocks``).
+
+    Example:
+      >>> tile_expression(causal() | padding([2])).uses_padding
+      True
+      >>> tile_expression(from_array(np.ones((2, 2), bool)) | padding([2]))
+      'from_array is not evaluated in a kernel tile (array lookups): use impl="blocksparse"'
+    """
+    mask = _check_mask("tile_expression", "mask", mask)
+    if not mask.is_dynamic:
+        return "the mask is static (its block layout holds it)"
+    if mask.num_heads is not None:
+        return "per-head masks with a run-time leaf under | or ~ are not evaluated in a tile"
+    counts = {"padding": 0, "segments": 0}
+
+    def rebuild(node: Mask, shifted: bool) -> Mask | str:
+        if isinstance(node, (Padding, Segments)):
+            kind = "padding" if isinstance(node, Padding) else "segments"
+            if shifted:
+                return f"a run-time `{kind}` leaf under with_offset is not evaluated in a tile"
+            counts[kind] += 1
+            if counts[kind] > 1:
+                return f"at most one `{kind}` leaf can be evaluated in a tile"
+            return _Slot(kind)
+        if isinstance(node, _TILE_LEAVES):
+            return node
+        if isinstance(node, (And, Or)):
+            left, right = rebuild(node.left, shifted), rebuild(node.right, shifted)
+            for part in (left, right):
+                if isinstance(part, str):
+                    return part
+            return type(node)(left, right)
+        if isinstance(node, Not):
+            inner = rebuild(node.mask, shifted)
+            return inner if isinstance(inner, str) else Not(inner)
+        if isinstance(node, Shifted):
+            inner = rebuild(node.mask, True)
+            return inner if isinstance(inner, str) else Shifted(inner, node.offset)
+        name = re.sub(r"(?<!^)(?=[A-Z])", "_", type(node).__name__).lower()
+        return f'{name} is not evaluated in a kernel tile (array lookups): use impl="blocksparse"'
+
+    tree = rebuild(mask, False)
+    if isinstance(tree, str):
+        return tree
+    return TileExpression(tree, counts["padding"] > 0, counts["segments"] > 0)
 
 
 def per_head(masks: Sequence[Mask]) -> Mask:

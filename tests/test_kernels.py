@@ -49,6 +49,20 @@ CASES = {
         & masks.padding(np.array([60, 50])),
         (2, 64, 64, 2, 1, 8), jnp.float32, 16, None,
     ),
+    # Run-time leaves under | and ~, evaluated tile by tile: a prefix-LM mask with a run-time
+    # prefix per batch element; packed sequences with sinks shared across them, keys before a
+    # run-time start masked (batch 0's first rows see no key: zero output and gradients).
+    "sparsemax-prefix-lm-gqa": (
+        "sparsemax", masks.causal() | masks.padding(np.array([13, 40])), (2, 64, 64, 2, 1, 8),
+        jnp.float32, 16, None,
+    ),
+    "alpha-segments-or-sinks-not-padding": (
+        "alpha",
+        ((masks.causal() & masks.segments(np.array([[0] * 24 + [1] * 40, [2] * 30 + [3] * 34])))
+         | masks.sink(3))
+        & ~masks.padding(np.array([4, 0])),
+        (2, 64, 64, 2, 2, 8), jnp.float32, 16, None,
+    ),
     "sparsemax-window-gqa-bf16": (
         "sparsemax", masks.causal() & masks.local(24, 0), (1, 64, 64, 2, 1, 16), jnp.bfloat16, 32,
         None,
@@ -205,7 +219,8 @@ def _live_map(q, k, v, layout, norm):
     plan = pk._Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
-        interpret=True, segments=False, target="triton", precision=None,
+        interpret=True, segments=False, expr=None, kv_len=k.shape[1], target="triton",
+        precision=None,
         bias_axes=(False,) * 4, arrays=pk._layout_arrays(layout),
     )  # fmt: skip
     eps = jnp.zeros((n, 1), jnp.float32)
@@ -256,7 +271,18 @@ def test_a_non_finite_value_leaves_the_gradients_of_rows_that_mask_its_key_finit
     [
         ({"block_size": (8, 16)}, r"block_size\[0\]`=8 is not a power of two >= 16"),
         ({"block_size": (16, 48)}, r"block_size\[1\]`=48"),
-        ({"mask": masks.causal() | masks.padding(np.array([20]))}, "joined with & to a static"),
+        (
+            {"mask": masks.causal() | masks.padding(np.array([20])) | masks.padding(np.array([9]))},
+            "at most one `padding` leaf",
+        ),
+        (
+            {"mask": masks.from_array(np.tri(32, dtype=bool)) | masks.padding(np.array([20]))},
+            "from_array is not evaluated in a kernel tile",
+        ),
+        (
+            {"mask": (masks.causal() | masks.padding(np.array([20]))).with_offset(1)},
+            "under with_offset",
+        ),
         ({"mask": None}, "needs `mask` to be a sparse_jax.masks.Mask"),
         ({"return_weights": True}, "return_weights is not supported"),
     ],
@@ -266,6 +292,32 @@ def test_bad_arguments_are_refused_before_tracing(kwargs, match):
     call = {"mask": masks.causal(), "block_size": (16, 16), **kwargs}
     with pytest.raises(ValueError, match=match):
         attention(q, k, v, impl="pallas", **call)
+
+
+def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile():
+    """A prefix-LM mask (causal | padding(prefix)) runs in the Triton kernels with the mask
+    evaluated per tile (its tile expression; a mask of `&` only keeps the key lengths); the
+    Mosaic kernels refuse it."""
+    q, k, v, _ = _inputs((2, 32, 32, 1, 1, 16), jnp.float32)
+    prefix = np.array([5, 20])
+    mask = masks.causal() | masks.padding(prefix)
+    layout = mask.blocks(32, 32, 16, 16)
+    expr = pk._expression(mask, layout)
+    assert expr is not None and expr.uses_padding and not expr.uses_segments
+    assert pk._expression(masks.causal() & masks.padding(prefix), layout) is None  # lengths
+
+    def run(q, k, v):
+        return attention(q, k, v, mask=mask, impl="pallas", block_size=(16, 16))
+
+    assert_engine("pallas", run, q, k, v)
+    out = run(q, k, v)
+    ref = attention(q, k, v, mask=mask, impl="xla")
+    np.testing.assert_allclose(out, ref, atol=2e-6)
+    assert pk.pallas_supports(q, layout, mask=mask, backend="gpu") == (True, "")
+    ok, why = pk.pallas_supports(q, layout, mask=mask, backend="tpu")
+    assert not ok and "Mosaic" in why
+    with pytest.raises(ValueError, match="Mosaic"):
+        pallas_attention(q, k, v, layout, mask=mask, target="mosaic", interpret=True)
 
 
 def test_kernel_arguments_are_checked():
@@ -288,6 +340,7 @@ def test_kernel_arguments_are_checked():
         ("softmax", False, 4, jnp.bfloat16, None),
         ("sparsemax", True, 4, jnp.bfloat16, (1, 4, 128, 128)),
         ("entmax15-packed", False, 2, jnp.float16, (1, 1, 1, 128)),
+        ("softmax-or", False, 4, jnp.bfloat16, None),
         ("alpha", False, 4, jnp.float32, (1, 4, 128, 1)),
     ],
 )
@@ -302,6 +355,10 @@ def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dt
         normalizer = normalizer.removesuffix("-packed")
         ids = np.repeat(np.arange(4), 128 // 4)[None]
         mask = mask & masks.segments(ids) & masks.padding(np.array([128 - 7]))
+    if normalizer.endswith("-or"):  # run-time leaves under | and ~, evaluated per tile
+        normalizer = normalizer.removesuffix("-or")
+        ids = np.repeat(np.arange(4), 128 // 4)[None]
+        mask = (mask & ~masks.segments(ids)) | masks.padding(np.array([16]))
     layout = mask.blocks(128, 128, 32, 32)
     alpha = jnp.full((4,), 1.3) if normalizer == "alpha" else None
     bias = None if bias_shape is None else jnp.zeros(bias_shape)

@@ -111,7 +111,8 @@ def _plan(q, v, layout, norm):
     return pk._Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
-        interpret=True, segments=False, target="mosaic", precision=jax.lax.Precision.HIGHEST,
+        interpret=True, segments=False, expr=None, kv_len=v.shape[1], target="mosaic",
+        precision=jax.lax.Precision.HIGHEST,
         bias_axes=(False,) * 4, arrays=pk._layout_arrays(layout),
     )  # fmt: skip
 

@@ -692,3 +692,49 @@ def test_equality_and_hash():
     assert from_array(a) != from_array(~a)
     assert global_tokens([3, 1, 3]) == global_tokens((1, 3))
     assert "causal" in repr(causal() & ~sink(2)).lower()
+
+
+def test_tile_expression_equals_the_mask_on_every_tile():
+    """The kernels' tile expression, given a batch element's padding length and same-segment
+    tile, is the mask's own predicate there, for run-time leaves under | and ~ and static
+    leaves of every kind it takes (shifted ones included)."""
+    lengths = np.array([3, 9])
+    ids = np.array([[0] * 5 + [1] * 7, [2] * 12])
+    pad, seg = masks.padding(lengths), masks.segments(ids)
+    cases = [
+        masks.causal() | pad,
+        (masks.causal() & seg) | masks.sink(2),
+        ~pad & (masks.local(3, 1) | ~seg),
+        (masks.strided(3) | masks.dilated(2, 2) | masks.fixed(4, 1)) & ~(pad | seg),
+        masks.chunked(4).with_offset(2) | (masks.full() & pad),
+    ]
+    rows, keys = np.arange(12)[:, None], np.arange(12)[None, :]
+    for mask in cases:
+        expr = masks.tile_expression(mask)
+        assert isinstance(expr, masks.TileExpression), (mask, expr)
+        assert expr.uses_padding == bool(masks.runtime_leaves(mask)[0])
+        assert expr.uses_segments == bool(masks.runtime_leaves(mask)[1])
+        for b in range(2):
+            same = jnp.asarray(ids[b][:, None] == ids[b][None, :])
+            got = expr(jnp.asarray(rows), jnp.asarray(keys), key_length=lengths[b],
+                       same_segment=same)  # fmt: skip
+            want = mask.predicate(rows, keys, batch=np.int32(b))
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=repr(mask))
+
+
+def test_tile_expression_says_why_a_mask_has_none():
+    pad = masks.padding(np.array([4]))
+    cases = {
+        "the mask is static": masks.causal(),
+        "at most one `padding` leaf": pad | masks.padding(np.array([2])),
+        "at most one `segments` leaf": masks.segments([[0, 1]]) | masks.segments([[1, 1]]),
+        "under with_offset": (masks.causal() | pad).with_offset(1),
+        "per-head masks": masks.per_head([masks.causal(), masks.full()]) | pad,
+        "global_tokens is not evaluated": masks.global_tokens([0]) | pad,
+        "random_blocks is not evaluated": masks.random_blocks(0.5, 4, 0) | pad,
+    }
+    for why, mask in cases.items():
+        got = masks.tile_expression(mask)
+        assert isinstance(got, str) and why in got, (mask, got)
+    with pytest.raises(TypeError, match="tile_expression"):
+        masks.tile_expression("causal")

@@ -41,9 +41,17 @@ unchanged in Pallas' interpret mode, which is how they run, and are tested, on C
 (``interpret=None`` picks it there). Block sizes must be powers of two >= 16 (Triton's tiles);
 head dims are zero-padded to one. On TPU, :func:`pallas_attention` runs the same algorithm
 written for Mosaic (:mod:`sparse_jax.kernels.mosaic`: blocks multiples of 128, key blocks
-streamed by DMA). Not supported (yet; :func:`pallas_supports` says so and ``impl="auto"``
-takes another engine): run-time masks other than ``static & padding(lengths)`` and
-``& segments(ids)``, ``return_weights``, float64.
+streamed by DMA).
+
+Run-time masks: ``static & padding(lengths)`` and ``& segments(ids)`` are applied as each batch
+element's key length and segment ids beside the layout's static tiles. A ``padding`` and a
+``segments`` leaf under ``|`` or ``~`` (``causal() | padding(prefix)``: a prefix-LM mask with a
+run-time prefix per batch element) are evaluated tile by tile in the Triton kernels from the
+positions, the length and the ids (:class:`~sparse_jax.masks.TileExpression`), over the blocks
+the layout's conservative bound keeps. Not supported (yet; :func:`pallas_supports` says so and
+``impl="auto"`` takes another engine): other run-time masks (two leaves of a kind under ``|``
+or ``~``, or beside an array mask), those under ``|``/``~`` in the Mosaic kernels,
+``return_weights``, float64.
 """
 
 from __future__ import annotations
@@ -64,10 +72,13 @@ from sparse_jax.masks import (
     Mask,
     Padding,
     Segments,
+    TileExpression,
     check_layout,
     key_lengths,
+    runtime_leaves,
     segment_ids,
     split_runtime,
+    tile_expression,
 )
 from sparse_jax.normalizers import (
     LIFT_FROM_EPS,
@@ -133,10 +144,14 @@ def pallas_supports(
     if return_weights:
         return False, "return_weights is not supported (the weights are never materialised)"
     if mask is not None and mask.is_dynamic and _runtime_parts(mask) is None:
-        return False, (
-            "the run-time part of the mask must be padding(lengths) and/or one segments(...) "
-            "joined with & to a static mask (other run-time masks are not supported yet)"
-        )
+        if backend == "tpu":
+            return False, (
+                "the Mosaic (TPU) kernels take a run-time mask only as padding(lengths) and/or "
+                "one segments(...) joined with & to a static mask"
+            )
+        expr = tile_expression(mask)
+        if isinstance(expr, str):
+            return False, f"the run-time mask is not supported by the fused kernels: {expr}"
     if layout is not None:
         block_size = (layout.block_q, layout.block_kv)
     if block_size is not None:
@@ -166,9 +181,19 @@ def _runtime_parts(mask: Mask) -> tuple[tuple[Padding, ...], tuple[Segments, ...
     return None if parts is None or len(parts[2]) > 1 else parts[1:]
 
 
+def _expression(mask: Any, layout: BlockLayout) -> TileExpression | None:
+    """The tile expression of a dynamic layout's mask whose run-time leaves sit under ``|`` or
+    ``~``; None when the layout is static or the mask is ``static & run-time leaves``."""
+    if not layout.dynamic or not isinstance(mask, Mask) or _runtime_parts(mask) is not None:
+        return None
+    expr = tile_expression(mask)
+    return None if isinstance(expr, str) else expr
+
+
 def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) -> jax.Array:
     """Each batch element's key length ``[B]`` int32: ``Tk`` for a static layout, the run-time
-    ``padding`` lengths of ``mask`` (their minimum) for a dynamic one."""
+    ``padding`` lengths of ``mask`` (their minimum) for a dynamic one (for a tile expression:
+    its ``padding`` leaf's lengths)."""
     if not layout.dynamic:
         return jnp.full((b,), tk, jnp.int32)
     if not isinstance(mask, Mask) or not mask.is_dynamic:
@@ -177,11 +202,13 @@ def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) ->
             f"it was built from as `mask=` (got {type(mask).__name__})"
         )
     parts = _runtime_parts(mask)
+    if parts is None and _expression(mask, layout) is not None:
+        parts = runtime_leaves(mask)
     if parts is None:
         raise ValueError(
             f"{caller}: the run-time part of `mask` must be padding(lengths) and/or one "
-            f"segments(...) joined with & to a static mask; got {mask!r}. Use "
-            f"impl='blocksparse' for other run-time masks"
+            f"segments(...) joined with & to a static mask, or at most one of each under | "
+            f"and ~; got {mask!r}. Use impl='blocksparse' for other run-time masks"
         )
     if not parts[0]:
         return jnp.full((b,), tk, jnp.int32)
@@ -195,6 +222,8 @@ def _segment_ids(mask: Any, layout: BlockLayout, b: int, tq_pad: int, tk_pad: in
     if not layout.dynamic:
         return None
     parts = _runtime_parts(mask)
+    if parts is None and _expression(mask, layout) is not None:
+        parts = runtime_leaves(mask)
     if parts is None or not parts[1]:
         return None
     q_ids, kv_ids = segment_ids(parts[1][0], b, caller)
@@ -226,6 +255,8 @@ class _Plan:
     per_head: int  # 1: layout arrays per head, 0: shared
     interpret: bool
     segments: bool  # the mask has a run-time segments leaf (ids compared in the kernels)
+    expr: TileExpression | None  # run-time leaves under | or ~: the mask evaluated per tile
+    kv_len: int  # Tk: keys at or beyond it are the padding of the last block
     target: str  # "triton" (GPU) or "mosaic" (TPU): which kernels run
     precision: Any  # of the tiles' products (jax.lax.Precision or None)
     bias_axes: tuple[bool, bool, bool, bool]  # the bias has a full (batch, head, q, kv) axis
@@ -293,11 +324,28 @@ def _dot(plan: _Plan, a, b, contract_a: int = 1, contract_b: int = 1):
     return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
-def _segment_tile(plan: _Plan, qseg_ref, kvseg_ref, kv_block):
-    """Same-segment tile of the query tile (ids ``qseg_ref`` ``[bq]``) with key block
-    ``kv_block`` (ids in ``kvseg_ref`` ``[Tk]``); None without a segments mask."""
+def _runtime_tile(plan: _Plan, q_block, kv_block, kv_length, q_ids, kv_ids):
+    """``(key bound, tile)`` of the run-time mask on query block ``q_block`` and key block
+    ``kv_block``: keys at or beyond the bound are masked, and where ``tile`` (``[bq, bkv]``
+    bool, None for none) is False. ``kv_length``: the batch element's ``padding`` length;
+    ``q_ids``/``kv_ids``: callables reading the tile's segment ids ``[bq]``/``[bkv]``."""
+    same = _same_segment(plan, q_ids, kv_ids)
+    if plan.expr is None:
+        return kv_length, same
+    rows = q_block * plan.bq + jnp.arange(plan.bq, dtype=jnp.int32)[:, None]
+    keys = kv_block * plan.bkv + jnp.arange(plan.bkv, dtype=jnp.int32)[None, :]
+    return plan.kv_len, plan.expr(rows, keys, key_length=kv_length, same_segment=same)
+
+
+def _row_tile(plan: _Plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block):
+    """:func:`_runtime_tile` in the kernels that own one query block (``q_block``, the grid's
+    first axis, read outside their loops): its segment ids in ``qseg_ref`` ``[bq]``, every
+    key's in ``kvseg_ref`` ``[Tk]``."""
     start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
-    return _same_segment(plan, lambda: qseg_ref[...], lambda: kvseg_ref[pl.ds(start, plan.bkv)])
+    return _runtime_tile(
+        plan, q_block, kv_block, kv_length,
+        lambda: qseg_ref[...], lambda: kvseg_ref[pl.ds(start, plan.bkv)],
+    )  # fmt: skip
 
 
 def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref):
@@ -312,14 +360,15 @@ def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref)
     return raw, jnp.minimum(raw * scale + bias + key_nan, _MAX)
 
 
-def _allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int, same_segment=None):
+def _allowed(full, mask_index, masks_ref, kv_block, bound_and_tile, bkv: int):
     """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask;
-    keys at or beyond ``kv_length`` (the batch element's run-time padding length) masked, and
-    where ``same_segment`` (``[bq, bkv]`` bool, for a ``segments`` mask) is False."""
+    with ``bound_and_tile`` of :func:`_runtime_tile`, keys at or beyond the bound (the batch
+    element's run-time padding length, or ``Tk``) masked, and where the tile is False."""
+    kv_length, tile = bound_and_tile
     static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
     keys = kv_block * bkv + jnp.arange(bkv, dtype=jnp.int32)
     allowed = jnp.logical_and(static, (keys < kv_length)[None, :])
-    return allowed if same_segment is None else jnp.logical_and(allowed, same_segment)
+    return allowed if tile is None else jnp.logical_and(allowed, tile)
 
 
 def _same_segment(plan: _Plan, q_ids, kv_ids):
@@ -447,12 +496,13 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
+    q_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
 
     def body(j, carry):
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
-        same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
-        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same)
+        rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
+        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, rt, plan.bkv)
         start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
         v = v_ref[pl.ds(start, plan.bkv), :]
         return _softmax_step(plan, carry, jnp.where(allowed, s, -jnp.inf), v)
@@ -470,14 +520,15 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
+    q_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
     count = cnt_ref[0]
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
 
     def masked(j):
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
-        same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
-        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same)
+        rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
+        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, rt, plan.bkv)
         return jnp.where(allowed, s, -jnp.inf)
 
     def first_pass(j, carry):
@@ -603,6 +654,7 @@ def _dq_kernel(*refs, plan: _Plan):
     dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[17 + len(names) :]
     q, do = q_ref[...], do_ref[...]
     bq = q.shape[0]
+    q_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
     scale = scale_ref[0]
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
     rows = {name: ref[...][:, None] for name, ref in row_refs.items()}
@@ -612,10 +664,8 @@ def _dq_kernel(*refs, plan: _Plan):
         def visit(carry):
             kv_block = idx_ref[j]
             raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
-            same = _segment_tile(plan, qseg_ref, kvseg_ref, kv_block)
-            allowed = _allowed(
-                full_ref[j], pmi_ref[j], masks_ref, kv_block, len_ref[0], plan.bkv, same
-            )
+            rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
+            allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, rt, plan.bkv)
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
             start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
@@ -664,15 +714,12 @@ def _dkv_kernel(*refs, plan: _Plan):
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
             bias = bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...]
             s = jnp.minimum(_dot(plan, q, k) * scale + bias + key_nan_ref[...][None, :], _MAX)
-            same = _same_segment(plan, lambda: qseg_ref[sl], lambda: kvseg_ref[...])
+            rt = _runtime_tile(
+                plan, row_block, kv_block, kv_length,
+                lambda: qseg_ref[sl], lambda: kvseg_ref[...],
+            )  # fmt: skip
             allowed = _allowed(
-                full_ref[row_block, slot],
-                pmi_ref[row_block, slot],
-                masks_ref,
-                kv_block,
-                kv_length,
-                bkv,
-                same,
+                full_ref[row_block, slot], pmi_ref[row_block, slot], masks_ref, kv_block, rt, bkv
             )
             x = jnp.where(allowed, s, -jnp.inf)
             p, g = _recompute(plan, x, rows, eps, sigma)
@@ -977,7 +1024,9 @@ def pallas_attention(
         Mosaic ones.
       mask: the run-time mask a dynamic layout was built from: a static mask ``&``
         ``padding(lengths)`` (keys ``j >= lengths[b]`` of batch element ``b`` are masked)
-        and/or ``& segments(q_ids, kv_ids)`` (packed sequences); ignored for static layouts.
+        and/or ``& segments(q_ids, kv_ids)`` (packed sequences), or, in the Triton kernels,
+        at most one ``padding`` and one ``segments`` leaf under ``|`` and ``~`` (e.g.
+        ``causal() | padding(prefix)``); ignored for static layouts.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
         float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
@@ -1057,10 +1106,11 @@ def pallas_attention(
     )
     d_p, dv_p = _next_pow2(d, _MIN_BLOCK), _next_pow2(dv, _MIN_BLOCK)
     seg_ids = _segment_ids(mask, layout, b, nq * bq, nk * bkv, caller)
+    expr = _expression(mask, layout)
     plan = _Plan(
         kind=kind, sigma=sigma, b=b, n=n, g=n // kh, bq=bq, bkv=bkv, nq=nq, nk=nk, d=d_p,
         dv=dv_p, per_head=int(layout.kv_block_indices.shape[0] > 1), interpret=interpret,
-        target=target, segments=seg_ids is not None,
+        target=target, segments=seg_ids is not None, expr=expr, kv_len=tk,
         precision=precision if precision is not None or q.dtype != jnp.float32
         else jax.lax.Precision.HIGHEST,
         bias_axes=bias_axes, arrays=_layout_arrays(layout),
