@@ -294,7 +294,7 @@ def test_bad_arguments_are_refused_before_tracing(kwargs, match):
         attention(q, k, v, impl="pallas", **call)
 
 
-def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile():
+def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile(monkeypatch):
     """A prefix-LM mask (causal | padding(prefix)) runs in the Triton kernels with the mask
     evaluated per tile (its tile expression; a mask of `&` only keeps the key lengths); the
     Mosaic kernels refuse it."""
@@ -318,6 +318,11 @@ def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile():
     assert not ok and "Mosaic" in why
     with pytest.raises(ValueError, match="Mosaic"):
         pallas_attention(q, k, v, layout, mask=mask, target="mosaic", interpret=True)
+    # auto takes the kernel on a GPU, and another engine on a TPU (the Mosaic kernels refuse).
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention_impl(q, k, v, mask=mask, block_size=(16, 16)).impl == "pallas"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention_impl(q, k, v, mask=mask).impl in ("blocksparse", "xla")
 
 
 def test_kernel_arguments_are_checked():
