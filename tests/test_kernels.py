@@ -306,11 +306,12 @@ def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile(monkeypatch):
     assert expr is not None and expr.uses_padding and not expr.uses_segments
     assert pk._expression(masks.causal() & masks.padding(prefix), layout) is None  # lengths
 
-    def run(q, k, v):
-        return attention(q, k, v, mask=mask, impl="pallas", block_size=(16, 16))
+    def run(q, k, v, prefix):  # the prefix lengths traced
+        m = masks.causal() | masks.padding(prefix)
+        return attention(q, k, v, mask=m, impl="pallas", block_size=(16, 16))
 
-    assert_engine("pallas", run, q, k, v)
-    out = run(q, k, v)
+    assert_engine("pallas", run, q, k, v, jnp.asarray(prefix))
+    out = jax.jit(run)(q, k, v, jnp.asarray(prefix))
     ref = attention(q, k, v, mask=mask, impl="xla")
     np.testing.assert_allclose(out, ref, atol=2e-6)
     assert pk.pallas_supports(q, layout, mask=mask, backend="gpu") == (True, "")
