@@ -11,7 +11,7 @@ its dense baseline of the same size, data, steps and seed (issue 16, the GiantRa
 The task is :mod:`sparse_jax.data.linalg_cot` (the question as bytes into the encoder, the worked
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
 the sparse model (:class:`~sparse_jax.models.encdec.EncDecConfig`'s sparse switches: sparsemax
-attention, its scores scaled by a learned factor per head that starts at 0.25, sparsemax
+attention, its scores scaled by a learned factor per head that starts at 0.125, sparsemax
 outputs, sparse embeddings, chain-of-thought feature masks, a decoder window of the 64 most
 recent tokens and 4 sinks) and then its dense baseline (``config.dense()``) with
 the project's trainer, each phase checkpointed under ``<run>/checkpoints/<model>``. ``eval``
@@ -126,7 +126,7 @@ class Model:
     """Chain-of-thought steps T_c of the reasoning module (both models: they are layers)."""
     normalizer: Literal["softmax", "sparsemax", "entmax15"] = "sparsemax"
     """The sparse model's attention normalizer (the dense one's: softmax)."""
-    logit_scale: float | None = 0.25
+    logit_scale: float | None = 0.125
     """The sparse model's attention: a learned per-head factor on QKᵀ/√d, starting at this value
     (None: none; docs/results.md compares starts)."""
     output: Literal["softmax", "sparsemax"] = "sparsemax"
@@ -349,7 +349,7 @@ def study() -> AllCommand:
         data=Data(kinds=linalg_cot.KINDS, sizes="default", train=12_000, validation=600, test=600),
         # A window of 256 keeps a step line and the one before it (up to 261 tokens at these
         # sizes). Unmeasured; at the default's small sizes 64 measured better than 128 and than
-        # causal (docs/results.md). The sparse model's logit scale starts at the default's 0.25,
+        # causal (docs/results.md). The sparse model's logit scale starts at the default's 0.125,
         # also measured at the default's sizes only.
         model=Model(
             d_model=256,
