@@ -39,9 +39,9 @@ Implementations and dispatch
   same layout (flash-style: scores stay on chip), every normalizer, static masks,
   ``static & padding(lengths)`` and ``static & segments(ids)`` (packed sequences), on GPU
   also one ``padding`` and one ``segments`` leaf under ``|``/``~`` (the prefix-LM mask
-  ``causal() | padding(prefix)``), a ``bias``; GPU (Triton kernels, block sizes powers of two >= 16), TPU (Mosaic kernels,
-  :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of 128), and interpret mode on CPU
-  (slow: for tests).
+  ``causal() | padding(prefix)``), a ``bias``; GPU (Triton kernels, block sizes powers of two
+  >= 16), TPU (Mosaic kernels, :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of
+  128), and interpret mode on CPU (slow: for tests).
 * ``"splash"``: TPU splash attention (:func:`sparse_jax.fused.splash_attention`), softmax
   only, static masks joined with ``& padding(lengths)`` and/or ``& segments(ids)`` (packed
   sequences), ``block_size`` multiples of 128; off TPU it runs in Pallas interpret mode (slow:
