@@ -190,6 +190,15 @@ def _expression(mask: Any, layout: BlockLayout) -> TileExpression | None:
     return None if isinstance(expr, str) else expr
 
 
+def _leaves(mask: Mask, layout: BlockLayout):
+    """``(padding leaves, segments leaves)`` the kernels read for a dynamic layout's mask, of
+    ``static & run-time leaves`` or of a tile expression; None for other run-time masks."""
+    parts = _runtime_parts(mask)
+    if parts is None and _expression(mask, layout) is not None:
+        parts = runtime_leaves(mask)
+    return parts
+
+
 def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) -> jax.Array:
     """Each batch element's key length ``[B]`` int32: ``Tk`` for a static layout, the run-time
     ``padding`` lengths of ``mask`` (their minimum) for a dynamic one (for a tile expression:
@@ -201,9 +210,7 @@ def _kv_lengths(mask: Any, layout: BlockLayout, b: int, tk: int, caller: str) ->
             f"{caller}: `layout` is dynamic (built from a run-time `padding` mask): pass the mask "
             f"it was built from as `mask=` (got {type(mask).__name__})"
         )
-    parts = _runtime_parts(mask)
-    if parts is None and _expression(mask, layout) is not None:
-        parts = runtime_leaves(mask)
+    parts = _leaves(mask, layout)
     if parts is None:
         raise ValueError(
             f"{caller}: the run-time part of `mask` must be padding(lengths) and/or one "
@@ -221,9 +228,7 @@ def _segment_ids(mask: Any, layout: BlockLayout, b: int, tq_pad: int, tk_pad: in
     masked, as ``segments`` evaluates them); None when the mask has none."""
     if not layout.dynamic:
         return None
-    parts = _runtime_parts(mask)
-    if parts is None and _expression(mask, layout) is not None:
-        parts = runtime_leaves(mask)
+    parts = _leaves(mask, layout)
     if parts is None or not parts[1]:
         return None
     q_ids, kv_ids = segment_ids(parts[1][0], b, caller)
