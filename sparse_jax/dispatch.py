@@ -37,8 +37,8 @@ Implementations and dispatch
   follow the kept blocks, for every normalizer. Needs a :class:`~sparse_jax.masks.Mask`.
 * ``"pallas"``: :func:`sparse_jax.kernels.pallas_attention`, the fused Pallas kernel over the
   same layout (flash-style: scores stay on chip), every normalizer, static masks,
-  ``static & padding(lengths)`` and ``static & segments(ids)`` (packed sequences), on GPU
-  also one ``padding`` and one ``segments`` leaf under ``|``/``~`` (the prefix-LM mask
+  ``static & padding(lengths)`` and ``static & segments(ids)`` (packed sequences), also one
+  ``padding`` and one ``segments`` leaf under ``|``/``~`` (the prefix-LM mask
   ``causal() | padding(prefix)``), a ``bias``; GPU (Triton kernels, block sizes powers of two
   >= 16), TPU (Mosaic kernels, :mod:`sparse_jax.kernels.mosaic`, block sizes multiples of
   128), and interpret mode on CPU (slow: for tests).

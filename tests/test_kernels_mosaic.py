@@ -45,6 +45,20 @@ CASES = {
     "sparsemax-bf16": (
         "sparsemax", masks.causal(), (1, 256, 256, 2, 1, 64), jnp.bfloat16, None,
     ),
+    # Run-time leaves under | and ~, evaluated tile by tile (the masks' tile expressions): a
+    # prefix-LM mask over chunks with a run-time prefix per batch element (a prefix beyond the
+    # first key block, one within it); packed sequences with sinks shared across them and the
+    # first keys of batch element 0 cut, so that its first rows see no key.
+    "sparsemax-chunked-prefix-lm-gqa": (
+        "sparsemax", (masks.causal() & masks.chunked(100)) | masks.padding(np.array([150, 30])),
+        (2, 256, 256, 2, 1, 16), jnp.float32, None,
+    ),
+    "alpha-segments-or-sinks-not-padding": (
+        "alpha",
+        ((masks.causal() & masks.segments(np.array([[0] * 90 + [1] * 166, [2] * 200 + [3] * 56])))
+         | masks.sink(3)) & ~masks.padding(np.array([4, 0])),
+        (2, 256, 256, 2, 2, 16), jnp.float32, (2, 1, 1),
+    ),
 }  # fmt: skip
 
 
@@ -209,6 +223,8 @@ def test_kernel_arguments_are_checked(monkeypatch):
         ("sparsemax", True, 1, jnp.float32, (1, 2, 384, 1)),
         ("entmax15-packed", False, 1, jnp.bfloat16, (384,)),
         ("alpha", False, 2, jnp.float32, (1, 2, 384, 384)),
+        ("softmax-or", False, 1, jnp.float32, None),
+        ("entmax15-or", False, 2, jnp.bfloat16, (1, 2, 384, 1)),
     ],
 )
 def test_the_kernels_lower_to_mosaic_for_tpus(normalizer, per_head, kv_heads, dtype, bias_shape):
@@ -223,6 +239,12 @@ def test_the_kernels_lower_to_mosaic_for_tpus(normalizer, per_head, kv_heads, dt
         normalizer = normalizer.removesuffix("-packed")
         ids = np.repeat(np.arange(4), 384 // 4)[None]
         mask = mask & masks.segments(ids) & masks.padding(np.array([384 - 7]))
+    if normalizer.endswith("-or"):  # run-time leaves under | and ~: the tile expression
+        normalizer = normalizer.removesuffix("-or")
+        ids = np.repeat(np.arange(4), 384 // 4)[None]
+        mask = ((mask & masks.dilated(60, 2) & ~masks.segments(ids)) | masks.sink(3)) | (
+            masks.causal() & masks.padding(np.array([200]))
+        )
     layout = mask.blocks(384, 384, 128, 128)
     alpha = jnp.full((2,), 1.3) if normalizer == "alpha" else None
     bias = None if bias_shape is None else jnp.zeros(bias_shape)

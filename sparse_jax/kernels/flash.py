@@ -46,12 +46,11 @@ streamed by DMA).
 Run-time masks: ``static & padding(lengths)`` and ``& segments(ids)`` are applied as each batch
 element's key length and segment ids beside the layout's static tiles. A ``padding`` and a
 ``segments`` leaf under ``|`` or ``~`` (``causal() | padding(prefix)``: a prefix-LM mask with a
-run-time prefix per batch element) are evaluated tile by tile in the Triton kernels from the
-positions, the length and the ids (:class:`~sparse_jax.masks.TileExpression`), over the blocks
-the layout's conservative bound keeps. Not supported (yet; :func:`pallas_supports` says so and
-``impl="auto"`` takes another engine): other run-time masks (two leaves of a kind under ``|``
-or ``~``, or beside an array mask), those under ``|``/``~`` in the Mosaic kernels,
-``return_weights``, float64.
+run-time prefix per batch element) are evaluated tile by tile in the Triton and the Mosaic
+kernels from the positions, the length and the ids (:class:`~sparse_jax.masks.TileExpression`),
+over the blocks the layout's conservative bound keeps. Not supported (yet; :func:`pallas_supports`
+says so and ``impl="auto"`` takes another engine): other run-time masks (two leaves of a kind
+under ``|`` or ``~``, or beside an array mask), ``return_weights``, float64.
 """
 
 from __future__ import annotations
@@ -144,11 +143,6 @@ def pallas_supports(
     if return_weights:
         return False, "return_weights is not supported (the weights are never materialised)"
     if mask is not None and mask.is_dynamic and _runtime_parts(mask) is None:
-        if backend == "tpu":
-            return False, (
-                "the Mosaic (TPU) kernels take a run-time mask only as padding(lengths) and/or "
-                "one segments(...) joined with & to a static mask"
-            )
         expr = tile_expression(mask)
         if isinstance(expr, str):
             return False, f"the run-time mask is not supported by the fused kernels: {expr}"
@@ -1029,9 +1023,9 @@ def pallas_attention(
         Mosaic ones.
       mask: the run-time mask a dynamic layout was built from: a static mask ``&``
         ``padding(lengths)`` (keys ``j >= lengths[b]`` of batch element ``b`` are masked)
-        and/or ``& segments(q_ids, kv_ids)`` (packed sequences), or, in the Triton kernels,
-        at most one ``padding`` and one ``segments`` leaf under ``|`` and ``~`` (e.g.
-        ``causal() | padding(prefix)``); ignored for static layouts.
+        and/or ``& segments(q_ids, kv_ids)`` (packed sequences), or at most one ``padding``
+        and one ``segments`` leaf under ``|`` and ``~`` (e.g. ``causal() | padding(prefix)``);
+        ignored for static layouts.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
         float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.

@@ -17,10 +17,12 @@ copied; ``dq`` (and the α, scale and bias row terms) walks a query block's live
 walks a key block's live query blocks.
 
 Tensors are head-major inside (``[B, N, T, D]``, as splash attention keeps them), row
-statistics are lane vectors (``[B, N, S, T]``). Blocks must be multiples of 128 (the lane
-width) in both directions. The kernels run unchanged in Pallas' TPU interpret mode, which is
-how the tests run them on CPU; on CPU they also lower to Mosaic for TPU (a test checks that,
-it does not compile them: that needs libtpu).
+statistics are lane vectors (``[B, N, S, T]``). Run-time masks are read as the Triton kernels
+read them: key lengths and segment ids beside the static tiles, or a tile expression (run-time
+leaves under ``|``/``~``) evaluated on each tile's positions. Blocks must be multiples of 128
+(the lane width) in both directions. The kernels run unchanged in Pallas' TPU interpret mode,
+which is how the tests run them on CPU; on CPU they also lower to Mosaic for TPU (a test checks
+that, it does not compile them: that needs libtpu).
 """
 
 from __future__ import annotations
@@ -128,12 +130,20 @@ def _dot(plan, a, b, contract_a: int = 1, contract_b: int = 1):
     return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
 
 
-def _tile_allowed(full, mask_index, masks_ref, kv_block, kv_length, bkv: int, same=None):
-    """Element mask ``[bq, bkv]`` of a kept block (see flash._allowed), lane iota for keys."""
+def _tile_allowed(plan, full, mask_index, masks_ref, q_block, kv_block, kv_length, same=None):
+    """Element mask ``[bq, bkv]`` of a kept block (see flash._allowed): the static tile, keys
+    below the batch element's ``padding`` length and in the query's segment; for a tile
+    expression (run-time leaves under ``|``/``~``), keys below ``Tk`` where the expression,
+    evaluated on the tile's positions, the length and the segment tile, holds. Positions are
+    iotas in the tile's own layout (queries on sublanes, keys on lanes)."""
     static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
-    keys = kv_block * bkv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
-    allowed = jnp.logical_and(static, keys < kv_length)
-    return allowed if same is None else jnp.logical_and(allowed, same)
+    keys = kv_block * plan.bkv + jax.lax.broadcasted_iota(jnp.int32, (1, plan.bkv), 1)
+    if plan.expr is None:
+        allowed = jnp.logical_and(static, keys < kv_length)
+        return allowed if same is None else jnp.logical_and(allowed, same)
+    rows = q_block * plan.bq + jax.lax.broadcasted_iota(jnp.int32, (plan.bq, 1), 0)
+    tile = plan.expr(rows, keys, key_length=kv_length, same_segment=same)
+    return jnp.logical_and(jnp.logical_and(static, keys < plan.kv_len), tile)
 
 
 def _eps_sigma(plan, eps_ref, head, rows: int):
@@ -203,7 +213,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
         s = jnp.minimum(raw * scale + tiles[2][...] + tiles[1][...], _MAX)
         same = q_seg == tiles[3][...] if plan.segments else None
         allowed = _tile_allowed(
-            full_ref[0, j], pmi_ref[0, j], masks_ref, block, kv_length, bkv, same
+            plan, full_ref[0, j], pmi_ref[0, j], masks_ref, i, block, kv_length, same
         )
         return jnp.where(allowed, s, -jnp.inf)
 
@@ -323,8 +333,8 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
         raw = _dot(plan, q, k)
         s = jnp.minimum(raw * scale + tiles[2][...] + tiles[1][...], _MAX)
         same = q_seg == tiles[4][...] if plan.segments else None
-        allowed = _tile_allowed(full_ref[0, slot], pmi_ref[0, slot], masks_ref, block, kv_length,
-                                bkv, same)  # fmt: skip
+        allowed = _tile_allowed(plan, full_ref[0, slot], pmi_ref[0, slot], masks_ref, i, block,
+                                kv_length, same)  # fmt: skip
         p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
         return _dq_step(plan, carry, p, g, _dot(plan, do, v), delta, raw, k, eps)
 
@@ -374,7 +384,9 @@ def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vco
         rows = _rows_of(plan, lambda s: stats[s][:, None])
         s = jnp.minimum(_dot(plan, q, k) * scale + tiles[3][...] + key_nan, _MAX)
         same = tiles[4][0][:, None] == kvseg_ref[...] if plan.segments else None
-        allowed = _tile_allowed(vfull_ref[0, t], vpmi_ref[0, t], masks_ref, c, kv_length, bkv, same)
+        allowed = _tile_allowed(
+            plan, vfull_ref[0, t], vpmi_ref[0, t], masks_ref, vrows_ref[0, t], c, kv_length, same
+        )
         p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
         dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
         ds = jnp.where(g != 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
