@@ -35,14 +35,21 @@ from flax import nnx
 
 from experiments import measure
 from experiments.distill_run import write_text_atomically
-from experiments.flags import check_resume, flag_name, set_ints_at_least
-from experiments.phase import train_phase
+from experiments.flags import (
+    check_max_minutes,
+    check_resume,
+    flag_name,
+    resume_command,
+    set_ints_at_least,
+)
+from experiments.phase import EXIT_STOPPED, RunStopped, stop_request, train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.models.cascade import CascadeConfig, CascadeLM, cascade_flops
 from sparse_jax.models.gpt2 import PRESETS
 from sparse_jax.training.loop import TrainConfig
 from sparse_jax.training.losses import cross_entropy_loss
+from sparse_jax.training.stopping import StopRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,10 @@ class Run:
     """Where the prepared corpus is cached."""
     eval_batches: int = 8
     """Evaluation batches of --data.batch-size windows."""
+    max_minutes: float | None = None
+    """Stop training after this many minutes of the command, with a checkpoint of the step
+    reached (as on SIGTERM or Ctrl-C), and exit with status 75: the same command with
+    --run.resume continues."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +153,7 @@ class CascadeExperiment:
                 raise ValueError(f"{name} must be a number > 0; got {value!r}")
         if self.run.resume and self.run.dir is None:
             raise ValueError("--run.resume needs the --run.dir of the run to continue")
+        check_max_minutes(self.run.max_minutes)
         slack = self.model.capacity_slack
         if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 1:
             raise ValueError(f"--model.capacity-slack must be a number in [0, 1]; got {slack!r}")
@@ -220,7 +232,7 @@ def _cascade_loss(model, batch, rng):
     return ce + aux["penalty"], metrics
 
 
-def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_fn, data):
+def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_fn, data, stop):
     """Trains (or resumes) one model (:func:`experiments.phase.train_phase`)."""
     t = cfg.train
     tc = TrainConfig(
@@ -235,6 +247,7 @@ def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_
     trainer, _ = train_phase(
         model, loss_fn, tc, data.train, folder=folder, name=name,
         checkpoint_every=cfg.run.checkpoint_every, resume=cfg.run.resume, log=log, shown="ce",
+        stop=stop,
     )  # fmt: skip
     return trainer.sync_model()
 
@@ -320,9 +333,25 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
 
 
 def run(cfg: CascadeExperiment) -> dict:
+    """Trains, measures and reports (see the module docstring); returns the summary.
+
+    Training stops early, with a checkpoint of the step reached, on SIGTERM or SIGINT (Ctrl-C,
+    a notebook's interrupt) or after ``--run.max-minutes``: it raises
+    :class:`experiments.phase.RunStopped`, whose ``folder`` ``--run.resume`` continues."""
+    if cfg.run.dir is None:  # named now, so that a stopped run can say where to resume
+        folder = pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=folder))
+    with stop_request(cfg.run.max_minutes, log) as stop:
+        try:
+            return _run(cfg, stop)
+        except RunStopped as stopped:
+            stopped.folder = pathlib.Path(cfg.run.dir)
+            raise
+
+
+def _run(cfg: CascadeExperiment, stop: StopRequest) -> dict:
     started = time.perf_counter()
-    folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
-    folder = pathlib.Path(folder)
+    folder = pathlib.Path(cfg.run.dir)
     if (not cfg.run.resume and (folder / "summary.json").exists()) or (
         not cfg.run.resume and (folder / "checkpoints").exists()
     ):
@@ -354,16 +383,20 @@ def run(cfg: CascadeExperiment) -> dict:
     g = GPT2Config.preset(cfg.model.size, vocab_size=data.vocab_size)
     dense = timed(
         "dense",
-        lambda: _phase(cfg, folder, "dense", GPT2(g, rngs=nnx.Rngs(cfg.run.seed)), _lm_loss, data),
+        lambda: _phase(
+            cfg, folder, "dense", GPT2(g, rngs=nnx.Rngs(cfg.run.seed)), _lm_loss, data, stop
+        ),
     )
     model = CascadeLM(cfg.cascade_config(data.vocab_size), rngs=nnx.Rngs(cfg.run.seed))
-    cascade = timed("cascade", lambda: _phase(cfg, folder, "cascade", model, _cascade_loss, data))
+    cascade = timed(
+        "cascade", lambda: _phase(cfg, folder, "cascade", model, _cascade_loss, data, stop)
+    )
     summary = timed("measure", lambda: _measure(cfg, data, dense, cascade, windows))
     sweep = []
     for final in cfg.sweep:
         ratios = linear_schedule(final, g.n_layer)
         other = CascadeLM(cfg.cascade_config(data.vocab_size, ratios), rngs=nnx.Rngs(cfg.run.seed))
-        other = _phase(cfg, folder, f"sweep-{final:g}", other, _cascade_loss, data)
+        other = _phase(cfg, folder, f"sweep-{final:g}", other, _cascade_loss, data, stop)
         nll, _ = measure.evaluate_lm(other, windows)
         long_ids = jnp.asarray(_long_text(data, 4 * cfg.data.seq_len, 1))
         sweep.append(
@@ -479,7 +512,13 @@ def parse(argv: list[str] | None = None) -> CascadeExperiment:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run(parse(argv))
+    except RunStopped as stopped:
+        command = resume_command("experiments.cascade", argv, stopped.folder)
+        log(f"{stopped}. Continue with:  {command}")
+        raise SystemExit(EXIT_STOPPED) from None
 
 
 if __name__ == "__main__":

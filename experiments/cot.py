@@ -48,12 +48,19 @@ import tyro
 from flax import nnx
 
 from experiments.distill_run import write_text_atomically
-from experiments.flags import check_resume, flag_name, set_ints_at_least
-from experiments.phase import train_phase
+from experiments.flags import (
+    check_max_minutes,
+    check_resume,
+    flag_name,
+    resume_command,
+    set_ints_at_least,
+)
+from experiments.phase import EXIT_STOPPED, RunStopped, stop_request, train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
 from sparse_jax.training.loop import TrainConfig
+from sparse_jax.training.stopping import StopRequest
 
 MODELS = ("sparse", "dense")
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
@@ -201,11 +208,16 @@ class Run:
     """Updates between checkpoints (and validation losses)."""
     cache_dir: pathlib.Path = pathlib.Path("~/.cache/sparse_jax")
     """Where the generated splits are written once (TFDS array_record files)."""
+    max_minutes: float | None = None
+    """Stop training after this many minutes of the command, with a checkpoint of the step
+    reached (as on SIGTERM or Ctrl-C), and exit with status 75: the same command with
+    --run.resume continues (e.g. within a session's time limit)."""
 
     def __post_init__(self):
         set_ints_at_least(self, "run", seed=0, checkpoint_every=1)
         if self.resume and self.dir is None:
             raise ValueError("--run.resume needs the --run.dir of the run to continue")
+        check_max_minutes(self.max_minutes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,7 +468,7 @@ def _configs(cfg: TrainCommand) -> dict[str, tuple[EncDecConfig, TrainConfig]]:
     return {"sparse": (sparse, tc), "dense": (sparse.dense(), tc)}
 
 
-def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, rows, val_rows):
+def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, rows, val_rows, stop):
     """Trains (or resumes) one model (:func:`experiments.phase.train_phase`); its seconds."""
     model_config, tc = configs[name]
     model = EncoderDecoder(model_config, rngs=nnx.Rngs(cfg.run.seed))
@@ -470,13 +482,16 @@ def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, row
     _, seconds = train_phase(
         model, loss, tc, rows, folder=folder, name=name,
         checkpoint_every=cfg.run.checkpoint_every, resume=cfg.run.resume, log=log,
-        evaluate=evaluate,
+        evaluate=evaluate, stop=stop,
     )  # fmt: skip
     return seconds
 
 
-def train(cfg: TrainCommand, models: tuple[str, ...] = MODELS) -> pathlib.Path:
-    """Trains ``models`` (both by default) into the run folder; returns it."""
+def train(
+    cfg: TrainCommand, models: tuple[str, ...] = MODELS, stop: StopRequest | None = None
+) -> pathlib.Path:
+    """Trains ``models`` (both by default) into the run folder; returns it. ``stop`` ends the
+    training early with checkpoints (:class:`experiments.phase.RunStopped`)."""
     started = time.perf_counter()
     folder = pathlib.Path(cfg.run.dir or pathlib.Path("runs") / time.strftime("cot-%Y%m%d-%H%M%S"))
     data = _data(cfg.data, cfg.run.cache_dir)
@@ -502,7 +517,7 @@ def train(cfg: TrainCommand, models: tuple[str, ...] = MODELS) -> pathlib.Path:
         f"{fmt.source_len} bytes, solutions up to {fmt.target_len} tokens; run folder {folder}"
     )
     for name in models:
-        seconds[f"train_{name}"] = _phase(cfg, folder, name, configs, fmt, rows, val_rows)
+        seconds[f"train_{name}"] = _phase(cfg, folder, name, configs, fmt, rows, val_rows, stop)
     training = {"phase_seconds": seconds, "dataset": data.dataset_name}
     write_text_atomically(folder / "training.json", json.dumps(training, indent=2) + "\n")
     return folder
@@ -756,7 +771,7 @@ def _report(folder: pathlib.Path, s: dict) -> None:
 # Seeds.
 
 
-def seeds(cmd: SeedsCommand) -> dict:
+def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
     """Trains and evaluates ``cmd.models`` at each of ``cmd.seeds`` (one run folder per seed,
     ``<run.dir>/seed-<s>``, with ``answers-<model>.jsonl`` and ``eval-<model>.json``); writes
     ``seeds.json`` and ``seeds.md`` and prints the table. With ``--run.resume`` a model already
@@ -777,7 +792,7 @@ def seeds(cmd: SeedsCommand) -> dict:
         pending = tuple(m for m in cmd.models if m not in done)
         if pending:
             log(f"seed {seed}: training {', '.join(pending)} in {folder}")
-            train(one, models=pending)
+            train(one, models=pending, stop=stop)
             trained = json.loads((folder / "training.json").read_text())["phase_seconds"]
         for name in cmd.models:
             path = folder / f"eval-{name}.json"
@@ -901,15 +916,29 @@ def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
 
 def run(cmd: Command) -> Any:
     """Runs a parsed command: the summary (all, eval, seeds), the run folder (train) or the
-    answers (ask)."""
+    answers (ask).
+
+    Training stops early, with a checkpoint of the step each model reached, on SIGTERM or
+    SIGINT (Ctrl-C, a notebook's interrupt) or after ``--run.max-minutes``: it raises
+    :class:`experiments.phase.RunStopped`, whose ``folder`` the same command with
+    ``--run.resume`` continues."""
     started = time.perf_counter()
     if isinstance(cmd, AskCommand):
         return ask(cmd)
-    if isinstance(cmd, SeedsCommand):
-        return seeds(cmd)
     if isinstance(cmd, EvalCommand):
         return evaluate_run(pathlib.Path(cmd.run.dir), cmd.eval, cmd.run.cache_dir, started)
-    folder = train(cmd)
+    if cmd.run.dir is None:  # named now, so that a stopped run can say where to resume
+        prefix = "cot-seeds" if isinstance(cmd, SeedsCommand) else "cot"
+        folder = pathlib.Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
+        cmd = dataclasses.replace(cmd, run=dataclasses.replace(cmd.run, dir=folder))
+    with stop_request(cmd.run.max_minutes, log) as stop:
+        try:
+            if isinstance(cmd, SeedsCommand):
+                return seeds(cmd, stop)
+            folder = train(cmd, stop=stop)
+        except RunStopped as stopped:
+            stopped.folder = pathlib.Path(cmd.run.dir)
+            raise
     if isinstance(cmd, AllCommand):
         return evaluate_run(folder, cmd.eval, cmd.run.cache_dir, started)
     log(f"trained in {time.perf_counter() - started:.0f} s: {folder}")
@@ -917,7 +946,13 @@ def run(cmd: Command) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run(parse(argv))
+    except RunStopped as stopped:
+        command = resume_command("experiments.cot", argv, stopped.folder)
+        log(f"{stopped}. Continue with:  {command}")
+        raise SystemExit(EXIT_STOPPED) from None
 
 
 if __name__ == "__main__":

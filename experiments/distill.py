@@ -46,13 +46,18 @@ import numpy as np
 from experiments import distill_phases, measure
 from experiments.distill_config import DistillConfig, parse
 from experiments.distill_run import Run, log, write_text_atomically
+from experiments.phase import EXIT_STOPPED, RunStopped, stop_request
 from experiments.report import write_report
 
 __all__ = ["DistillConfig", "Run", "main", "parse", "run"]
 
 
 def run(config: DistillConfig) -> dict:
-    """Runs every phase; returns the summary (also written to ``summary.json``)."""
+    """Runs every phase; returns the summary (also written to ``summary.json``).
+
+    Training stops early, with a checkpoint of the step reached, on SIGTERM or SIGINT (Ctrl-C,
+    a notebook's interrupt) or after ``--run.max-minutes``: it raises
+    :class:`experiments.phase.RunStopped`, whose ``folder`` ``--resume`` continues."""
     started = time.perf_counter()
     seconds = {}  # wall time of each part of the run
 
@@ -62,12 +67,18 @@ def run(config: DistillConfig) -> dict:
     distill_phases.student_spec(config)  # the student's flags, checked before set-up
     r = Run(config)
     lap("data")
-    teacher = distill_phases.teacher(r)
-    lap("teacher")
-    student, spec = distill_phases.student(r, teacher)
-    lap("student")
-    hard = distill_phases.hardened(r, student, teacher)
-    lap("hardened")
+    with stop_request(config.run.max_minutes, log) as r.stop:
+        try:
+            teacher = distill_phases.teacher(r)
+            lap("teacher")
+            student, spec = distill_phases.student(r, teacher)
+            lap("student")
+            hard = distill_phases.hardened(r, student, teacher)
+            lap("hardened")
+        except RunStopped as stopped:
+            stopped.folder = r.dir
+            raise
+    r.stop = None
     # Quality on the evaluation split.
     t_nll, _ = measure.evaluate_lm(teacher, r.eval_windows)
     s_nll, s_kl = measure.evaluate_lm(student, r.eval_windows, teacher)
@@ -158,7 +169,13 @@ def _threshold_against_budget(r, student, teacher, serve_len: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run(parse(argv, description=__doc__.split("\n\n")[0]))
+    config = parse(argv, description=__doc__.split("\n\n")[0])
+    try:
+        run(config)
+    except RunStopped as stopped:
+        command = config.command(resume=True, run_dir=stopped.folder)
+        log(f"{stopped}. Continue with:  {command}")
+        raise SystemExit(EXIT_STOPPED) from None
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import tyro
 
 from experiments import configs, teachers
-from experiments.flags import flag_name, is_int, set_ints_at_least
+from experiments.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
 from sparse_jax.models.gpt2 import PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
@@ -479,9 +479,14 @@ class RunConfig(_Group):
     """Devices on the mesh's data axis (None: all devices / --run.model-axis)."""
     model_axis: int = 1
     """Devices on the mesh's model axis (tensor-parallel split of the projections)."""
+    max_minutes: float | None = None
+    """Stop training after this many minutes of the command, with a checkpoint of the step
+    reached (as on SIGTERM or Ctrl-C), and exit with status 75: the same command with
+    --resume continues (e.g. within a Colab session's or a job's time limit)."""
 
     def __post_init__(self):
         set_ints_at_least(self, self.group, checkpoint_every=1, model_axis=1)
+        check_max_minutes(self.max_minutes, self.flag("max_minutes"))
         if self.data_axis is not None:
             set_ints_at_least(self, self.group, data_axis=1)
         if not is_int(self.seed):

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from experiments.distill_config import OLD_FLAGS, DistillConfig, TrainConfig, command_line
 from experiments.flags import changed_flags
+from experiments.phase import RunStopped
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training import sharding
@@ -37,6 +38,7 @@ from sparse_jax.training.checkpoint import (
     NoReadableCheckpointError,
 )
 from sparse_jax.training.loop import Trainer, append_jsonl
+from sparse_jax.training.stopping import StopRequest
 
 __all__ = [
     "Run",
@@ -75,6 +77,7 @@ _RESUME_FREE = (
     "resume",
     "run.dir",
     "run.cache_dir",
+    "run.max_minutes",
     "measure.report_prompts",
     "data_description",
 )
@@ -140,6 +143,7 @@ class Run:
 
     def __init__(self, config: DistillConfig):
         self.config = config
+        self.stop: StopRequest | None = None  # ends the phases early (distill.run sets it)
         # Several processes (one per host): all run every step; process 0 alone writes the
         # run's files, and each reads its slice of a batch.
         sharding.maybe_initialize_distributed()
@@ -327,16 +331,22 @@ class Run:
             bar.update(1)
             self.log({"phase": phase, "step": step, **metrics})
 
-        for _ in trainer.fit(
-            iterator,
-            data_state=lambda: {"iterator": iterator.state()},
-            on_step=on_step,
-            evaluate=evaluate,
-            eval_every=c.run.checkpoint_every,
-        ):
-            pass
-        bar.close()
-        ckpt.close()
+        try:
+            for _ in trainer.fit(
+                iterator,
+                data_state=lambda: {"iterator": iterator.state()},
+                on_step=on_step,
+                evaluate=evaluate,
+                eval_every=c.run.checkpoint_every,
+                stop=self.stop,
+            ):
+                pass
+        finally:
+            bar.close()
+            ckpt.close()
+        if trainer.step < train_config.steps:
+            reason = self.stop.reason if self.stop is not None else None
+            raise RunStopped(phase, trainer.step, train_config.steps, reason)
         return sharding.local_model(trainer.sync_model())
 
 

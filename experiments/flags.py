@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import pathlib
-from collections.abc import Iterable, Mapping
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,37 @@ def set_ints_at_least(config: Any, group: str, **lows: int) -> None:
     for name, low in lows.items():
         value = int_at_least(getattr(config, name), flag_name(f"{group}.{name}"), low)
         object.__setattr__(config, name, value)
+
+
+def check_max_minutes(value: Any, flag: str = "--run.max-minutes") -> None:
+    """Refuses a time limit that is not None or a finite number of minutes > 0 (``ValueError``
+    naming ``flag``)."""
+    if value is None:
+        return
+    if (
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, numbers.Real)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{flag} must be a number of minutes > 0 or None; got {value!r}")
+
+
+def resume_command(module: str, argv: Sequence[str], folder: str | pathlib.Path) -> str:
+    """The shell command that continues a stopped run: ``python -m <module>`` with ``argv`` (the
+    stopped command's arguments), its run folder set to ``folder`` and ``--run.resume`` added.
+
+    >>> resume_command("experiments.cot", ["train", "--run.dir=a b", "--train.steps", "9"], "a b")
+    "python -m experiments.cot train --train.steps 9 --run.dir 'a b' --run.resume"
+    """
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--run.dir":
+            skip = True  # its value follows
+        elif not arg.startswith("--run.dir=") and arg not in ("--run.resume", "--run.no-resume"):
+            kept.append(arg)
+    return shlex.join(["python", "-m", module, *kept, "--run.dir", str(folder), "--run.resume"])
 
 
 def flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

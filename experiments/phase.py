@@ -15,6 +15,35 @@ from tqdm import tqdm
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
+from sparse_jax.training.stopping import StopRequest
+
+# The exit status of a command stopped early with its checkpoints (sysexits' EX_TEMPFAIL: run
+# it again, with --run.resume, to continue).
+EXIT_STOPPED = 75
+
+
+class RunStopped(Exception):
+    """A training phase ended early at a checkpoint (a time limit, SIGTERM, Ctrl-C): the run
+    can be resumed from ``step`` of ``phase``. Its message says so."""
+
+    folder: pathlib.Path | None = None  # the run folder, when the experiment sets it
+
+    def __init__(self, phase: str, step: int, steps: int, reason: str | None):
+        self.phase, self.step, self.steps, self.reason = phase, step, steps, reason
+        why = f" ({reason})" if reason else ""
+        super().__init__(
+            f"{phase}: stopped{why} after update {step} of {steps}, with a checkpoint of it"
+        )
+
+
+def stop_request(max_minutes: float | None, log: Callable[[str], None]) -> StopRequest:
+    """The :class:`StopRequest` of an experiment's command: ``--run.max-minutes`` from now, and
+    SIGTERM / SIGINT, each announced through ``log``."""
+    seconds = None if max_minutes is None else 60 * max_minutes
+    return StopRequest(
+        seconds,
+        notify=lambda why: log(f"{why}: saving checkpoints and stopping (again to stop at once)"),
+    )
 
 
 def train_phase(
@@ -30,13 +59,17 @@ def train_phase(
     log: Callable[[str], None],
     shown: str = "loss",
     evaluate=None,
+    stop: StopRequest | None = None,
 ) -> tuple[Trainer, float]:
     """Trains ``model`` on batches of ``rows`` (``config.batch_size`` rows, shuffled with
     ``config.seed``) for ``config.steps`` updates, checkpointed every ``checkpoint_every`` in
     ``folder/checkpoints/<name>`` (``resume``: from the last one, batches included); each
     update's metrics go to ``folder/metrics.jsonl`` under ``"phase": name`` and metric
     ``shown`` to the bar. ``evaluate(model) -> dict`` runs at each checkpoint. Returns the
-    trainer (``sync_model()`` gives the trained model) and the phase's seconds."""
+    trainer (``sync_model()`` gives the trained model) and the phase's seconds.
+
+    ``stop`` (a time limit, SIGTERM, Ctrl-C) ends the phase early with a checkpoint of the
+    step it reached: :class:`RunStopped` is raised then, and ``resume`` continues from it."""
     started = time.perf_counter()
     # Without an evaluation there is no metric to keep the best checkpoint by (Orbax would
     # warn at every save).
@@ -60,14 +93,19 @@ def train_phase(
         bar.update(1)
         append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
 
-    for _ in trainer.fit(
-        iterator,
-        data_state=lambda: {"iterator": iterator.state()},
-        on_step=on_step,
-        evaluate=evaluate,
-        eval_every=checkpoint_every if evaluate is not None else 0,
-    ):
-        pass
-    bar.close()
-    ckpt.close()
+    try:
+        for _ in trainer.fit(
+            iterator,
+            data_state=lambda: {"iterator": iterator.state()},
+            on_step=on_step,
+            evaluate=evaluate,
+            eval_every=checkpoint_every if evaluate is not None else 0,
+            stop=stop,
+        ):
+            pass
+    finally:
+        bar.close()
+        ckpt.close()
+    if trainer.step < config.steps:
+        raise RunStopped(name, trainer.step, config.steps, stop.reason if stop else None)
     return trainer, time.perf_counter() - started

@@ -27,6 +27,7 @@ from sparse_jax.models.cascade import (
 )
 from sparse_jax.models.flops import kept_flops, model_flops
 from sparse_jax.models.gpt2 import GPT2Config
+from sparse_jax.training.checkpoint import Checkpointer
 
 SIZE = GPT2Config.preset("tiny", n_layer=3, n_positions=64)  # D 48, 3 heads of 16, 192 units
 KEEP = (1.0, 0.7, 0.5)
@@ -394,7 +395,7 @@ TINY_RUN = [
 
 
 @pytest.mark.slow
-def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog):
+def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog, capsys):
     from experiments import cascade as experiment
 
     args = [*TINY_RUN, "--run.dir", str(tmp_path / "run"), "--run.cache-dir", str(tmp_path)]
@@ -433,6 +434,21 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog):
     with pytest.raises(ValueError, match="holds no cascade run"):
         experiment.run(experiment.parse([*TINY_RUN, "--run.dir", str(tmp_path / "none"),
                                          "--run.resume"]))  # fmt: skip
+    # A time limit (spent before the first update ends) stops the dense phase at step 1 with a
+    # checkpoint, exit status 75; resumed without it, the run measures the same models.
+    limited = [*TINY_RUN, "--run.dir", str(tmp_path / "limited"), "--run.cache-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit:
+        experiment.main([*limited, "--run.max-minutes", "1e-9"])
+    assert exit.value.code == 75
+    err = " ".join(capsys.readouterr().err.split())
+    assert "dense: stopped (the time limit (6e-08 s)) after update 1 of 12" in err
+    assert f"--run.dir {tmp_path / 'limited'} --run.resume" in err
+    ckpts = Checkpointer(tmp_path / "limited" / "checkpoints" / "dense", save_every=6)
+    assert ckpts.all_steps() == [1]
+    ckpts.close()
+    resumed = experiment.run(experiment.parse([*limited, "--run.resume"]))
+    assert resumed["dense"]["ppl"] == summary["dense"]["ppl"]
+    assert resumed["pruned"]["ppl"] == summary["pruned"]["ppl"]
 
 
 @pytest.mark.parametrize(
@@ -461,6 +477,7 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog):
         (["--train.steps", "0"], "--train.steps must be an int >= 1; got 0"),
         (["--sweep", "0.5", "1.2"], r"--sweep ratios must lie in \(0, 1\]"),
         (["--run.resume"], "--run.resume needs the --run.dir of the run to continue"),
+        (["--run.max-minutes", "inf"], "--run.max-minutes must be a number of minutes > 0"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_runs(flags, match, capsys):

@@ -422,6 +422,66 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
     assert again["runs"][:1] + again["runs"][2:] == summary["runs"][:1] + summary["runs"][2:]
 
 
+def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGTERM in the sparse model's training (sent from its step-10 log line): that phase saves
+    step 11 and the command exits with status 75 naming the command that continues; resumed
+    with a time limit already spent it saves step 12 and stops again; resumed without one it
+    ends with the uninterrupted run's weights, bit for bit, each step logged once."""
+    import signal
+
+    from experiments import cot as experiment
+    from experiments import phase
+    from experiments.flags import resume_command
+    from sparse_jax.training.checkpoint import Checkpointer
+
+    flags = [*RUN_FLAGS, "--train.steps", "30", "--run.checkpoint-every", "25",
+             "--run.cache-dir", str(tmp_path)]  # fmt: skip
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    experiment.run(experiment.parse(["train", *flags, "--run.dir", str(whole)]))
+    log_line = phase.append_jsonl
+
+    def append_jsonl(path, record):
+        log_line(path, record)
+        if record["phase"] == "sparse" and record["step"] == 10:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(phase, "append_jsonl", append_jsonl)
+    handler = signal.getsignal(signal.SIGTERM)
+    args = ["train", *flags, "--run.dir", str(stopped)]
+    with pytest.raises(SystemExit) as exit:
+        experiment.main(args)
+    assert exit.value.code == phase.EXIT_STOPPED == 75
+    assert signal.getsignal(signal.SIGTERM) == handler
+    err = " ".join(capsys.readouterr().err.split())
+    assert "SIGTERM: saving checkpoints and stopping" in err
+    command = resume_command("experiments.cot", args, stopped)
+    assert "sparse: stopped (SIGTERM) after update 11 of 30, with a checkpoint of it. " in err
+    assert f"Continue with: {' '.join(command.split())}" in err
+
+    def saved(name):
+        with Checkpointer(stopped / "checkpoints" / name, save_every=25) as ckpt:
+            return ckpt.all_steps()
+
+    assert saved("sparse") == [11] and not (stopped / "checkpoints" / "dense").exists()
+    monkeypatch.setattr(phase, "append_jsonl", log_line)
+    again = [*args, "--run.resume", "--run.max-minutes", "1e-9"]
+    with pytest.raises(phase.RunStopped, match=r"sparse: stopped \(the time limit \(6e-08 s\)\) "
+                       "after update 12 of 30") as info:  # fmt: skip
+        experiment.run(experiment.parse(again))
+    assert info.value.folder == stopped and saved("sparse") == [11, 12]
+    experiment.run(experiment.parse([*args, "--run.resume"]))
+    for name in ("sparse", "dense"):
+        a = nnx.state(cot.Solver.load(whole, name).model, nnx.Param)
+        b = nnx.state(cot.Solver.load(stopped, name).model, nnx.Param)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    lines = [json.loads(x) for x in (stopped / "metrics.jsonl").read_text().splitlines()]
+    for name in ("sparse", "dense"):
+        assert [r["step"] for r in lines if r["phase"] == name] == list(range(1, 31))
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line.
 
@@ -455,6 +515,8 @@ def test_the_default_command_and_the_study_preset():
         (["--run.resume"], "--run.resume needs the --run.dir of the run to continue"),
         (["--eval.batch-size", "0"], "--eval.batch-size must be an int >= 1; got 0"),
         (["--eval.repeats", "0"], "--eval.repeats must be an int >= 1; got 0"),
+        (["--run.max-minutes", "0"], "--run.max-minutes must be a number of minutes > 0"),
+        (["train", "--run.max-minutes", "nan"], "--run.max-minutes must be a number of min"),
         (["--preset", "huge"], "--preset"),
         (["eval"], "--run.dir is required"),
         (["eval", "--run.dir", "/nonexistent/run"], "is not a chain-of-thought run folder"),

@@ -234,6 +234,32 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
+def test_a_time_limit_stops_with_a_checkpoint_and_resume_ends_identically(whole_run, capsys):
+    """--run.max-minutes (spent before the first update ends): the student phase (the teacher
+    is cached by the uninterrupted run) saves step 1 and the command exits with status 75,
+    naming the command that continues; resumed without the limit, the run ends with the
+    uninterrupted run's parameters, bit for bit."""
+    tmp_path, _ = whole_run
+    args = _args(tmp_path, "limited", *WHOLE, "--measure.report-prompts", "0")
+    with pytest.raises(SystemExit) as exit:
+        distill.main([*args, "--run.max-minutes", "1e-9"])
+    assert exit.value.code == 75
+    err = " ".join(capsys.readouterr().err.split())
+    config = distill.parse([*args, "--run.max-minutes", "1e-9"])
+    command = " ".join(config.command(resume=True, run_dir=tmp_path / "limited").split())
+    assert "student: stopped (the time limit (6e-08 s)) after update 1 of 16" in err
+    assert f"Continue with: {command}" in err and "--resume" in command
+    ckpts = Checkpointer(tmp_path / "limited" / "checkpoints" / "student", save_every=1)
+    assert ckpts.all_steps() == [1]
+    ckpts.close()
+    distill.main([*args, "--resume"])  # a time limit is not a flag a resumed run must keep
+    assert "student: resumed at step 1" in capsys.readouterr().err
+    a, b = _final_params(tmp_path / "limited"), _final_params(tmp_path / "run")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
@@ -264,6 +290,7 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
         ),
         (["--train.lr", "0"], "--train.lr must be a number > 0; got 0.0"),
         (["--run.model-axis", "0"], "--run.model-axis must be an int >= 1; got 0"),
+        (["--run.max-minutes", "-2"], "--run.max-minutes must be a number of minutes > 0"),
         (["--teacher.size", "huge"], "--teacher.size"),
         (["--config", "nope"], "--config"),
     ],

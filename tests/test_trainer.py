@@ -354,3 +354,147 @@ def test_gradient_accumulation_equals_the_large_batch():
         np.testing.assert_allclose(accumulated[key], params[key], atol=3e-5, err_msg=key)
     with pytest.raises(ValueError, match=r"`grad_accum`=3 must divide `batch_size`=4"):
         TrainConfig(batch_size=4, grad_accum=3)
+
+
+def test_a_stop_request_ends_the_loop_with_a_checkpoint_of_that_step(tmp_path):
+    """`fit(stop=...)`: asked after every update; when it says yes, that step's metrics arrive,
+    its checkpoint is written (not a multiple of save_every) and the loop ends; resuming from
+    it ends with the uninterrupted run's parameters, bit for bit."""
+    data = batches(7)
+    config = TrainConfig(steps=7, batch_size=4, warmup_steps=2)
+    whole = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    list(Trainer(whole, lm_loss, config).fit(data))
+
+    model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    ckpt = Checkpointer(tmp_path, save_every=100, keep_best=False)
+    trainer = Trainer(model, lm_loss, config, checkpointer=ckpt)
+    asked = []
+
+    def stop():
+        asked.append(trainer.step)
+        return trainer.step >= 3
+
+    metrics = trainer.fit(
+        iter(data), data_state=lambda: {"next": trainer.step},
+        on_step=lambda step, m: m.update(step=step), stop=stop, log_every=100,
+    )  # fmt: skip
+    steps = [int(m["step"]) for m in metrics]
+    ckpt.close()
+    assert asked == [1, 2, 3] and steps == [1, 2, 3] and trainer.step == 3
+    assert Checkpointer(tmp_path, save_every=100, keep_best=False).all_steps() == [3]
+
+    resumed = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    ckpt = Checkpointer(tmp_path, save_every=100, keep_best=False)
+    trainer = Trainer(resumed, lm_loss, config, checkpointer=ckpt)
+    position = trainer.restore()
+    assert trainer.step == 3 and position["next"] == 3
+    list(trainer.fit(data[3:], data_state=lambda: {"next": trainer.step}, stop=lambda: False))
+    ckpt.close()
+    a, b = params_of(whole), params_of(resumed)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_a_stop_request_from_sigterm_and_from_a_time_limit():
+    """The loop stops at the update after a SIGTERM (the process lives on) and at the first
+    update after the time limit; the handlers are restored afterwards."""
+    import signal
+
+    from sparse_jax.training.stopping import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    config = TrainConfig(steps=6, batch_size=4, warmup_steps=0)
+    model = GPT2(GPT2Config.preset("tiny", n_layer=1), rngs=nnx.Rngs(0))
+    notes = []
+    with StopRequest(notify=notes.append) as stop:
+        trainer = Trainer(model, lm_loss, config)
+
+        def on_step(step, metrics):
+            if step == 2:
+                signal.raise_signal(signal.SIGTERM)
+
+        list(trainer.fit(batches(6), on_step=on_step, stop=stop, log_every=1))
+    assert trainer.step == 3 and stop.reason == "SIGTERM" and notes == ["SIGTERM"]
+    assert signal.getsignal(signal.SIGTERM) == before
+    with StopRequest(seconds=1e-9) as stop:  # spent before the first update ends
+        trainer = Trainer(model, lm_loss, config)
+        list(trainer.fit(batches(6), stop=stop))
+    assert trainer.step == 1 and stop.reason.startswith("the time limit")
+
+
+def test_a_second_signal_while_stopping_does_what_it_did_before():
+    """Ctrl-C twice interrupts at once: the second SIGINT reaches Python's own handler."""
+    import signal
+
+    from sparse_jax.training.stopping import StopRequest
+
+    with pytest.raises(KeyboardInterrupt):
+        with StopRequest() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop() and stop.reason == "SIGINT"
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
+        with pytest.raises(ValueError, match=r"StopRequest: `seconds` must be a finite number"):
+            StopRequest(seconds=bad)
+
+
+STOP_SCRIPT = """
+import json, sys
+import numpy as np
+import jax
+from flax import nnx
+from sparse_jax.models import GPT2, GPT2Config
+from sparse_jax.training import sharding
+from sparse_jax.training.loop import TrainConfig, Trainer
+from sparse_jax.training.losses import cross_entropy_loss
+
+sharding.maybe_initialize_distributed()  # from the JAX_* variables
+def loss_fn(model, batch, rng):
+    return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
+
+rng = np.random.default_rng(0)
+data = [rng.integers(0, 101, (2, 17)).astype(np.int32) for _ in range(8)]  # this process's half
+model = GPT2(GPT2Config.preset("tiny", n_layer=1), rngs=nnx.Rngs(0))
+trainer = Trainer(model, loss_fn, TrainConfig(steps=8, batch_size=4, warmup_steps=0))
+asked = []
+def stop():  # only process 0 wants to stop, from its 3rd update
+    asked.append(trainer.step)
+    return jax.process_index() == 0 and trainer.step >= 3
+list(trainer.fit(data, stop=stop, log_every=2))
+print(json.dumps({"step": trainer.step, "asked": asked}))
+"""
+
+
+@pytest.mark.slow
+def test_on_two_processes_a_stop_on_one_stops_both_at_the_same_step(tmp_path):
+    """Asked at the logging steps only, and agreed on: the process that was not asked to stop
+    stops with the other (else its next collective would wait forever)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2")
+    env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(ROOT)}
+    (tmp_path / "stop.py").write_text(STOP_SCRIPT)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "stop.py")],
+            env={**env, "JAX_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    # Logging steps 2 and 4: process 0 says yes at 4, so both stop there.
+    assert results == [{"step": 4, "asked": [2, 4]}] * 2

@@ -342,6 +342,7 @@ class Trainer:
         evaluate: Callable[[nnx.Module], Mapping[str, float]] | None = None,
         eval_every: int = 0,
         log_every: int = 10,
+        stop: Callable[[], bool] | None = None,
     ) -> Iterator[dict[str, float]]:
         """Runs updates ``self.step + 1 ... config.steps``; yields each step's metrics.
 
@@ -363,6 +364,12 @@ class Trainer:
           eval_every: 0 = only at the end.
           log_every: fetch metrics (and check the loss) every this many updates at least;
             1 = after every update (a device sync per step).
+          stop: asked after each update (e.g. a
+            :class:`~sparse_jax.training.stopping.StopRequest`: a time limit, SIGTERM); when it
+            returns True the update's metrics are fetched, a checkpoint of that step is saved
+            (without an evaluation) and the loop ends early, ``self.step < config.steps``. On
+            several processes it is asked at the logging steps only, and the loop stops when
+            it returned True on any of them, so that every process saves the same step.
 
         Raises:
           NonFiniteLossError: on a NaN/inf loss, naming its step, the steps checked together
@@ -388,8 +395,11 @@ class Trainer:
             do_eval = evaluate is not None and (
                 last or bool(eval_every and self.step % eval_every == 0)
             )
-            do_save = self.checkpointer is not None and self.checkpointer.due(self.step, force=last)
-            if not (last or do_eval or do_save or self.step % log_every == 0):
+            due = self.checkpointer is not None and self.checkpointer.due(self.step, force=last)
+            logging_step = last or do_eval or due or self.step % log_every == 0
+            stopping = not last and _asked_to_stop(stop, logging_step)
+            do_save = due or (stopping and self.checkpointer is not None)
+            if not (logging_step or stopping):
                 continue
             records = self._fetch_metrics(pending)  # raises on a NaN/inf loss
             rate = tokens / max(time.perf_counter() - start, 1e-9)
@@ -409,6 +419,8 @@ class Trainer:
                 position = dict(data_state()) if data_state is not None else {}
                 self.save(position, eval_metrics, force=True)
             yield from (record for _, record in records)
+            if stopping:
+                break
         if self.checkpointer is not None:
             self.checkpointer.wait()
         self.sync_model()
@@ -424,6 +436,16 @@ class Trainer:
         for step, record in records:
             ckpt_lib.check_finite(record["loss"], step, self.checkpointer, checked=checked)
         return records
+
+
+def _asked_to_stop(stop: Callable[[], bool] | None, logging_step: bool) -> bool:
+    """``stop()`` after an update; on several processes only at logging steps (which every
+    process reaches together), and True on all when it is True on any."""
+    if stop is None:
+        return False
+    if jax.process_count() == 1:
+        return bool(stop())
+    return logging_step and sharding_lib.any_process(bool(stop()))
 
 
 def append_jsonl(path, record: Mapping[str, Any]) -> None:

@@ -55,6 +55,7 @@ from sparse_jax.validation import check_int
 __all__ = [
     "AXES",
     "DEFAULT_RULES",
+    "any_process",
     "batch_sharding",
     "broadcast_from_primary",
     "check_batch",
@@ -523,6 +524,20 @@ def broadcast_from_primary(value):
     if jax.process_count() == 1:
         return value
     return multihost_utils.broadcast_one_to_all(value)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is True on any process (every process must call it at the same point:
+    a collective), so that the processes agree on a decision each made alone (stop now?).
+
+    Example:
+      >>> any_process(False), any_process(True)  # one process: its own flag
+      (False, True)
+    """
+    if jax.process_count() == 1:
+        return bool(flag)
+    flags = multihost_utils.process_allgather(np.asarray(bool(flag), np.int32))
+    return bool(np.asarray(flags).any())
 
 
 def host_copy(tree):
