@@ -581,7 +581,9 @@ print("the same run from a shell:", config.command(resume="--resume" in args, ru
 `distill.run(config)` runs the three phases (teacher, student, hardened student), each
 checkpointed every `--run.checkpoint-every` updates, then measures both models on the evaluation
 split and writes the report. A finished run is not run again: its report is shown (delete
-`RUN_DIR`, or choose another, to start afresh).""",
+`RUN_DIR`, or choose another, to start afresh). The stop button (or the runtime's SIGTERM)
+ends training at the next update with a checkpoint of it (`RunStopped` says where); run the
+cells again to continue from there.""",
     ),
     (
         "code",
@@ -672,7 +674,9 @@ print("the same run from a shell:", shlex.join(["python", "-m", "experiments.cas
         """## Train and measure
 
 `cascade.run(cfg)` trains both models (each phase checkpointed), measures them and writes the
-report; it returns the summary. A finished run is shown, not run again.""",
+report; it returns the summary. A finished run is shown, not run again. The stop button (or
+the runtime's SIGTERM) ends training at the next update with a checkpoint of it (`RunStopped`
+says where); run the cells again to continue from there.""",
     ),
     (
         "code",
@@ -769,7 +773,9 @@ print("the same run from a shell:", shlex.join(["python", "-m", "experiments.cot
 
 `experiment.run(cmd)` trains the sparse model, then the dense one (each checkpointed), decodes the
 test split greedily with each (a key/value cache, one batch per kind) and writes the report; it
-returns the summary. A finished run is shown, not run again.""",
+returns the summary. A finished run is shown, not run again. The stop button (or the runtime's
+SIGTERM) ends training at the next update with a checkpoint of it (`RunStopped` says where);
+run the cells again to continue from there.""",
     ),
     (
         "code",
