@@ -39,10 +39,9 @@ from experiments.flags import (
     check_max_minutes,
     check_resume,
     flag_name,
-    resume_command,
     set_ints_at_least,
 )
-from experiments.phase import EXIT_STOPPED, RunStopped, stop_request, train_phase
+from experiments.phase import RunStopped, main_of, stop_request, train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.models.cascade import CascadeConfig, CascadeLM, cascade_flops
@@ -512,13 +511,7 @@ def parse(argv: list[str] | None = None) -> CascadeExperiment:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        run(parse(argv))
-    except RunStopped as stopped:
-        command = resume_command("experiments.cascade", argv, stopped.folder)
-        log(f"{stopped}. Continue with:  {command}")
-        raise SystemExit(EXIT_STOPPED) from None
+    main_of("experiments.cascade", run, parse, argv, log)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,9 @@ from experiments.flags import (
     check_max_minutes,
     check_resume,
     flag_name,
-    resume_command,
     set_ints_at_least,
 )
-from experiments.phase import EXIT_STOPPED, RunStopped, stop_request, train_phase
+from experiments.phase import RunStopped, main_of, stop_request, train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
@@ -946,13 +945,7 @@ def run(cmd: Command) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        run(parse(argv))
-    except RunStopped as stopped:
-        command = resume_command("experiments.cot", argv, stopped.folder)
-        log(f"{stopped}. Continue with:  {command}")
-        raise SystemExit(EXIT_STOPPED) from None
+    main_of("experiments.cot", run, parse, argv, log)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from experiments.distill_config import OLD_FLAGS, DistillConfig, TrainConfig, command_line
 from experiments.flags import changed_flags
-from experiments.phase import RunStopped
+from experiments.phase import fit_to_the_end
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training import sharding
@@ -331,22 +331,10 @@ class Run:
             bar.update(1)
             self.log({"phase": phase, "step": step, **metrics})
 
-        try:
-            for _ in trainer.fit(
-                iterator,
-                data_state=lambda: {"iterator": iterator.state()},
-                on_step=on_step,
-                evaluate=evaluate,
-                eval_every=c.run.checkpoint_every,
-                stop=self.stop,
-            ):
-                pass
-        finally:
-            bar.close()
-            ckpt.close()
-        if trainer.step < train_config.steps:
-            reason = self.stop.reason if self.stop is not None else None
-            raise RunStopped(phase, trainer.step, train_config.steps, reason)
+        fit_to_the_end(
+            trainer, iterator, phase, on_step, evaluate, c.run.checkpoint_every, self.stop,
+            (bar, ckpt),
+        )  # fmt: skip
         return sharding.local_model(trainer.sync_model())
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
+from experiments.flags import resume_command
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
@@ -93,19 +94,40 @@ def train_phase(
         bar.update(1)
         append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
 
+    eval_every = checkpoint_every if evaluate is not None else 0
+    fit_to_the_end(trainer, iterator, name, on_step, evaluate, eval_every, stop, (bar, ckpt))
+    return trainer, time.perf_counter() - started
+
+
+def fit_to_the_end(trainer, iterator, name, on_step, evaluate, eval_every, stop, closing) -> None:
+    """``trainer.fit`` over the batches of ``iterator`` (a ``BatchIterator``, whose position
+    the checkpoints keep) up to ``trainer.config.steps``; closes each of ``closing`` (a bar, a
+    checkpointer) after, and raises :class:`RunStopped` when ``stop`` ended it early."""
     try:
         for _ in trainer.fit(
             iterator,
             data_state=lambda: {"iterator": iterator.state()},
             on_step=on_step,
             evaluate=evaluate,
-            eval_every=checkpoint_every if evaluate is not None else 0,
+            eval_every=eval_every,
             stop=stop,
         ):
             pass
     finally:
-        bar.close()
-        ckpt.close()
-    if trainer.step < config.steps:
-        raise RunStopped(name, trainer.step, config.steps, stop.reason if stop else None)
-    return trainer, time.perf_counter() - started
+        for thing in closing:
+            thing.close()
+    steps = trainer.config.steps
+    if trainer.step < steps:
+        raise RunStopped(name, trainer.step, steps, stop.reason if stop is not None else None)
+
+
+def main_of(module: str, run: Callable, parse: Callable, argv, log: Callable[[str], None]):
+    """An experiment's ``main``: ``run(parse(argv))`` (argv default: the command line's); a run
+    stopped early (:class:`RunStopped`) prints the command that continues it (``python -m
+    module`` with these arguments and ``--run.resume``) and exits with :data:`EXIT_STOPPED`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(parse(argv))
+    except RunStopped as stopped:
+        log(f"{stopped}. Continue with:  {resume_command(module, argv, stopped.folder)}")
+        raise SystemExit(EXIT_STOPPED) from None

@@ -142,3 +142,9 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     for line in pytests:
         files = [arg for arg in shlex.split(line) if arg.startswith("tests/")]
         assert files and all((root / f).is_file() for f in files), files
+    from experiments import cot
+
+    (line,) = re.findall(r"python3 -m experiments\.cot (.*)", text)
+    study = cot.parse(shlex.split(line))
+    assert type(study).__name__ == "TrainCommand" and study.preset == "study"
+    assert study.model.d_model == cot.study().model.d_model and study.train.steps == 40

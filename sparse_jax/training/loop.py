@@ -367,9 +367,10 @@ class Trainer:
           stop: asked after each update (e.g. a
             :class:`~sparse_jax.training.stopping.StopRequest`: a time limit, SIGTERM); when it
             returns True the update's metrics are fetched, a checkpoint of that step is saved
-            (without an evaluation) and the loop ends early, ``self.step < config.steps``. On
-            several processes it is asked at the logging steps only, and the loop stops when
-            it returned True on any of them, so that every process saves the same step.
+            (with a checkpointer; no evaluation) and the loop ends early: ``self.step <
+            config.steps`` then. On several processes it is asked at the logging steps only,
+            and the loop stops when it returned True on any of them, so that every process
+            saves the same step.
 
         Raises:
           NonFiniteLossError: on a NaN/inf loss, naming its step, the steps checked together
