@@ -35,12 +35,7 @@ from flax import nnx
 
 from experiments import measure
 from experiments.distill_run import write_text_atomically
-from experiments.flags import (
-    check_max_minutes,
-    check_resume,
-    flag_name,
-    set_ints_at_least,
-)
+from experiments.flags import check_max_minutes, check_resume, flag_name, set_ints_at_least
 from experiments.phase import RunStopped, main_of, stop_request, train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config

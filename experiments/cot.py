@@ -48,12 +48,7 @@ import tyro
 from flax import nnx
 
 from experiments.distill_run import write_text_atomically
-from experiments.flags import (
-    check_max_minutes,
-    check_resume,
-    flag_name,
-    set_ints_at_least,
-)
+from experiments.flags import check_max_minutes, check_resume, flag_name, set_ints_at_least
 from experiments.phase import RunStopped, main_of, stop_request, train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot

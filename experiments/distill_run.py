@@ -332,8 +332,8 @@ class Run:
             self.log({"phase": phase, "step": step, **metrics})
 
         fit_to_the_end(
-            trainer, iterator, phase, on_step, evaluate, c.run.checkpoint_every, self.stop,
-            (bar, ckpt),
+            trainer, iterator, phase, on_step=on_step, evaluate=evaluate,
+            eval_every=c.run.checkpoint_every, stop=self.stop, closing=(bar, ckpt),
         )  # fmt: skip
         return sharding.local_model(trainer.sync_model())
 

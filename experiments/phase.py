@@ -95,11 +95,16 @@ def train_phase(
         append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
 
     eval_every = checkpoint_every if evaluate is not None else 0
-    fit_to_the_end(trainer, iterator, name, on_step, evaluate, eval_every, stop, (bar, ckpt))
+    fit_to_the_end(
+        trainer, iterator, name, on_step=on_step, evaluate=evaluate, eval_every=eval_every,
+        stop=stop, closing=(bar, ckpt),
+    )  # fmt: skip
     return trainer, time.perf_counter() - started
 
 
-def fit_to_the_end(trainer, iterator, name, on_step, evaluate, eval_every, stop, closing) -> None:
+def fit_to_the_end(
+    trainer, iterator, name, *, on_step, evaluate, eval_every, stop, closing
+) -> None:
     """``trainer.fit`` over the batches of ``iterator`` (a ``BatchIterator``, whose position
     the checkpoints keep) up to ``trainer.config.steps``; closes each of ``closing`` (a bar, a
     checkpointer) after, and raises :class:`RunStopped` when ``stop`` ended it early."""
