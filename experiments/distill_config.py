@@ -634,6 +634,7 @@ OLD_FLAGS = {
     "checkpoint_every": "run.checkpoint_every",
     "data_axis": "run.data_axis",
     "model_axis": "run.model_axis",
+    "max_minutes": "run.max_minutes",
     "resume": "resume",
 }
 
