@@ -436,7 +436,7 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
     from experiments.flags import resume_command
     from sparse_jax.training.checkpoint import Checkpointer
 
-    flags = [*RUN_FLAGS, "--train.steps", "30", "--run.checkpoint-every", "25",
+    flags = [*RUN_FLAGS, "--train.steps", "16", "--run.checkpoint-every", "100",
              "--run.cache-dir", str(tmp_path)]  # fmt: skip
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     experiment.run(experiment.parse(["train", *flags, "--run.dir", str(whole)]))
@@ -457,18 +457,18 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
     err = " ".join(capsys.readouterr().err.split())
     assert "SIGTERM: saving checkpoints and stopping" in err
     command = resume_command("experiments.cot", args, stopped)
-    assert "sparse: stopped (SIGTERM) after update 11 of 30, with a checkpoint of it. " in err
+    assert "sparse: stopped (SIGTERM) after update 11 of 16, with a checkpoint of it. " in err
     assert f"Continue with: {' '.join(command.split())}" in err
 
     def saved(name):
-        with Checkpointer(stopped / "checkpoints" / name, save_every=25) as ckpt:
+        with Checkpointer(stopped / "checkpoints" / name, save_every=100) as ckpt:
             return ckpt.all_steps()
 
     assert saved("sparse") == [11] and not (stopped / "checkpoints" / "dense").exists()
     monkeypatch.setattr(phase, "append_jsonl", log_line)
     again = [*args, "--run.resume", "--run.max-minutes", "1e-9"]
     with pytest.raises(phase.RunStopped, match=r"sparse: stopped \(the time limit \(6e-08 s\)\) "
-                       "after update 12 of 30") as info:  # fmt: skip
+                       "after update 12 of 16") as info:  # fmt: skip
         experiment.run(experiment.parse(again))
     assert info.value.folder == stopped and saved("sparse") == [11, 12]
     experiment.run(experiment.parse([*args, "--run.resume"]))
@@ -479,7 +479,7 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     lines = [json.loads(x) for x in (stopped / "metrics.jsonl").read_text().splitlines()]
     for name in ("sparse", "dense"):
-        assert [r["step"] for r in lines if r["phase"] == name] == list(range(1, 31))
+        assert [r["step"] for r in lines if r["phase"] == name] == list(range(1, 17))
 
 
 # ---------------------------------------------------------------------------------------------
