@@ -65,9 +65,10 @@ def run(config: DistillConfig) -> dict:
         seconds[name] = time.perf_counter() - started - sum(seconds.values())
 
     distill_phases.student_spec(config)  # the student's flags, checked before set-up
-    r = Run(config)
-    lap("data")
-    with stop_request(config.run.max_minutes, log) as r.stop:
+    with stop_request(config.run.max_minutes, log) as stop:  # --run.max-minutes from here
+        r = Run(config)
+        r.stop = stop
+        lap("data")
         try:
             teacher = distill_phases.teacher(r)
             lap("teacher")
