@@ -36,7 +36,7 @@ from flax import nnx
 from experiments import measure
 from experiments.distill_run import write_text_atomically
 from experiments.flags import check_max_minutes, check_resume, flag_name, set_ints_at_least
-from experiments.phase import RunStopped, main_of, stop_request, train_phase
+from experiments.phase import main_of, stop_request, train_phase
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.models.cascade import CascadeConfig, CascadeLM, cascade_flops
@@ -332,20 +332,14 @@ def run(cfg: CascadeExperiment) -> dict:
     Training stops early, with a checkpoint of the step reached, on SIGTERM or SIGINT (Ctrl-C,
     a notebook's interrupt) or after ``--run.max-minutes``: it raises
     :class:`experiments.phase.RunStopped`, whose ``folder`` ``--run.resume`` continues."""
-    if cfg.run.dir is None:  # named now, so that a stopped run can say where to resume
-        folder = pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=folder))
     with stop_request(cfg.run.max_minutes, log) as stop:
-        try:
-            return _run(cfg, stop)
-        except RunStopped as stopped:
-            stopped.folder = pathlib.Path(cfg.run.dir)
-            raise
+        return _run(cfg, stop)
 
 
 def _run(cfg: CascadeExperiment, stop: StopRequest) -> dict:
     started = time.perf_counter()
-    folder = pathlib.Path(cfg.run.dir)
+    folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
+    folder = pathlib.Path(folder)
     if (not cfg.run.resume and (folder / "summary.json").exists()) or (
         not cfg.run.resume and (folder / "checkpoints").exists()
     ):

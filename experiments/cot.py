@@ -786,7 +786,11 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
         pending = tuple(m for m in cmd.models if m not in done)
         if pending:
             log(f"seed {seed}: training {', '.join(pending)} in {folder}")
-            train(one, models=pending, stop=stop)
+            try:
+                train(one, models=pending, stop=stop)
+            except RunStopped as stopped:  # the seeds command resumes from the top folder
+                stopped.folder = top
+                raise
             trained = json.loads((folder / "training.json").read_text())["phase_seconds"]
         for name in cmd.models:
             path = folder / f"eval-{name}.json"
@@ -921,18 +925,10 @@ def run(cmd: Command) -> Any:
         return ask(cmd)
     if isinstance(cmd, EvalCommand):
         return evaluate_run(pathlib.Path(cmd.run.dir), cmd.eval, cmd.run.cache_dir, started)
-    if cmd.run.dir is None:  # named now, so that a stopped run can say where to resume
-        prefix = "cot-seeds" if isinstance(cmd, SeedsCommand) else "cot"
-        folder = pathlib.Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S")
-        cmd = dataclasses.replace(cmd, run=dataclasses.replace(cmd.run, dir=folder))
     with stop_request(cmd.run.max_minutes, log) as stop:
-        try:
-            if isinstance(cmd, SeedsCommand):
-                return seeds(cmd, stop)
-            folder = train(cmd, stop=stop)
-        except RunStopped as stopped:
-            stopped.folder = pathlib.Path(cmd.run.dir)
-            raise
+        if isinstance(cmd, SeedsCommand):
+            return seeds(cmd, stop)
+        folder = train(cmd, stop=stop)
     if isinstance(cmd, AllCommand):
         return evaluate_run(folder, cmd.eval, cmd.run.cache_dir, started)
     log(f"trained in {time.perf_counter() - started:.0f} s: {folder}")

@@ -69,16 +69,12 @@ def run(config: DistillConfig) -> dict:
         r = Run(config)
         r.stop = stop
         lap("data")
-        try:
-            teacher = distill_phases.teacher(r)
-            lap("teacher")
-            student, spec = distill_phases.student(r, teacher)
-            lap("student")
-            hard = distill_phases.hardened(r, student, teacher)
-            lap("hardened")
-        except RunStopped as stopped:
-            stopped.folder = r.dir
-            raise
+        teacher = distill_phases.teacher(r)
+        lap("teacher")
+        student, spec = distill_phases.student(r, teacher)
+        lap("student")
+        hard = distill_phases.hardened(r, student, teacher)
+        lap("hardened")
     r.stop = None
     # Quality on the evaluation split.
     t_nll, _ = measure.evaluate_lm(teacher, r.eval_windows)

@@ -333,7 +333,7 @@ class Run:
 
         fit_to_the_end(
             trainer, iterator, phase, on_step=on_step, evaluate=evaluate,
-            eval_every=c.run.checkpoint_every, stop=self.stop, closing=(bar, ckpt),
+            eval_every=c.run.checkpoint_every, stop=self.stop, closing=(bar, ckpt), folder=self.dir,
         )  # fmt: skip
         return sharding.local_model(trainer.sync_model())
 

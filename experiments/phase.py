@@ -25,12 +25,11 @@ EXIT_STOPPED = 75
 
 class RunStopped(Exception):
     """A training phase ended early at a checkpoint (a time limit, SIGTERM, Ctrl-C): the run
-    can be resumed from ``step`` of ``phase``. Its message says so."""
+    in ``folder`` can be resumed from ``step`` of ``phase``. Its message says so."""
 
-    folder: pathlib.Path | None = None  # the run folder, when the experiment sets it
-
-    def __init__(self, phase: str, step: int, steps: int, reason: str | None):
+    def __init__(self, phase: str, step: int, steps: int, reason: str | None, folder):
         self.phase, self.step, self.steps, self.reason = phase, step, steps, reason
+        self.folder = pathlib.Path(folder)  # the run folder --run.resume continues
         why = f" ({reason})" if reason else ""
         super().__init__(
             f"{phase}: stopped{why} after update {step} of {steps}, with a checkpoint of it"
@@ -97,17 +96,18 @@ def train_phase(
     eval_every = checkpoint_every if evaluate is not None else 0
     fit_to_the_end(
         trainer, iterator, name, on_step=on_step, evaluate=evaluate, eval_every=eval_every,
-        stop=stop, closing=(bar, ckpt),
+        stop=stop, closing=(bar, ckpt), folder=folder,
     )  # fmt: skip
     return trainer, time.perf_counter() - started
 
 
 def fit_to_the_end(
-    trainer, iterator, name, *, on_step, evaluate, eval_every, stop, closing
+    trainer, iterator, name, *, on_step, evaluate, eval_every, stop, closing, folder
 ) -> None:
     """``trainer.fit`` over the batches of ``iterator`` (a ``BatchIterator``, whose position
     the checkpoints keep) up to ``trainer.config.steps``; closes each of ``closing`` (a bar, a
-    checkpointer) after, and raises :class:`RunStopped` when ``stop`` ended it early."""
+    checkpointer) after, and raises :class:`RunStopped` (naming the run ``folder``) when
+    ``stop`` ended it early."""
     try:
         for _ in trainer.fit(
             iterator,
@@ -123,7 +123,8 @@ def fit_to_the_end(
             thing.close()
     steps = trainer.config.steps
     if trainer.step < steps:
-        raise RunStopped(name, trainer.step, steps, stop.reason if stop is not None else None)
+        reason = stop.reason if stop is not None else None
+        raise RunStopped(name, trainer.step, steps, reason, folder)
 
 
 def main_of(module: str, run: Callable, parse: Callable, argv, log: Callable[[str], None]):
