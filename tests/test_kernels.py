@@ -7,6 +7,8 @@ kernels run in Pallas' interpret mode on CPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,7 +134,7 @@ def test_values_and_gradients_match_the_xla_reference(case):
         np.testing.assert_allclose(g, r, atol=atol, rtol=tol, err_msg=name)
 
 
-def test_the_dispatcher_runs_the_kernel_and_auto_keeps_the_xla_kernels_on_cpu():
+def test_the_dispatcher_runs_the_kernel_and_auto_takes_it_on_gpu_only():
     q, k, v, _ = _inputs((1, 64, 64, 2, 2, 8), jnp.float32)
     mask = masks.causal() & masks.local(16, 0)
 
@@ -144,7 +146,10 @@ def test_the_dispatcher_runs_the_kernel_and_auto_keeps_the_xla_kernels_on_cpu():
     assert_engine("pallas", run, q, k, v)
     assert "sparse_jax_pallas_entmax15_fwd" in str(jax.make_jaxpr(run)(q, k, v))
     choice = attention_impl(q, k, v, mask=mask, normalizer="entmax15", block_size=(16, 16))
-    assert choice.impl in ("blocksparse", "xla"), choice
+    if jax.default_backend() == "gpu":  # (this test also runs on a GPU: .ci/gpu-check)
+        assert choice.impl == "pallas", choice
+    else:
+        assert choice.impl in ("blocksparse", "xla"), choice
 
 
 def test_fully_masked_rows_give_zero_output_and_gradients():
@@ -233,13 +238,53 @@ def _live_map(q, k, v, layout, norm):
     return np.asarray(res["live"])
 
 
-def test_non_finite_input_follows_the_attention_policy():
+class _TritonMinMax:
+    """``jax.numpy`` with the float maximum and minimum that Pallas' Triton lowering emits
+    (``maxnumf``/``minnumf``: where one operand is NaN, the other), where XLA's propagate NaN."""
+
+    maximum = staticmethod(jnp.fmax)
+    minimum = staticmethod(jnp.fmin)
+    max = staticmethod(jnp.nanmax)
+    min = staticmethod(jnp.nanmin)
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+
+@contextlib.contextmanager
+def _kernel_numerics(numerics: str):
+    """Traces the kernels (in interpret mode) with the min/max of ``numerics``: "xla" as is,
+    "triton" as the GPU compiles them, so that a NaN policy that holds only under XLA's
+    min/max fails here, not first on a GPU. The reference must be computed outside."""
+    if numerics == "xla":
+        yield
+        return
+    from sparse_jax import normalizers
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pk, "jnp", _TritonMinMax())
+        patch.setattr(normalizers, "jnp", _TritonMinMax())  # the searches' terms
+        yield
+
+
+def test_the_triton_numerics_drop_nan_as_maxnum_does():
+    x = jnp.array([[jnp.nan, -jnp.inf, 1.0], [jnp.nan, jnp.nan, -jnp.inf]])
+    with _kernel_numerics("triton"):
+        np.testing.assert_array_equal(pk.jnp.maximum(x[0], 0.0), [0.0, 0.0, 1.0])
+        np.testing.assert_array_equal(pk.jnp.max(x, axis=-1), [1.0, -jnp.inf])
+        assert float(pk.jnp.minimum(jnp.nan, 3.0)) == 3.0
+    assert pk.jnp is jnp and bool(jnp.isnan(pk.jnp.maximum(jnp.nan, 0.0)))
+
+
+@pytest.mark.parametrize("numerics", ["xla", "triton"])
+def test_non_finite_input_follows_the_attention_policy(numerics):
     q, k, v, _ = _inputs((1, 32, 32, 1, 1, 16), jnp.float32)
     q = q.at[0, 20, 0, 3].set(jnp.nan)  # query row 20 is NaN
     v = v.at[0, 25, 0, 1].set(jnp.inf)  # key 25: rows >= 25 (causal) become NaN
     mask = masks.causal()
-    for norm in ("softmax", "entmax15"):
-        out = attention(q, k, v, mask=mask, normalizer=norm, impl="pallas", block_size=(16, 16))
+    for norm in ("softmax", "entmax15", "sparsemax", 1.3):
+        with _kernel_numerics(numerics):
+            out = attention(q, k, v, mask=mask, normalizer=norm, impl="pallas", block_size=(16, 16))
         ref = attention(q, k, v, mask=mask, normalizer=norm, impl="xla")
         np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
         finite = ~np.isnan(np.asarray(ref))
@@ -247,19 +292,25 @@ def test_non_finite_input_follows_the_attention_policy():
         assert np.isnan(np.asarray(out)[0, 20]).all() and np.isnan(np.asarray(out)[0, 25:]).all()
 
 
-def test_a_non_finite_value_leaves_the_gradients_of_rows_that_mask_its_key_finite():
+@pytest.mark.parametrize("numerics", ["xla", "triton"])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "softmax", 1.3])
+def test_a_non_finite_value_leaves_the_gradients_of_rows_that_mask_its_key_finite(
+    normalizer, numerics
+):
     q, k, v, cot = _inputs((1, 32, 32, 1, 1, 16), jnp.float32)
     v = v.at[0, 25, 0, 1].set(jnp.nan)  # key 25: only rows >= 25 allow it (causal)
 
     def grads(impl):
         def loss(q, k, v):
-            out = attention(q, k, v, mask=masks.causal(), normalizer="sparsemax", impl=impl,
+            out = attention(q, k, v, mask=masks.causal(), normalizer=normalizer, impl=impl,
                             block_size=(16, 16))  # fmt: skip
             return jnp.sum(out[:, :25] * cot[:, :25])
 
         return jax.grad(loss, argnums=(0, 1))(q, k, v)
 
-    (dq, dk), (ref_dq, ref_dk) = grads("pallas"), grads("xla")
+    ref_dq, ref_dk = grads("xla")
+    with _kernel_numerics(numerics):
+        dq, dk = grads("pallas")
     assert np.isfinite(np.asarray(dq)[:, :25]).all()  # rows 16..24 share key 25's block
     # NaN where the reference has NaN (rows >= 25 are NaN rows: their terms in dk are NaN).
     np.testing.assert_allclose(dq, ref_dq, atol=1e-5)
@@ -378,4 +429,24 @@ def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dt
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     text = jax.jit(grad).trace(q, k, k, alpha, bias).lower(lowering_platforms=("cuda",)).as_text()
     # forward, dq and dk/dv: three Triton kernels in the lowered program
+    assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_ragged_lengths_and_a_dense_bias_lower_to_triton():
+    """Tq, Tk and the head dim off the blocks (padded inside) with a bias of both length axes,
+    whose gradient the dk/dv kernel clears tile by tile: Triton takes only power-of-two tiles,
+    so a tile of all nq * bq query rows (48 here) must never appear."""
+    q, k = jnp.zeros((2, 40, 2, 12)), jnp.zeros((2, 72, 1, 12))
+    mask = masks.local(24, 24)
+    layout = mask.blocks(40, 72, 16, 16)
+
+    def loss(q, k, v, bias):
+        out = pallas_attention(
+            q, k, v, layout, mask=mask, normalizer="entmax15", bias=bias, interpret=False
+        )
+        return jnp.sum(out)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    bias = jnp.zeros((2, 2, 40, 72))
+    text = jax.jit(grad).trace(q, k, k, bias).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3

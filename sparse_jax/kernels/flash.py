@@ -356,7 +356,14 @@ def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref)
     raw = _dot(plan, q, k)
     bias = bias_ref[:, pl.ds(start, plan.bkv)] if plan.bias_axes[3] else bias_ref[...]
     key_nan = key_nan_ref[pl.ds(start, plan.bkv)][None, :]
-    return raw, jnp.minimum(raw * scale + bias + key_nan, _MAX)
+    return raw, _clip_inf(raw * scale + bias + key_nan)
+
+
+def _clip_inf(s):
+    """+inf scores count as the largest float; NaN stays NaN. Not ``jnp.minimum``: Triton
+    lowers float min/max to ``minnumf``/``maxnumf``, which return the other operand where one
+    is NaN, so every NaN the attention policy must keep is tested for, never left to them."""
+    return jnp.where(s > _MAX, _MAX, s)
 
 
 def _allowed(full, mask_index, masks_ref, kv_block, bound_and_tile, bkv: int):
@@ -482,11 +489,13 @@ def _softmax_step(plan: _Plan, carry, x, v):
 
 def _softmax_finish(carry):
     """(output ``[bq, Dv]`` float32, log-sum-exp ``[bq, 1]``; +inf for a row that sees no key,
-    whose output is 0) of the online softmax's final carry."""
+    whose output is 0; NaN for a NaN row, whose derivatives are then NaN) of the online
+    softmax's final carry."""
     row_max, total, acc = carry
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
     out = acc / jnp.where(total > 0.0, total, 1.0)
-    return out, jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)
+    lse = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)
+    return out, jnp.where(jnp.isnan(total), jnp.nan, lse)
 
 
 def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, key_nan_ref,
@@ -531,14 +540,16 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         return jnp.where(allowed, s, -jnp.inf)
 
     def first_pass(j, carry):
-        row_max, n_valid = carry
+        row_max, n_valid, n_nan = carry
         x = masked(j)
         row_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
-        return row_max, n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
+        n_valid = n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
+        return row_max, n_valid, n_nan + jnp.sum(jnp.isnan(x).astype(_F32), -1, keepdims=True)
 
-    init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32))
-    row_max, n_valid = jax.lax.fori_loop(0, count, first_pass, init)
-    nan_row = jnp.isnan(row_max)
+    init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32), jnp.zeros((bq, 1), _F32))
+    row_max, n_valid, n_nan = jax.lax.fori_loop(0, count, first_pass, init)
+    nan_row = n_nan > 0.0  # counted: Triton's max drops NaN (see _clip_inf)
+    row_max = jnp.where(nan_row, jnp.nan, row_max)
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN stays NaN: its z is NaN
 
     def z_of(j):
@@ -556,7 +567,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
         # Live: some row gives the block weight, or is a NaN row (whose derivatives are NaN:
         # the backward pass must visit it). A max over 0/1, not over p: NaN must not hide rows.
-        live = jnp.max(jnp.where((p > 0.0) | jnp.isnan(p), 1, 0)) > 0
+        live = jnp.max(jnp.where((p > 0.0) | nan_row, 1, 0)) > 0
         live_ref[j] = live.astype(live_ref.dtype)
         start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
 
@@ -595,9 +606,9 @@ def _recompute(plan: _Plan, x, rows: dict, eps, sigma):
         return p, p
     z = _z(plan.kind, x, rows["max"], eps)
     p_hat, s_hat = _weights(plan.kind, z, rows["tau"], eps, sigma)
-    mass = rows["mass"]
+    mass = rows["mass"]  # NaN for a NaN row (whose p̂ Triton's max may have zeroed)
     safe = jnp.where(mass > 0.0, mass, 1.0)
-    p = p_hat / safe
+    p = jnp.where(jnp.isnan(mass), jnp.nan, p_hat / safe)
     if plan.kind == "sparsemax":
         g = s_hat
     elif plan.kind == "entmax15":
@@ -694,12 +705,18 @@ def _dkv_kernel(*refs, plan: _Plan):
     t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = rest[:7]
     dk_ref, dv_ref, dbias_cols_ref = rest[7:10]
     dense_bias_ref = rest[10] if len(rest) > 10 else None  # a bias with q and kv axes
-    if dense_bias_ref is not None:
-        dense_bias_ref[...] = jnp.zeros(dense_bias_ref.shape, dense_bias_ref.dtype)
+    bq, bkv = plan.bq, plan.bkv
+    if dense_bias_ref is not None:  # tile by tile: Triton takes no tile of nq * bq rows
+        zeros = jnp.zeros((bq, bkv), dense_bias_ref.dtype)
+
+        def clear(i, carry):
+            dense_bias_ref[pl.ds(pl.multiple_of(i * bq, bq), bq), :] = zeros
+            return carry
+
+        jax.lax.fori_loop(0, plan.nq, clear, 0)
     k, v = k_ref[...], v_ref[...]
     scale = scale_ref[0]
     kv_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
-    bq, bkv = plan.bq, plan.bkv
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
 
     def body(t, carry):
@@ -712,7 +729,7 @@ def _dkv_kernel(*refs, plan: _Plan):
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
             bias = bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...]
-            s = jnp.minimum(_dot(plan, q, k) * scale + bias + key_nan_ref[...][None, :], _MAX)
+            s = _clip_inf(_dot(plan, q, k) * scale + bias + key_nan_ref[...][None, :])
             rt = _runtime_tile(
                 plan, row_block, kv_block, kv_length,
                 lambda: qseg_ref[sl], lambda: kvseg_ref[...],
