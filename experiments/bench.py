@@ -37,7 +37,7 @@ from optax.projections import projection_simplex
 
 import sparse_jax
 from experiments import timing
-from experiments.bench_kernels import KernelsConfig, run_kernels
+from experiments.bench_kernels import Interrupted, KernelsConfig, run_kernels
 from sparse_jax import masks
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention
@@ -776,7 +776,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     config = parse(args)
     runner = next(r for cls, r in _BENCHMARKS.values() if type(config) is cls)
-    markdown = runner(config, shlex.join(["python", "-m", "experiments.bench", *args]))
+    interrupted = None
+    try:
+        markdown = runner(config, shlex.join(["python", "-m", "experiments.bench", *args]))
+    except Interrupted as stop:  # the cells measured before it are still printed and written
+        markdown, interrupted = stop.markdown, stop
     print(markdown, end="", flush=True)
     output = getattr(config, "output", None)
     if output is not None:
@@ -784,6 +788,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(markdown)
         timing.log(f"wrote {output}")
+    if interrupted is not None:
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from typing import Literal
 
@@ -57,6 +59,10 @@ class KernelsConfig:
     budget_s: float = 20.0
     peers: bool = True
     """Also time the PyTorch peers (GPU only, torch importable)."""
+    peers_timeout_s: float = 900.0
+    """Wall-clock limit of the peers' process, compilations included (AdaSplash's Triton
+    kernels compile for minutes on a first call); the rows it finished are kept, the others
+    named in the notes."""
     seed: int = 0
     output: pathlib.Path | None = None
     """Also write the markdown to this file."""
@@ -81,7 +87,7 @@ class KernelsConfig:
                         f"normalizers: {name!r} is neither softmax, sparsemax, entmax15 nor a "
                         "finite α > 1"
                     )
-        for name in ("slow_s", "budget_s"):
+        for name in ("slow_s", "budget_s", "peers_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
 
@@ -131,8 +137,19 @@ def _cells(config, q, k, v, g, mask, norm, engine):
     return timing.time_fn(fwd, q, k, v, **limits), timing.time_fn(grad, q, k, v, g, **limits)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGINT (``timeout --signal=INT``) during the benchmark: ``markdown`` holds the
+    table of the cells measured before it, which ``experiments.bench`` still prints and writes."""
+
+    def __init__(self, markdown: str):
+        super().__init__("interrupted")
+        self.markdown = markdown
+
+
 def _peer_rows(config, lengths, dtype_name) -> tuple[list[dict], str]:
-    """Runs experiments.bench_peers in its own process; (rows, note)."""
+    """Runs experiments.bench_peers in its own process, at most ``config.peers_timeout_s``;
+    (rows, note). The process prints a row per line as it measures it: a process stopped at the
+    limit, or by an interrupt, keeps what it measured."""
     if not config.peers:
         return [], "peers not requested (--no-peers)"
     if jax.default_backend() != "gpu":
@@ -154,16 +171,48 @@ def _peer_rows(config, lengths, dtype_name) -> tuple[list[dict], str]:
         "cells": cells,
     }
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    done = subprocess.run(
-        [sys.executable, "-m", "experiments.bench_peers", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    if done.returncode != 0:
-        return [], f"the peers' process failed: {done.stderr.strip()[-300:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1]), "peers measured in their own process"
+    command = [sys.executable, "-m", "experiments.bench_peers", json.dumps(request)]
+    return _stream_rows(command, env, config.peers_timeout_s)
+
+
+def _stream_rows(command, env, timeout_s: float) -> tuple[list[dict], str]:
+    """(JSON rows printed one per line by ``command``, note), the process killed after
+    ``timeout_s`` seconds or on an interrupt (which is raised again once the rows are read)."""
+    rows: list[dict] = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+        def read():
+            for line in proc.stdout:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        stopped = ""
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stopped = f"stopped at its time limit ({timeout_s:.0f} s)"
+        except KeyboardInterrupt:
+            stopped = "interrupted"
+        if stopped:
+            proc.kill()
+            proc.wait()
+        reader.join()
+        err.seek(0)
+        tail = err.read().strip()[-300:]
+    if stopped == "interrupted":
+        raise KeyboardInterrupt(rows)
+    if stopped:
+        return rows, f"the peers' process was {stopped} after {len(rows)} rows"
+    if proc.returncode != 0:
+        return rows, f"the peers' process failed after {len(rows)} rows: {tail}"
+    if not rows:
+        return rows, f"no peer rows: {tail}"
+    return rows, "peers measured in their own process"
 
 
 def run_kernels(config: KernelsConfig, command: str) -> str:
@@ -183,38 +232,47 @@ def run_kernels(config: KernelsConfig, command: str) -> str:
     timing.log(header)
     results: dict[tuple, tuple] = {}
     rows = []
-    for n in lengths:
-        keys = jax.random.split(jax.random.key(config.seed + n), 4)
-        q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
-        q, k, v = (x.astype(dtype) for x in (q, k, v))
-        for mask_name in config.masks:
-            mask, label = _mask(mask_name, config.window)
-            for norm_name in config.normalizers:
-                norm = _normalizer(norm_name)
-                for engine in engines:
-                    why = _applies(engine, norm, mask, n, dtype, config)
-                    cells: tuple = ()
-                    if not why:
-                        try:
-                            cells = _cells(config, q, k, v, g, mask, norm, engine)
-                        except Exception as err:  # OOM or a backend limit: report, go on
-                            why = f"{type(err).__name__}: {str(err)[:80]}"
-                    results[(n, mask_name, norm_name, engine)] = cells
-                    if cells:
-                        fwd, both = cells
-                        peak = both.peak_bytes
-                        rows.append(
-                            [label, str(n), norm_name, engine, timing.format_ms(fwd),
-                             timing.format_ms(both),
-                             "–" if peak is None else f"{peak / 2**20:.0f}"]
-                        )  # fmt: skip
-                        timing.log(
-                            f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} "
-                            f"{engine}: {both.median_ms:.2f} ms fwd+bwd"
-                        )
-                    else:
-                        rows.append([label, str(n), norm_name, engine, "–", "–", why])
-    peer_rows, peer_note = _peer_rows(config, lengths, dtype_name)
+    stopped = ""
+    try:
+        for n in lengths:
+            keys = jax.random.split(jax.random.key(config.seed + n), 4)
+            q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
+            q, k, v = (x.astype(dtype) for x in (q, k, v))
+            for mask_name in config.masks:
+                mask, label = _mask(mask_name, config.window)
+                for norm_name in config.normalizers:
+                    norm = _normalizer(norm_name)
+                    for engine in engines:
+                        why = _applies(engine, norm, mask, n, dtype, config)
+                        cells: tuple = ()
+                        if not why:
+                            try:
+                                cells = _cells(config, q, k, v, g, mask, norm, engine)
+                            except Exception as err:  # OOM or a backend limit: report, go on
+                                why = f"{type(err).__name__}: {str(err)[:80]}"
+                        results[(n, mask_name, norm_name, engine)] = cells
+                        if cells:
+                            fwd, both = cells
+                            peak = both.peak_bytes
+                            rows.append(
+                                [label, str(n), norm_name, engine, timing.format_ms(fwd),
+                                 timing.format_ms(both),
+                                 "–" if peak is None else f"{peak / 2**20:.0f}"]
+                            )  # fmt: skip
+                            timing.log(
+                                f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} "
+                                f"{engine}: {both.median_ms:.2f} ms fwd+bwd"
+                            )
+                        else:
+                            rows.append([label, str(n), norm_name, engine, "–", "–", why])
+        peer_rows, peer_note = _peer_rows(config, lengths, dtype_name)
+    except KeyboardInterrupt as stop:  # keep the table measured so far (see Interrupted)
+        peer_rows = stop.args[0] if stop.args and isinstance(stop.args[0], list) else []
+        peer_note = "interrupted" + (f" after {len(peer_rows)} rows" if peer_rows else "")
+        stopped = (
+            f"INTERRUPTED after {time.perf_counter() - start:.0f} s: the cells missing from "
+            "the table were not measured."
+        )
     for row in peer_rows:
         label = _mask(row["mask"], config.window)[1]
         if "error" in row:
@@ -237,8 +295,12 @@ def run_kernels(config: KernelsConfig, command: str) -> str:
         f"Peers: {peer_note}.",
         *findings,
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
+        *([stopped] if stopped else []),
     ]
-    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+    markdown = "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+    if stopped:
+        raise Interrupted(markdown)
+    return markdown
 
 
 def _findings(results, peer_rows, lengths, config) -> list[str]:

@@ -1,5 +1,6 @@
 """PyTorch peers of the kernels benchmark, run in their own process (torch is never imported by
-sparse_jax): ``python -m experiments.bench_peers '<json request>'`` prints one JSON list.
+sparse_jax): ``python -m experiments.bench_peers '<json request>'`` prints one JSON object per
+line, each as soon as its peer is measured (a run stopped at its time limit keeps those).
 
 The request holds the shapes (``batch``, ``heads``, ``head_dim``, ``dtype``, ``repeats``) and
 ``cells``: ``[{"mask": name, "n": n, "normalizer": name, "window": w}, ...]``. Each cell is timed
@@ -14,7 +15,7 @@ median of ``repeats`` calls after two warm-up calls, CUDA-synchronised:
   causal mask only (what the package computes).
 
 Run on a CUDA machine with torch (and optionally adasplash) installed; elsewhere it prints
-``[]`` and says why on stderr.
+nothing on stdout and says why on stderr.
 """
 
 from __future__ import annotations
@@ -109,17 +110,14 @@ def main(argv: list[str]) -> None:
     request = json.loads(argv[0])
     if importlib.util.find_spec("torch") is None:
         print("bench_peers: torch is not importable: no peers measured", file=sys.stderr)
-        print("[]")
         return
     import torch
 
     if not torch.cuda.is_available():
         print("bench_peers: no CUDA device: no peers measured", file=sys.stderr)
-        print("[]")
         return
     dtype = getattr(torch, request["dtype"])
     b, h, d = request["batch"], request["heads"], request["head_dim"]
-    rows = []
     for cell in request["cells"]:
         n = cell["n"]
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -127,13 +125,15 @@ def main(argv: list[str]) -> None:
             torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4)
         )
         for peer, fwd in _peers(cell, request):
+            start = time.perf_counter()
             try:
                 fwd_ms, both_ms = _time_peer(fwd, (q, k, v, g), request["repeats"])
-                rows.append({**cell, "peer": peer, "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms})
+                row = {**cell, "peer": peer, "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms}
             except Exception as err:  # one peer failing (OOM, unsupported) must not stop the rest
-                rows.append({**cell, "peer": peer, "error": f"{type(err).__name__}: {err}"[:200]})
-            print(f"bench_peers: {peer} {cell} done", file=sys.stderr)
-    print(json.dumps(rows))
+                row = {**cell, "peer": peer, "error": f"{type(err).__name__}: {err}"[:200]}
+            print(json.dumps(row), flush=True)
+            seconds = time.perf_counter() - start  # compilation included
+            print(f"bench_peers: {peer} {cell} done in {seconds:.0f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":

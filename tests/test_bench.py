@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import re
 import shlex
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -112,6 +116,69 @@ def test_kernels_benchmark_times_every_engine_on_every_cell(capsys):
         else:
             assert float(row[5].rstrip("†1")) > 0, row
     assert "no PyTorch peers: not a GPU machine" in printed
+
+
+def test_the_peers_rows_measured_before_the_time_limit_are_kept():
+    """The peers' process prints a row per line; one that runs past its limit (AdaSplash's
+    compilation took minutes on an H200) is killed and the rows it printed stay."""
+    from experiments.bench_kernels import _stream_rows
+
+    script = (
+        "import json, time\n"
+        "for peer in ('sdpa', 'flex'):\n"
+        "    print(json.dumps({'peer': peer, 'fwd_bwd_ms': 1.5}), flush=True)\n"
+        "print('bench_peers: compiling adasplash', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.perf_counter()
+    rows, note = _stream_rows([sys.executable, "-c", script], dict(os.environ), 3.0)
+    assert time.perf_counter() - start < 30
+    assert [row["peer"] for row in rows] == ["sdpa", "flex"]
+    assert note == "the peers' process was stopped at its time limit (3 s) after 2 rows"
+    rows, note = _stream_rows(
+        [sys.executable, "-c", "print('{\"peer\": 1}'); raise SystemExit('boom')"],
+        dict(os.environ), 30.0,
+    )  # fmt: skip
+    assert rows == [{"peer": 1}] and note.startswith("the peers' process failed after 1 rows")
+    assert "boom" in note
+    cell = {"mask": "causal", "n": 16, "normalizer": "softmax", "window": 4}
+    request = {"batch": 1, "heads": 1, "head_dim": 8, "dtype": "float32", "repeats": 1}
+    request["cells"] = [cell]
+    command = [sys.executable, "-m", "experiments.bench_peers", json.dumps(request)]
+    rows, note = _stream_rows(command, dict(os.environ), 120.0)
+    if not rows:  # no torch or no CUDA here: the reason comes back
+        assert note.startswith("no peer rows: bench_peers: ") and "no peers measured" in note
+
+
+def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
+    tmp_path, monkeypatch, capsys
+):
+    """`timeout --signal=INT` (.ci/gpu-check) or Ctrl-C: the table of the cells measured so
+    far is printed and written, with a note, and the exit status is 130."""
+    from experiments import bench_kernels
+
+    real_cells, calls = bench_kernels._cells, []
+
+    def cells_then_interrupt(*args):
+        calls.append(args[-1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_cells(*args)
+
+    monkeypatch.setattr(bench_kernels, "_cells", cells_then_interrupt)
+    output = tmp_path / "kernels.md"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(
+            ["kernels", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
+             "--block", "16", "--window", "8", "--normalizers", "sparsemax", "--masks", "local",
+             "--engines", "blocksparse", "pallas", "--repeats", "1", "--output", str(output)]
+        )  # fmt: skip
+    assert exit_info.value.code == 130
+    written = output.read_text()
+    assert written == capsys.readouterr().out
+    assert "| causal & local(8, 0) |" in written and "| blocksparse |" in written
+    assert "| pallas |" not in written
+    assert "INTERRUPTED after" in written and "Peers: interrupted." in written
 
 
 def test_bad_kernels_flags_are_refused(capsys):
