@@ -37,7 +37,13 @@ from optax.projections import projection_simplex
 
 import sparse_jax
 from experiments import timing
-from experiments.bench_kernels import Interrupted, KernelsConfig, run_kernels
+from experiments.bench_kernels import (
+    Interrupted,
+    KernelsConfig,
+    TuningConfig,
+    run_kernels,
+    run_tuning,
+)
 from sparse_jax import masks
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention
@@ -755,6 +761,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
 
 
 benchmark("kernels", KernelsConfig)(run_kernels)
+benchmark("pallas_tuning", TuningConfig)(run_tuning)
 
 
 # ----------------------------------------------------------------------------------------------

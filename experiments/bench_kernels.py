@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import pathlib
@@ -76,20 +77,24 @@ class KernelsConfig:
             not self.lengths or any(not timing.is_count(n) for n in self.lengths)
         ):
             raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
-        for name in self.normalizers:
-            if name not in ("softmax", "sparsemax", "entmax15"):
-                try:
-                    alpha = float(name)
-                except ValueError:
-                    alpha = float("nan")
-                if not alpha > 1.0 or alpha == float("inf"):
-                    raise ValueError(
-                        f"normalizers: {name!r} is neither softmax, sparsemax, entmax15 nor a "
-                        "finite α > 1"
-                    )
+        _check_normalizer_names(self.normalizers)
         for name in ("slow_s", "budget_s", "peers_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+
+def _check_normalizer_names(names) -> None:
+    for name in names:
+        if name not in ("softmax", "sparsemax", "entmax15"):
+            try:
+                alpha = float(name)
+            except ValueError:
+                alpha = float("nan")
+            if not alpha > 1.0 or alpha == float("inf"):
+                raise ValueError(
+                    f"normalizers: {name!r} is neither softmax, sparsemax, entmax15 nor a "
+                    "finite α > 1"
+                )
 
 
 def _mask(name: str, window: int):
@@ -350,3 +355,126 @@ def _findings(results, peer_rows, lengths, config) -> list[str]:
             if small and large:
                 check(f"{norm} local: pallas time growth 16384 -> 65536", large / small, 4.5)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """The fused Pallas kernels' tiles and Triton options on the kernels benchmark's work:
+    every combination of block size, warps per program and pipelining stages timed in one run,
+    forward and forward+backward, and the fastest per cell against the defaults (blocks 128,
+    ``pallas_attention``'s default warps, 2 stages). On CPU the kernels run interpreted, where
+    warps and stages mean nothing: a check that every combination runs, not a timing."""
+
+    lengths: tuple[int, ...] = (16384,)
+    normalizers: tuple[str, ...] = ("softmax", "sparsemax")
+    """Normalizers: names or an α for α-entmax."""
+    masks: tuple[KernelMask, ...] = ("causal", "local")
+    """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
+    blocks: tuple[int, ...] = (64, 128)
+    """Block sizes (query and key), powers of two >= 16."""
+    num_warps: tuple[int, ...] = (4, 8)
+    num_stages: tuple[int, ...] = (2, 3)
+    window: int = 512
+    batch: int = 2
+    heads: int = 16
+    head_dim: int = 64
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
+    repeats: int = 5
+    slow_s: float = 20.0
+    budget_s: float = 10.0
+    seed: int = 0
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "head_dim", "repeats", "window"):
+            if not timing.is_count(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("lengths", "blocks", "num_warps", "num_stages"):
+            values = getattr(self, name)
+            if not values or any(not timing.is_count(x) for x in values):
+                raise ValueError(f"{name} must be positive integers, got {values!r}")
+        for block in self.blocks:
+            if block < 16 or block & (block - 1):
+                raise ValueError(f"blocks: {block} is not a power of two >= 16")
+        if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
+            raise ValueError(f"num_warps must be among 1, 2, 4, 8, 16, got {self.num_warps!r}")
+        _check_normalizer_names(self.normalizers)
+        for name in ("slow_s", "budget_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+
+def _tuned_cells(q, k, v, g, layout, options: dict, limits: dict):
+    """(forward, forward+backward) timings of pallas_attention with these options."""
+    from sparse_jax.kernels import pallas_attention
+
+    def fwd(q, k, v):
+        return pallas_attention(q, k, v, layout, **options)
+
+    def loss(q, k, v, g):
+        return jnp.sum(fwd(q, k, v).astype(jnp.float32) * g)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    return timing.time_fn(fwd, q, k, v, **limits), timing.time_fn(grad, q, k, v, g, **limits)
+
+
+def run_tuning(config: TuningConfig, command: str) -> str:
+    """Returns the markdown of the Pallas tuning benchmark (see TuningConfig)."""
+    accel = jax.default_backend() != "cpu"
+    dtype_name = config.dtype or ("bfloat16" if accel else "float32")
+    b, h, d = config.batch, config.heads, config.head_dim
+    default_warps = 4 if d <= 64 else 8
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    timing.log(header)
+    rows, best, defaults = [], {}, {}
+    limits = {"repeats": config.repeats, "slow_s": config.slow_s, "budget_s": config.budget_s}
+    for n in config.lengths:
+        keys = jax.random.split(jax.random.key(config.seed + n), 4)
+        q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
+        q, k, v = (x.astype(dtype_name) for x in (q, k, v))
+        choices = itertools.product(
+            config.masks, config.normalizers, config.blocks, config.num_warps, config.num_stages
+        )
+        for mask_name, norm_name, block, warps, stages in choices:
+            mask, label = _mask(mask_name, config.window)
+            layout = mask.blocks(n, n, block, block)
+            options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
+                       "num_stages": stages}  # fmt: skip
+            cell = (label, n, norm_name)
+            row = [label, str(n), norm_name, str(block), str(warps), str(stages)]
+            try:
+                one, both = _tuned_cells(q, k, v, g, layout, options, limits)
+            except Exception as err:  # a tile too large for the chip: say so, go on
+                rows.append([*row, "–", "–", f"{type(err).__name__}: {str(err)[:60]}"])
+                continue
+            ms = both.median_ms
+            rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
+            timing.log(
+                f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} block "
+                f"{block} warps {warps} stages {stages}: {ms:.2f} ms fwd+bwd"
+            )
+            if cell not in best or ms < best[cell][0]:
+                best[cell] = (ms, block, warps, stages)
+            if (block, warps, stages) == (128, default_warps, 2):
+                defaults[cell] = ms
+    headers = ["mask", "n", "normalizer", "block", "warps", "stages", "fwd ms", "fwd+bwd ms",
+               "note"]  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lrlrrrrrl")
+    notes = [
+        f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention with the layout of each "
+        f"block size; fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
+        f"{config.repeats} calls after compilation and a warm-up call."
+        + ("" if accel else " CPU: interpret mode (warps and stages unused): not a timing."),
+    ]
+    for (label, n, norm_name), (ms, block, warps, stages) in best.items():
+        default = defaults.get((label, n, norm_name))
+        versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
+        notes.append(
+            f"fastest, {label} n={n} {norm_name}: block {block}, {warps} warps, {stages} "
+            f"stages, {ms:.2f} ms fwd+bwd{versus}"
+        )
+    notes.append(f"Total wall time {time.perf_counter() - start:.0f} s.")
+    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"

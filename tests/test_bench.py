@@ -181,6 +181,27 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
     assert "INTERRUPTED after" in written and "Peers: interrupted." in written
 
 
+def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_fastest(capsys):
+    bench.main(
+        ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
+         "--blocks", "16", "32", "--num-warps", "4", "8", "--num-stages", "2", "--window", "8",
+         "--masks", "local", "--normalizers", "entmax15", "--repeats", "1"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("| causal")]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
+    assert sorted((row[3], row[4]) for row in rows) == [("16", "4"), ("16", "8"), ("32", "4"),
+                                                        ("32", "8")]  # fmt: skip
+    times = {(row[3], row[4], row[5]): float(row[7].split("†")[0]) for row in rows}
+    (fastest,) = re.findall(r"fastest, causal & local\(8, 0\) n=32 entmax15: block (\d+), "
+                            r"(\d+) warps, (\d+) stages, ([\d.]+) ms", printed)  # fmt: skip
+    assert times[fastest[:3]] == min(times.values())  # the figure recomputed from the table
+    assert "interpret mode (warps and stages unused): not a timing" in printed
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--blocks", "48"])
+    assert "blocks: 48 is not a power of two >= 16" in capsys.readouterr().err
+
+
 def test_bad_kernels_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["kernels", "--normalizers", "0.5"])

@@ -450,3 +450,28 @@ def test_ragged_lengths_and_a_dense_bias_lower_to_triton():
     bias = jnp.zeros((2, 2, 40, 72))
     text = jax.jit(grad).trace(q, k, k, bias).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_triton_tuning_options_reach_the_three_kernels_and_bad_ones_are_refused():
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    layout = masks.causal().blocks(128, 128, 64, 64)
+
+    def lowered(**options):
+        def fn(q):
+            out = pallas_attention(q, q, q, layout, normalizer="sparsemax", interpret=False,
+                                   **options)  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.jit(jax.grad(fn)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()  # the defaults: 4 warps for head dim 64, 2 stages
+    assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
+    text = lowered(num_warps=8, num_stages=3)
+    assert text.count("num_warps = 8 : i32") == 3 and text.count("num_stages = 3 : i32") == 3
+    for options, error, match in [
+        ({"num_warps": 6}, ValueError, "`num_warps` must be None or 1, 2, 4, 8 or 16; got 6"),
+        ({"num_stages": 0}, ValueError, "`num_stages` must be None or >= 1; got 0"),
+        ({"num_warps": 4.0}, TypeError, "`num_warps` must be None or an int; got 4.0"),
+    ]:
+        with pytest.raises(error, match=match):
+            pallas_attention(q, q, q, layout, **options)

@@ -100,6 +100,19 @@ _F32 = jnp.float32
 _MAX = float(jnp.finfo(jnp.float32).max)
 
 
+def _check_tuning(num_warps, num_stages, caller: str) -> None:
+    """Refuses Triton tuning options it cannot take (ValueError/TypeError naming them)."""
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{caller}: `{name}` must be None or an int; got {value!r}")
+        allowed = value in (1, 2, 4, 8, 16) if name == "num_warps" else value >= 1
+        if not allowed:
+            what = "1, 2, 4, 8 or 16" if name == "num_warps" else ">= 1"
+            raise ValueError(f"{caller}: `{name}` must be None or {what}; got {value}")
+
+
 def _next_pow2(x: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(x) - 1).bit_length())
 
@@ -260,6 +273,8 @@ class _Plan:
     precision: Any  # of the tiles' products (jax.lax.Precision or None)
     bias_axes: tuple[bool, bool, bool, bool]  # the bias has a full (batch, head, q, kv) axis
     arrays: dict  # numpy layout arrays (see _layout_arrays)
+    num_warps: int | None = None  # Triton's warps per program (None: by head dim)
+    num_stages: int = 2  # Triton's software-pipelining depth
 
     @property
     def row_length(self) -> int:
@@ -772,8 +787,9 @@ def _call(kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name: str):
         # python -X importtime), paid on CPU where the kernels only ever run interpreted.
         from jax.experimental.pallas import triton as plgpu
 
+        warps = plan.num_warps or (4 if plan.d <= 64 else 8)
         kwargs["compiler_params"] = plgpu.CompilerParams(
-            num_warps=4 if plan.d <= 64 else 8, num_stages=2
+            num_warps=warps, num_stages=plan.num_stages
         )
     return pl.pallas_call(
         functools.partial(kernel, plan=plan),
@@ -1026,6 +1042,8 @@ def pallas_attention(
     interpret: bool | None = None,
     precision: Any = None,
     target: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -1055,6 +1073,10 @@ def pallas_attention(
       target: ``"triton"`` (the GPU kernels of this module) or ``"mosaic"`` (the TPU kernels
         of :mod:`sparse_jax.kernels.mosaic`); default: ``"mosaic"`` on TPU, else
         ``"triton"``. Both run in interpret mode on CPU.
+      num_warps, num_stages: the Triton kernels' warps per program (1, 2, 4, 8 or 16) and
+        software-pipelining depth (>= 1), as in FlexAttention's ``kernel_options``; default 4
+        warps for head dims up to 64, else 8, and 2 stages. Unused by Mosaic and in interpret
+        mode. ``python -m experiments.bench pallas_tuning`` times the choices.
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -1081,6 +1103,7 @@ def pallas_attention(
     bias = check_bias(bias, (b, n, tq, tk), caller)
     if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
         raise TypeError(f"{caller}: `interpret` must be None or a bool; got {interpret!r}")
+    _check_tuning(num_warps, num_stages, caller)
     if target is None:
         target = "mosaic" if jax.default_backend() == "tpu" else "triton"
     if target not in ("triton", "mosaic"):
@@ -1129,7 +1152,8 @@ def pallas_attention(
         target=target, segments=seg_ids is not None, expr=expr, kv_len=tk,
         precision=precision if precision is not None or q.dtype != jnp.float32
         else jax.lax.Precision.HIGHEST,
-        bias_axes=bias_axes, arrays=_layout_arrays(layout),
+        bias_axes=bias_axes, arrays=_layout_arrays(layout), num_warps=num_warps,
+        num_stages=2 if num_stages is None else num_stages,
     )  # fmt: skip
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # A non-finite value vector enters as a NaN score of its key (the attention policy), so
