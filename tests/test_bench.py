@@ -224,15 +224,13 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     for line in benches:
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
         configs.append(bench.parse(args))
-    assert all(type(c).__name__ == "KernelsConfig" for c in configs)
     assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
-    assert configs[1].lengths == (16384, 65536, 131072) and not configs[1].peers
+    assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 160
+    assert type(configs[1]).__name__ == "TuningConfig" and configs[1].lengths == (16384,)
     for line in pytests:
         files = [arg for arg in shlex.split(line) if arg.startswith("tests/")]
         assert files and all((root / f).is_file() for f in files), files
-    from experiments import cot
-
-    (line,) = re.findall(r"python3 -m experiments\.cot (.*)", text)
-    study = cot.parse(shlex.split(line))
-    assert type(study).__name__ == "TrainCommand" and study.preset == "study"
-    assert study.model.d_model == cot.study().model.d_model and study.train.steps == 40
+    # the device tool returns at most 8 files from $OUT
+    outputs = set(re.findall(r"\$out/([\w.-]+)", text))
+    outputs |= set(re.findall(r'^step "[^"]+" \S+ (\S+)', text, re.MULTILINE))
+    assert 6 <= len(outputs) <= 8, sorted(outputs)
