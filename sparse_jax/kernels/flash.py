@@ -384,9 +384,21 @@ def _clip_inf(s):
 def _allowed(full, mask_index, masks_ref, kv_block, bound_and_tile, bkv: int):
     """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask;
     with ``bound_and_tile`` of :func:`_runtime_tile`, keys at or beyond the bound (the batch
-    element's run-time padding length, or ``Tk``) masked, and where the tile is False."""
+    element's run-time padding length, or ``Tk``) masked, and where the tile is False.
+
+    The partial mask's ``[bq, bkv]`` tile is loaded only for a partial block: a full block
+    (all but the diagonal ones of a causal layout) costs no load of it. Loaded for every block,
+    it was twice the bytes of the block's keys and values (int32 against bfloat16)."""
     kv_length, tile = bound_and_tile
-    static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
+    shape = masks_ref.shape[1:]
+    static = (
+        jax.lax.cond(
+            full != 0,
+            lambda: jnp.ones(shape, masks_ref.dtype),
+            lambda: masks_ref[mask_index],
+        )
+        != 0
+    )
     keys = kv_block * bkv + jnp.arange(bkv, dtype=jnp.int32)
     allowed = jnp.logical_and(static, (keys < kv_length)[None, :])
     return allowed if tile is None else jnp.logical_and(allowed, tile)
