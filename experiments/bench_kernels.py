@@ -360,10 +360,11 @@ def _findings(results, peer_rows, lengths, config) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """The fused Pallas kernels' tiles and Triton options on the kernels benchmark's work:
-    every combination of block size, warps per program and pipelining stages timed in one run,
-    forward and forward+backward, and the fastest per cell against the defaults (blocks 128,
-    ``pallas_attention``'s default warps, 2 stages). On CPU the kernels run interpreted, where
-    warps and stages mean nothing: a check that every combination runs, not a timing."""
+    every combination of block size, backward tile, warps per program and pipelining stages
+    timed in one run, forward and forward+backward, and the fastest per cell against the
+    defaults (blocks 128 in both passes, ``pallas_attention``'s default warps, 2 stages). On
+    CPU the kernels run interpreted, where warps and stages mean nothing: a check that every
+    combination runs, not a timing."""
 
     lengths: tuple[int, ...] = (16384,)
     normalizers: tuple[str, ...] = ("softmax", "sparsemax")
@@ -372,6 +373,9 @@ class TuningConfig:
     """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
     blocks: tuple[int, ...] = (64, 128)
     """Block sizes (query and key), powers of two >= 16."""
+    backward_blocks: tuple[int, ...] = (0,)
+    """Tiles of the backward kernels (``backward_block``, square); 0: the forward's block.
+    Those larger than a block are not combined with it."""
     num_warps: tuple[int, ...] = (4, 8)
     num_stages: tuple[int, ...] = (2, 3)
     window: int = 512
@@ -395,9 +399,14 @@ class TuningConfig:
             values = getattr(self, name)
             if not values or any(not timing.is_count(x) for x in values):
                 raise ValueError(f"{name} must be positive integers, got {values!r}")
-        for block in self.blocks:
-            if block < 16 or block & (block - 1):
-                raise ValueError(f"blocks: {block} is not a power of two >= 16")
+        for name, blocks in (("blocks", self.blocks), ("backward_blocks", self.backward_blocks)):
+            for block in blocks:
+                if name == "backward_blocks" and block == 0:
+                    continue
+                if isinstance(block, bool) or block < 16 or block & (block - 1):
+                    raise ValueError(f"{name}: {block} is not a power of two >= 16")
+        if not self.backward_blocks:
+            raise ValueError("backward_blocks must name at least one tile size (0: the block)")
         if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
             raise ValueError(f"num_warps must be among 1, 2, 4, 8, 16, got {self.num_warps!r}")
         _check_normalizer_names(self.normalizers)
@@ -431,50 +440,64 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     timing.log(header)
     rows, best, defaults = [], {}, {}
     limits = {"repeats": config.repeats, "slow_s": config.slow_s, "budget_s": config.budget_s}
-    for n in config.lengths:
-        keys = jax.random.split(jax.random.key(config.seed + n), 4)
-        q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
-        q, k, v = (x.astype(dtype_name) for x in (q, k, v))
-        choices = itertools.product(
-            config.masks, config.normalizers, config.blocks, config.num_warps, config.num_stages
-        )
-        for mask_name, norm_name, block, warps, stages in choices:
-            mask, label = _mask(mask_name, config.window)
-            layout = mask.blocks(n, n, block, block)
-            options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
-                       "num_stages": stages}  # fmt: skip
-            cell = (label, n, norm_name)
-            row = [label, str(n), norm_name, str(block), str(warps), str(stages)]
-            try:
-                one, both = _tuned_cells(q, k, v, g, layout, options, limits)
-            except Exception as err:  # a tile too large for the chip: say so, go on
-                rows.append([*row, "–", "–", f"{type(err).__name__}: {str(err)[:60]}"])
-                continue
-            ms = both.median_ms
-            rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
-            timing.log(
-                f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} block "
-                f"{block} warps {warps} stages {stages}: {ms:.2f} ms fwd+bwd"
+    stopped = ""
+    try:
+        for n in config.lengths:
+            keys = jax.random.split(jax.random.key(config.seed + n), 4)
+            q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
+            q, k, v = (x.astype(dtype_name) for x in (q, k, v))
+            tiles = [(block, bwd) for block in config.blocks
+                     for bwd in dict.fromkeys(tile or block for tile in config.backward_blocks)
+                     if bwd <= block]  # fmt: skip
+            choices = itertools.product(
+                config.masks, config.normalizers, tiles, config.num_warps, config.num_stages
             )
-            if cell not in best or ms < best[cell][0]:
-                best[cell] = (ms, block, warps, stages)
-            if (block, warps, stages) == (128, default_warps, 2):
-                defaults[cell] = ms
-    headers = ["mask", "n", "normalizer", "block", "warps", "stages", "fwd ms", "fwd+bwd ms",
-               "note"]  # fmt: skip
-    table = timing.markdown_table(headers, rows, align="lrlrrrrrl")
+            for mask_name, norm_name, (block, bwd), warps, stages in choices:
+                mask, label = _mask(mask_name, config.window)
+                layout = mask.blocks(n, n, block, block)
+                options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
+                           "num_stages": stages, "backward_block": (bwd, bwd)}  # fmt: skip
+                cell = (label, n, norm_name)
+                row = [label, str(n), norm_name, str(block), str(bwd), str(warps), str(stages)]
+                try:
+                    one, both = _tuned_cells(q, k, v, g, layout, options, limits)
+                except Exception as err:  # a tile too large for the chip: say so, go on
+                    rows.append([*row, "–", "–", f"{type(err).__name__}: {str(err)[:60]}"])
+                    continue
+                ms = both.median_ms
+                rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
+                timing.log(
+                    f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} block "
+                    f"{block} backward {bwd} warps {warps} stages {stages}: {ms:.2f} ms fwd+bwd"
+                )
+                if cell not in best or ms < best[cell][0]:
+                    best[cell] = (ms, block, bwd, warps, stages)
+                if (block, bwd, warps, stages) == (128, 128, default_warps, 2):
+                    defaults[cell] = ms
+    except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
+        stopped = (
+            f"INTERRUPTED after {time.perf_counter() - start:.0f} s: the combinations missing "
+            "from the table were not measured."
+        )
+    headers = ["mask", "n", "normalizer", "block", "bwd tile", "warps", "stages", "fwd ms",
+               "fwd+bwd ms", "note"]  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lrlrrrrrrl")
     notes = [
         f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention with the layout of each "
         f"block size; fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
         f"{config.repeats} calls after compilation and a warm-up call."
         + ("" if accel else " CPU: interpret mode (warps and stages unused): not a timing."),
     ]
-    for (label, n, norm_name), (ms, block, warps, stages) in best.items():
+    for (label, n, norm_name), (ms, block, bwd, warps, stages) in best.items():
         default = defaults.get((label, n, norm_name))
         versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
         notes.append(
-            f"fastest, {label} n={n} {norm_name}: block {block}, {warps} warps, {stages} "
-            f"stages, {ms:.2f} ms fwd+bwd{versus}"
+            f"fastest, {label} n={n} {norm_name}: block {block}, backward tiles {bwd}, {warps} "
+            f"warps, {stages} stages, {ms:.2f} ms fwd+bwd{versus}"
         )
     notes.append(f"Total wall time {time.perf_counter() - start:.0f} s.")
-    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+    notes += [stopped] if stopped else []
+    markdown = "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+    if stopped:
+        raise Interrupted(markdown)
+    return markdown

@@ -184,22 +184,56 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
 def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_fastest(capsys):
     bench.main(
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
-         "--blocks", "16", "32", "--num-warps", "4", "8", "--num-stages", "2", "--window", "8",
-         "--masks", "local", "--normalizers", "entmax15", "--repeats", "1"]
+         "--blocks", "16", "32", "--backward-blocks", "0", "16", "--num-warps", "4", "8",
+         "--num-stages", "2", "--window", "8", "--masks", "local", "--normalizers", "entmax15",
+         "--repeats", "1"]
     )  # fmt: skip
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    assert sorted((row[3], row[4]) for row in rows) == [("16", "4"), ("16", "8"), ("32", "4"),
-                                                        ("32", "8")]  # fmt: skip
-    times = {(row[3], row[4], row[5]): float(row[7].split("†")[0]) for row in rows}
-    (fastest,) = re.findall(r"fastest, causal & local\(8, 0\) n=32 entmax15: block (\d+), "
-                            r"(\d+) warps, (\d+) stages, ([\d.]+) ms", printed)  # fmt: skip
-    assert times[fastest[:3]] == min(times.values())  # the figure recomputed from the table
+    # (block, backward tile, warps): block 16's tile 16 once (0 is the block), block 32's 32, 16
+    tiles = [("16", "16"), ("32", "32"), ("32", "16")]
+    combos = sorted((row[3], row[4], row[5]) for row in rows)
+    assert combos == sorted((*tile, warps) for tile in tiles for warps in ("4", "8"))
+    times = {tuple(row[3:7]): float(row[8].split("†")[0]) for row in rows}
+    pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: block (\d+), "
+               r"backward tiles (\d+), (\d+) warps, (\d+) stages")  # fmt: skip
+    (fastest,) = re.findall(pattern, printed)
+    assert times[fastest] == min(times.values())  # the figure recomputed from the table
     assert "interpret mode (warps and stages unused): not a timing" in printed
     with pytest.raises(SystemExit):
         bench.main(["pallas_tuning", "--blocks", "48"])
     assert "blocks: 48 is not a power of two >= 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--backward-blocks", "8"])
+    assert "backward_blocks: 8 is not a power of two >= 16" in capsys.readouterr().err
+
+
+def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monkeypatch, capsys):
+    from experiments import bench_kernels
+
+    real, calls = bench_kernels._tuned_cells, []
+
+    def tuned_then_interrupt(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(bench_kernels, "_tuned_cells", tuned_then_interrupt)
+    output = tmp_path / "tuning.md"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(
+            ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "1", "--head-dim",
+             "16", "--blocks", "16", "--num-warps", "4", "8", "--num-stages", "2", "--window",
+             "8", "--masks", "local", "--normalizers", "sparsemax", "--repeats", "1", "--output",
+             str(output)]
+        )  # fmt: skip
+    assert exit_info.value.code == 130
+    written = output.read_text()
+    assert written == capsys.readouterr().out
+    rows = [line for line in written.splitlines() if line.startswith("| causal")]
+    assert len(rows) == 1 and "INTERRUPTED after" in written
 
 
 def test_bad_kernels_flags_are_refused(capsys):
@@ -225,12 +259,14 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
         configs.append(bench.parse(args))
     assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
-    assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 160
+    assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 120
     assert type(configs[1]).__name__ == "TuningConfig" and configs[1].lengths == (16384,)
+    assert configs[1].backward_blocks == (0, 64, 32)
+    assert "gpu-check suite" in text  # the second prepared call
     for line in pytests:
         files = [arg for arg in shlex.split(line) if arg.startswith("tests/")]
         assert files and all((root / f).is_file() for f in files), files
     # the device tool returns at most 8 files from $OUT
     outputs = set(re.findall(r"\$out/([\w.-]+)", text))
-    outputs |= set(re.findall(r'^step "[^"]+" \S+ (\S+)', text, re.MULTILINE))
+    outputs |= set(re.findall(r'^\s*step "[^"]+" \S+ (\S+)', text, re.MULTILINE))
     assert 6 <= len(outputs) <= 8, sorted(outputs)

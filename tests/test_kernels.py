@@ -94,31 +94,54 @@ def _inputs(shape, dtype, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_gradients_match_the_xla_reference(case):
     norm, mask, shape, dtype, block, bias_shape = CASES[case]
+
+    def pallas(q, k, v, normalizer, scale, bias):
+        return attention(q, k, v, mask=mask, normalizer=normalizer, scale=scale, bias=bias,
+                         impl="pallas", block_size=(block, block))  # fmt: skip
+
+    _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape)
+
+
+# The backward pass on tiles half the forward's blocks (backward_block): the layout cut into
+# them, the forward pass' live flags mapped onto them.
+@pytest.mark.parametrize(
+    "case",
+    ["softmax-causal-row-bias", "sparsemax-per-head", "entmax15-cross-full-bias",
+     "alpha-heads-gqa-key-bias", "entmax15-segments-padding-gqa", "sparsemax-prefix-lm-gqa"],
+)  # fmt: skip
+def test_the_backward_on_smaller_tiles_matches_the_reference(case):
+    norm, mask, shape, dtype, block, bias_shape = CASES[case]
+    layout = mask.blocks(shape[1], shape[2], 2 * block, 2 * block)
+
+    def pallas(q, k, v, normalizer, scale, bias):
+        return pallas_attention(q, k, v, layout, mask=mask, normalizer=normalizer, scale=scale,
+                                bias=bias, backward_block=(block, block))  # fmt: skip
+
+    _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape)
+
+
+def _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape):
+    """``pallas(q, k, v, normalizer, scale, bias)`` against impl="xla": values and the
+    gradients of q, k, v, an α array, the scale and the bias."""
     q, k, v, cot = _inputs(shape, dtype)
     n = shape[3]
     alpha = jnp.linspace(1.2, 1.9, n) if norm == "alpha" else None
     scale = jnp.float32(0.4)
     bias = _bias(bias_shape)
 
-    def loss(impl):
+    def xla(q, k, v, normalizer, scale, bias):
+        return attention(q, k, v, mask=mask, normalizer=normalizer, scale=scale, bias=bias,
+                         impl="xla")  # fmt: skip
+
+    def loss(run):
         def fn(q, k, v, alpha, scale, bias):
-            out = attention(
-                q,
-                k,
-                v,
-                mask=mask,
-                normalizer=norm if alpha is None else alpha,
-                scale=scale,
-                bias=bias,
-                impl=impl,
-                block_size=(block, block),
-            )
+            out = run(q, k, v, norm if alpha is None else alpha, scale, bias)
             return jnp.sum(out.astype(jnp.float32) * cot), out
 
         return jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)
 
-    (_, out), grads = jax.jit(loss("pallas"))(q, k, v, alpha, scale, bias)
-    (_, ref), ref_grads = jax.jit(loss("xla"))(q, k, v, alpha, scale, bias)
+    (_, out), grads = jax.jit(loss(pallas))(q, k, v, alpha, scale, bias)
+    (_, ref), ref_grads = jax.jit(loss(xla))(q, k, v, alpha, scale, bias)
     tol = 2e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.float32(out), np.float32(ref), atol=tol, rtol=tol)
     names = ("q", "k", "v", "alpha", "scale", "bias")
@@ -132,6 +155,46 @@ def test_values_and_gradients_match_the_xla_reference(case):
         if name == "scale":  # sum(q * dq) / scale: a sum whose terms cancel; judge by their size
             atol *= float(np.sum(np.abs(np.float32(q) * np.float32(ref_grads[0])))) / 0.4
         np.testing.assert_allclose(g, r, atol=atol, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [masks.causal(), masks.causal() & (masks.local(20, 0) | masks.sink(3)), masks.local(9, 30),
+     masks.per_head([masks.causal() & masks.local(24, 0), masks.causal(), masks.sink(5)])],
+)  # fmt: skip
+def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask):
+    """_refined_arrays of a (64, 32)-block layout into (16, 16) tiles keeps the same elements,
+    and the same full / partial / dropped tiles, as the mask's own (16, 16) layout."""
+
+    def elements(arrays, bq, bkv, nq, nk):
+        h, rows = arrays["count"].shape[:2]
+        out = np.zeros((h, nq * bq, nk * bkv), int)
+        for hh, row in np.ndindex(h, rows):
+            for slot in range(arrays["count"][hh, row, 0]):
+                col, full = arrays["idx"][hh, row, slot], arrays["full"][hh, row, slot]
+                tile = 2 if full else arrays["masks"][arrays["pmi"][hh, row, slot]]
+                out[hh, row * bq : (row + 1) * bq, col * bkv : (col + 1) * bkv] += tile
+        return out
+
+    tq, tk = 100, 90
+    refined, parent = pk._refined_arrays(mask.blocks(tq, tk, 64, 32), 16, 16)
+    direct = pk._layout_arrays(mask.blocks(tq, tk, 16, 16))
+    nq, nk = refined["count"].shape[1], 3 * 32 // 16  # every block's tiles, padding included
+    assert nq == 2 * 64 // 16
+    ours, theirs = elements(refined, 16, 16, nq, nk), elements(direct, 16, 16, nq, nk)
+    np.testing.assert_array_equal(ours, theirs)  # 2: a full tile, 1: a partial tile's element
+    coarse = pk._layout_arrays(mask.blocks(tq, tk, 64, 32))
+    for hh, row in np.ndindex(*refined["count"].shape[:2]):
+        for slot in range(refined["count"][hh, row, 0]):  # each tile inside its parent block
+            parent_block = coarse["idx"][hh, row // 4, parent[hh, row, slot]]
+            assert refined["idx"][hh, row, slot] // 2 == parent_block
+
+
+def test_a_live_block_keeps_every_tile_cut_from_it_live():
+    live = jnp.array([[[[1, 0, 1, 0]]]])  # [B, N, nq, Kp]: slots 0 and 2 of the one row live
+    parent = np.array([[[0, 0, 1, 2], [2, 3, 0, 0]]])  # [H, nq', Kp'] with fq = 2
+    refined = pk._refined_live(live, parent, 2)
+    assert refined.tolist() == [[[[1, 1, 0, 1], [1, 0, 1, 1]]]]
 
 
 def test_the_dispatcher_runs_the_kernel_and_auto_takes_it_on_gpu_only():
@@ -452,7 +515,7 @@ def test_ragged_lengths_and_a_dense_bias_lower_to_triton():
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 
-def test_triton_tuning_options_reach_the_three_kernels_and_bad_ones_are_refused():
+def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     layout = masks.causal().blocks(128, 128, 64, 64)
 
@@ -468,10 +531,21 @@ def test_triton_tuning_options_reach_the_three_kernels_and_bad_ones_are_refused(
     assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
     text = lowered(num_warps=8, num_stages=3)
     assert text.count("num_warps = 8 : i32") == 3 and text.count("num_stages = 3 : i32") == 3
+    text = lowered(backward_block=(32, 16))  # the backward kernels on tiles of the 64-blocks
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    blocks = "must be powers of two >= 16 dividing the layout's blocks \\(64, 64\\)"
     for options, error, match in [
         ({"num_warps": 6}, ValueError, "`num_warps` must be None or 1, 2, 4, 8 or 16; got 6"),
         ({"num_stages": 0}, ValueError, "`num_stages` must be None or >= 1; got 0"),
         ({"num_warps": 4.0}, TypeError, "`num_warps` must be None or an int; got 4.0"),
+        ({"backward_block": (48, 16)}, ValueError, blocks),
+        ({"backward_block": (128, 64)}, ValueError, blocks),
+        ({"backward_block": (32,)}, TypeError, "`backward_block` must be None or \\(bq, bkv\\)"),
+        (
+            {"backward_block": (32, 32), "target": "mosaic", "interpret": True},
+            ValueError,
+            "`backward_block` is for the Triton kernels",
+        ),
     ]:
         with pytest.raises(error, match=match):
             pallas_attention(q, q, q, layout, **options)

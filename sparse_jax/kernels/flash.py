@@ -113,6 +113,30 @@ def _check_tuning(num_warps, num_stages, caller: str) -> None:
             raise ValueError(f"{caller}: `{name}` must be None or {what}; got {value}")
 
 
+def _check_backward_block(backward_block, layout: BlockLayout, target, caller: str):
+    """``backward_block`` as ``(bq, bkv)`` ints, None when it is the layout's own; refuses
+    what the kernels cannot take (ValueError/TypeError naming it)."""
+    if backward_block is None:
+        return None
+    if (
+        not isinstance(backward_block, (tuple, list))
+        or len(backward_block) != 2
+        or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in backward_block)
+    ):
+        raise TypeError(f"{caller}: `backward_block` must be None or (bq, bkv) ints; "
+                        f"got {backward_block!r}")  # fmt: skip
+    blocks = (layout.block_q, layout.block_kv)
+    for size, block in zip(backward_block, blocks, strict=True):
+        if size < _MIN_BLOCK or size & (size - 1) or block % size:
+            raise ValueError(
+                f"{caller}: `backward_block`={tuple(backward_block)} must be powers of two >= "
+                f"{_MIN_BLOCK} dividing the layout's blocks {blocks}"
+            )
+    if target == "mosaic":
+        raise ValueError(f"{caller}: `backward_block` is for the Triton kernels (target='triton')")
+    return None if tuple(backward_block) == blocks else tuple(int(x) for x in backward_block)
+
+
 def _next_pow2(x: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(x) - 1).bit_length())
 
@@ -275,6 +299,7 @@ class _Plan:
     arrays: dict  # numpy layout arrays (see _layout_arrays)
     num_warps: int | None = None  # Triton's warps per program (None: by head dim)
     num_stages: int = 2  # Triton's software-pipelining depth
+    backward: Any = None  # (plan of the backward tiles, parent slots, fq) or None: the same
 
     @property
     def row_length(self) -> int:
@@ -289,20 +314,26 @@ def _layout_arrays(layout: BlockLayout) -> dict:
     key-block kernel: ``t_rows``/``t_slots`` ``[H, nk, Mp]`` (the query blocks keeping each key
     block and the slot it has there), ``t_count`` ``[H, nk, 1]``.
     """
-    idx = layout.kv_block_indices
+    return _kernel_arrays(
+        layout.kv_block_indices, layout.block_is_full, layout.partial_mask_index,
+        layout.kv_block_counts, layout.partial_masks, layout.num_kv_blocks,
+    )  # fmt: skip
+
+
+def _kernel_arrays(idx, full, pmi, counts, partial_masks, nk: int) -> dict:
+    """:func:`_layout_arrays` of a layout given as its arrays (``BlockLayout``'s fields) and
+    its number of key blocks ``nk``."""
     h, _, k = idx.shape
-    nk = layout.num_kv_blocks
     kp = _next_pow2(k)
     valid = idx != SENTINEL
 
     def pad(x, fill=0):
         return np.pad(x, ((0, 0), (0, 0), (0, kp - k)), constant_values=fill).astype(np.int32)
 
-    masks = layout.partial_masks.astype(np.int32)
+    masks = partial_masks.astype(np.int32)
     p = _next_pow2(max(1, masks.shape[0]))
-    masks = np.concatenate(
-        [masks, np.zeros((p - masks.shape[0], layout.block_q, layout.block_kv), np.int32)]
-    )
+    bq, bkv = masks.shape[1:]
+    masks = np.concatenate([masks, np.zeros((p - masks.shape[0], bq, bkv), np.int32)])
     hh, rr, ss = np.nonzero(valid)
     cc = idx[hh, rr, ss]
     order = np.lexsort((rr, cc, hh))
@@ -318,14 +349,81 @@ def _layout_arrays(layout: BlockLayout) -> dict:
     t_slots[hh, cc, pos] = ss
     return {
         "idx": pad(np.where(valid, idx, 0)),
-        "full": pad(layout.block_is_full),
-        "pmi": pad(np.maximum(layout.partial_mask_index, 0)),
-        "count": layout.kv_block_counts[..., None].astype(np.int32),
+        "full": pad(full),
+        "pmi": pad(np.maximum(pmi, 0)),
+        "count": counts[..., None].astype(np.int32),
         "masks": masks,
         "t_rows": t_rows,
         "t_slots": t_slots,
         "t_count": t_count[..., None].astype(np.int32),
     }
+
+
+def _refined_arrays(layout: BlockLayout, bq: int, bkv: int) -> tuple[dict, np.ndarray]:
+    """The layout cut into ``bq x bkv`` tiles (dividing its blocks) as the kernels read it,
+    and each tile's parent slot ``[H, nq', Kp']`` (the slot, in its query block's row of the
+    layout, of the block it was cut from). A full block gives full tiles; a partial one, its
+    mask's tiles: all True -> full, all False -> dropped, else partial. Every query and key
+    block of the layout gives ``block / tile`` rows and columns, padding included, so the
+    kernels' padded shapes are unchanged.
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> arrays, parent = _refined_arrays(causal().blocks(4, 4, 4, 4), 2, 2)
+      >>> arrays["count"][0, :, 0].tolist(), arrays["full"][0, 1, :2].tolist()
+      ([1, 2], [1, 0])
+    """
+    fq, fk = layout.block_q // bq, layout.block_kv // bkv
+    idx, full = layout.kv_block_indices, layout.block_is_full
+    h, nq, k = idx.shape
+    valid = idx != SENTINEL
+    masks = layout.partial_masks.reshape(-1, fq, bq, fk, bkv).transpose(0, 1, 3, 2, 4)
+    tile_any, tile_all = masks.any(axis=(-1, -2)), masks.all(axis=(-1, -2))  # [P, fq, fk]
+    partial = tile_any & ~tile_all
+    flat = masks[partial].reshape(-1, bq * bkv)
+    unique, inverse = np.unique(flat, axis=0, return_inverse=True)
+    tile_index = np.full(partial.shape, SENTINEL, np.int64)
+    tile_index[partial] = inverse.reshape(-1)
+    parent_mask = np.maximum(layout.partial_mask_index, 0)  # [H, nq, K]
+    whole = full[..., None, None]
+    kept = valid[..., None, None] & (whole | tile_any[parent_mask])  # [H, nq, K, fq, fk]
+    tile_full = kept & (whole | tile_all[parent_mask])
+    tile_pmi = np.where(tile_full, SENTINEL, tile_index[parent_mask])
+    keys = idx[..., None, None] * fk + np.arange(fk)[None, None, None, None, :]
+    slots = np.broadcast_to(np.arange(k)[None, None, :, None, None], kept.shape)
+
+    def rows(x):  # [H, nq, K, fq, fk] -> [H, nq * fq, K * fk]: a tile row's entries in key order
+        x = np.broadcast_to(x, kept.shape).transpose(0, 1, 3, 2, 4)
+        return x.reshape(h, nq * fq, k * fk)
+
+    kept, tile_full, tile_pmi, keys, slots = map(rows, (kept, tile_full, tile_pmi, keys, slots))
+    order = np.argsort(~kept, axis=-1, kind="stable")  # kept entries first, in key order
+    counts = kept.sum(axis=-1).astype(np.int32)
+    width = max(1, int(counts.max(initial=0)))
+
+    def take(x):
+        return np.take_along_axis(x, order, axis=-1)[..., :width]
+
+    kept = take(kept)
+    arrays = _kernel_arrays(
+        np.where(kept, take(keys), SENTINEL).astype(np.int32),
+        take(tile_full) & kept,
+        np.where(kept, take(tile_pmi), SENTINEL).astype(np.int32),
+        counts,
+        unique.reshape(-1, bq, bkv).astype(bool),
+        layout.num_kv_blocks * fk,
+    )
+    kp = arrays["idx"].shape[-1]
+    parent = np.pad(np.where(kept, take(slots), 0), ((0, 0), (0, 0), (0, kp - width)))
+    return arrays, parent.astype(np.int32)
+
+
+def _refined_live(live, parent, fq: int):
+    """The forward pass' live flags ``[B, N, nq, Kp]`` for the refined backward layout: a tile
+    is live when the block it was cut from is (a superset of the tiles with weight)."""
+    rows = jnp.repeat(live, fq, axis=2)  # [B, N, nq', Kp]
+    index = jnp.broadcast_to(jnp.asarray(parent)[None], (*rows.shape[:2], *parent.shape[1:]))
+    return jnp.take_along_axis(rows, index, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1021,7 +1119,13 @@ def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids)
 def _fused_bwd(plan, residuals, do):
     inputs, res = residuals
     scale, lengths, eps, _, k, v, bias, key_nan, q_ids, kv_ids = inputs
-    grads = _kernels(plan)[1](plan, *inputs, res, do)
+    if plan.backward is not None:  # smaller tiles than the forward's (backward_block)
+        tiles, parent, fq = plan.backward
+        if res["live"] is not None:
+            res = {**res, "live": _refined_live(res["live"], parent, fq)}
+        grads = _backward(tiles, *inputs, res, do)
+    else:
+        grads = _kernels(plan)[1](plan, *inputs, res, do)
     dq, dk, dv, deps, dscale, dbias = _finish_gradients(plan, k, v, grads)
     deps = jnp.zeros_like(eps) if deps is None else deps
 
@@ -1056,6 +1160,7 @@ def pallas_attention(
     target: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    backward_block: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -1089,6 +1194,10 @@ def pallas_attention(
         software-pipelining depth (>= 1), as in FlexAttention's ``kernel_options``; default 4
         warps for head dims up to 64, else 8, and 2 stages. Unused by Mosaic and in interpret
         mode. ``python -m experiments.bench pallas_tuning`` times the choices.
+      backward_block: ``(bq, bkv)`` tiles of the two backward kernels, powers of two >= 16
+        dividing the layout's blocks (the layout is cut into them: FlashAttention-2 and jax's
+        Pallas ``mha`` use smaller tiles in the backward pass, whose tiles hold more live
+        values); default: the layout's blocks. Triton kernels only.
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -1120,6 +1229,7 @@ def pallas_attention(
         target = "mosaic" if jax.default_backend() == "tpu" else "triton"
     if target not in ("triton", "mosaic"):
         raise ValueError(f"{caller}: `target` must be None, 'triton' or 'mosaic'; got {target!r}")
+    backward_block = _check_backward_block(backward_block, layout, target, caller)
     platform = {"mosaic": "tpu", "triton": "gpu"}[target]
     if not interpret and jax.default_backend() not in (platform, "cpu"):
         raise ValueError(
@@ -1167,6 +1277,13 @@ def pallas_attention(
         bias_axes=bias_axes, arrays=_layout_arrays(layout), num_warps=num_warps,
         num_stages=2 if num_stages is None else num_stages,
     )  # fmt: skip
+    if backward_block is not None:
+        bq_b, bkv_b = backward_block
+        arrays, parent = _refined_arrays(layout, bq_b, bkv_b)
+        tiles = dataclasses.replace(
+            plan, bq=bq_b, bkv=bkv_b, nq=nq * bq // bq_b, nk=nk * bkv // bkv_b, arrays=arrays
+        )
+        plan = dataclasses.replace(plan, backward=(tiles, parent, bq // bq_b))
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # A non-finite value vector enters as a NaN score of its key (the attention policy), so
     # that 0 * NaN in p @ v cannot reach rows whose mask excludes the key.
