@@ -264,8 +264,8 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     assert configs[1].backward_blocks == (0, 64, 32)
     assert "gpu-check suite" in text  # the second prepared call
     for line in pytests:
-        files = [arg for arg in shlex.split(line) if arg.startswith("tests/")]
-        assert files and all((root / f).is_file() for f in files), files
+        files = [arg for arg in shlex.split(line) if arg.split("/")[0] == "tests"]
+        assert files and all((root / f).exists() for f in files), files
     # the device tool returns at most 8 files from $OUT
     outputs = set(re.findall(r"\$out/([\w.-]+)", text))
     outputs |= set(re.findall(r'^\s*step "[^"]+" \S+ (\S+)', text, re.MULTILINE))
