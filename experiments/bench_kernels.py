@@ -298,6 +298,12 @@ def run_kernels(config: KernelsConfig, command: str) -> str:
         f"sum(out * g) w.r.t. q, k, v; median of {config.repeats} calls after compilation and a "
         "warm-up call (†k: only k calls). Peak MiB: XLA's compiled buffer assignment.",
         f"Peers: {peer_note}.",
+        *(
+            f"{row['peer']} (n={row['n']}, {row['normalizer']}): Triton's autotuner chose "
+            + "; ".join(f"{kernel}: {config}" for kernel, config in row["autotuned"].items())
+            for row in peer_rows
+            if row.get("autotuned")
+        ),
         *findings,
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
         *([stopped] if stopped else []),

@@ -106,6 +106,21 @@ def _peers(cell: dict, request: dict):
     return out
 
 
+def _autotuned_configs(package: str) -> dict[str, str]:
+    """The configs Triton's autotuner chose (``best_config``) for the autotuned kernels of a
+    package's loaded modules: recorded beside the timings, so that a later run can be checked
+    against, or pinned to, what the package picked for itself on this GPU."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name != package and not name.startswith(package + "."):
+            continue
+        for attr, obj in vars(module).items():
+            best = getattr(obj, "best_config", None)
+            if best is not None and type(obj).__name__ == "Autotuner":
+                found[f"{name.rsplit('.', 1)[-1]}.{attr}"] = str(best)
+    return found
+
+
 def main(argv: list[str]) -> None:
     request = json.loads(argv[0])
     if importlib.util.find_spec("torch") is None:
@@ -131,6 +146,8 @@ def main(argv: list[str]) -> None:
             try:
                 fwd_ms, both_ms = _time_peer(fwd, (q, k, v, g), request["repeats"])
                 row = {**cell, "peer": peer, "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms}
+                if peer.startswith("adasplash"):
+                    row["autotuned"] = _autotuned_configs("adasplash")
             except Exception as err:  # one peer failing (OOM, unsupported) must not stop the rest
                 row = {**cell, "peer": peer, "error": f"{type(err).__name__}: {err}"[:200]}
             print(json.dumps(row), flush=True)

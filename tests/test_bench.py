@@ -236,6 +236,48 @@ def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monke
     assert len(rows) == 1 and "INTERRUPTED after" in written
 
 
+def test_the_configs_adasplash_autotuned_are_recorded_beside_its_timings(monkeypatch, capsys):
+    import types
+
+    from experiments import bench_kernels, bench_peers
+
+    class Autotuner:  # the name of triton.runtime.autotuner.Autotuner, read after a run
+        def __init__(self, best):
+            self.best_config = best
+
+    module = types.ModuleType("adasplash.adasplash_v2")
+    module._fwd, module._bwd, module.helper = (
+        Autotuner("BLOCK_M: 64, num_warps: 4"),
+        Autotuner(None),
+        3,
+    )
+    monkeypatch.setitem(sys.modules, "adasplash.adasplash_v2", module)
+    monkeypatch.setitem(sys.modules, "adasplashy", types.ModuleType("adasplashy"))
+    assert bench_peers._autotuned_configs("adasplash") == {
+        "adasplash_v2._fwd": "BLOCK_M: 64, num_warps: 4"
+    }  # only the package's own modules, only kernels that ran
+    row = {"mask": "causal", "n": 32, "normalizer": "entmax15", "window": 8,
+           "peer": "adasplash-2", "fwd_ms": 1.0, "fwd_bwd_ms": 3.0,
+           "autotuned": {"adasplash_v2._fwd": "BLOCK_M: 64, num_warps: 4"}}  # fmt: skip
+    monkeypatch.setattr(bench_kernels, "_peer_rows", lambda *args: ([row], "measured"))
+    bench.main(
+        ["kernels", "--lengths", "32", "--batch", "1", "--heads", "1", "--head-dim", "16",
+         "--block", "16", "--window", "8", "--normalizers", "entmax15", "--masks", "causal",
+         "--engines", "blocksparse", "--repeats", "1"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    (line,) = [
+        line
+        for line in printed.splitlines()
+        if line.startswith("| causal |") and "adasplash" in line
+    ]
+    assert [cell.strip() for cell in line.split("|")[1:-1]][:6] == [
+        "causal", "32", "entmax15", "adasplash-2", "1.00", "3.00"
+    ]  # fmt: skip
+    assert ("adasplash-2 (n=32, entmax15): Triton's autotuner chose adasplash_v2._fwd: "
+            "BLOCK_M: 64, num_warps: 4") in printed  # fmt: skip
+
+
 def test_bad_kernels_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["kernels", "--normalizers", "0.5"])
@@ -263,6 +305,10 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     assert type(configs[1]).__name__ == "TuningConfig" and configs[1].lengths == (16384,)
     assert configs[1].backward_blocks == (0, 64, 32)
     assert "gpu-check suite" in text  # the second prepared call
+    (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
+    request = json.loads(request)
+    assert {cell["normalizer"] for cell in request["cells"]} == {"entmax15", "sparsemax"}
+    assert all(cell["mask"] == "causal" for cell in request["cells"])  # what AdaSplash computes
     for line in pytests:
         files = [arg for arg in shlex.split(line) if arg.split("/")[0] == "tests"]
         assert files and all((root / f).exists() for f in files), files
