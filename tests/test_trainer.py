@@ -423,17 +423,29 @@ def test_a_stop_request_from_sigterm_and_from_a_time_limit():
 
 
 def test_a_second_signal_while_stopping_does_what_it_did_before():
-    """Ctrl-C twice interrupts at once: the second SIGINT reaches Python's own handler."""
+    """Ctrl-C twice interrupts at once: the second SIGINT reaches Python's own handler. (Set
+    here: a process started in the background by a shell without job control, as `cmd &` in
+    a script, inherits SIGINT ignored, and Python then installs no handler of its own.)"""
     import signal
 
     from sparse_jax.training.stopping import StopRequest
 
-    with pytest.raises(KeyboardInterrupt):
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with StopRequest() as stop:
+                signal.raise_signal(signal.SIGINT)
+                assert stop() and stop.reason == "SIGINT"
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ignored before: the second is ignored
         with StopRequest() as stop:
             signal.raise_signal(signal.SIGINT)
-            assert stop() and stop.reason == "SIGINT"
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert stop.reason == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outside)
     for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match=r"StopRequest: `seconds` must be a finite number"):
             StopRequest(seconds=bad)
