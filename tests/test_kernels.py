@@ -549,3 +549,59 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
     ]:
         with pytest.raises(error, match=match):
             pallas_attention(q, q, q, layout, **options)
+
+
+def _kernel_reduce_sums(fn, *args) -> dict[str, int]:
+    """{kernel name: reduce_sum operations in its body} of the Pallas calls ``fn`` traces."""
+    from jax.extend import core as jcore
+
+    found = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                info = eqn.params.get("name_and_src_info")
+                name = getattr(info, "name", None) or eqn.params.get("name")
+                found[name] = str(eqn.params["jaxpr"]).count("reduce_sum")
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    if isinstance(sub, jcore.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jcore.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_no_bias_and_a_python_float_scale_form_no_gradient_sums_for_them():
+    """Without a bias the kernels add none and form no bias gradient; with a python float
+    scale (never differentiated) no scale gradient: the backward kernels' row and column sums
+    of ds for them disappear. Values and gradients stay the reference's."""
+    q, k, v, cot = _inputs((1, 64, 64, 2, 2, 16), jnp.float32)
+    layout = masks.causal().blocks(64, 64, 16, 16)
+
+    def grads(bias, scale):
+        def loss(q, k, v):
+            out = pallas_attention(q, k, v, layout, normalizer="sparsemax", bias=bias, scale=scale)
+            return jnp.sum(out * cot)
+
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    plain = _kernel_reduce_sums(grads(None, 0.5), q, k, v)
+    with_both = _kernel_reduce_sums(grads(jnp.zeros((64,)), jnp.float32(0.5)), q, k, v)
+    assert plain["sparse_jax_pallas_sparsemax_dq"] == 0
+    assert with_both["sparse_jax_pallas_sparsemax_dq"] == 2  # Σ ds·raw (scale), Σ ds (rows)
+    assert (
+        plain["sparse_jax_pallas_sparsemax_dkv"],
+        with_both["sparse_jax_pallas_sparsemax_dkv"],
+    ) == (0, 1)
+
+    def reference(q, k, v):
+        out = attention(q, k, v, mask=masks.causal(), normalizer="sparsemax", impl="xla", scale=0.5)
+        return jnp.sum(out * cot)
+
+    ref = jax.grad(reference, argnums=(0, 1, 2))(q, k, v)
+    for ours in (grads(None, 0.5)(q, k, v), grads(jnp.zeros((64,)), jnp.float32(0.5))(q, k, v)):
+        for g, r in zip(ours, ref, strict=True):
+            np.testing.assert_allclose(g, r, atol=2e-5)

@@ -300,6 +300,8 @@ class _Plan:
     num_warps: int | None = None  # Triton's warps per program (None: by head dim)
     num_stages: int = 2  # Triton's software-pipelining depth
     backward: Any = None  # (plan of the backward tiles, parent slots, fq) or None: the same
+    has_bias: bool = True  # False: no bias was given (nothing added, no bias gradient formed)
+    scale_grad: bool = True  # False: a python float scale (its gradient is never asked for)
 
     @property
     def row_length(self) -> int:
@@ -467,9 +469,10 @@ def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref)
     start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
     k = k_ref[pl.ds(start, plan.bkv), :]
     raw = _dot(plan, q, k)
-    bias = bias_ref[:, pl.ds(start, plan.bkv)] if plan.bias_axes[3] else bias_ref[...]
-    key_nan = key_nan_ref[pl.ds(start, plan.bkv)][None, :]
-    return raw, _clip_inf(raw * scale + bias + key_nan)
+    s = raw * scale + key_nan_ref[pl.ds(start, plan.bkv)][None, :]
+    if plan.has_bias:
+        s = s + (bias_ref[:, pl.ds(start, plan.bkv)] if plan.bias_axes[3] else bias_ref[...])
+    return raw, _clip_inf(s)
 
 
 def _clip_inf(s):
@@ -756,8 +759,10 @@ def _dq_step(plan: _Plan, carry, p, g, dp, delta, raw, k, eps):
     ds = g * (dp - delta)
     dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
     ds = jnp.where(g != 0.0, ds, 0.0)
-    ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
-    ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
+    if plan.scale_grad:
+        ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
+    if plan.has_bias:
+        ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
     if plan.kind == "entmax":
         _, c, s_rest = entmax_alpha_terms(p, eps)
         terms = (c, jnp.where(c != 0.0, dp * c, 0.0), s_rest)
@@ -853,8 +858,10 @@ def _dkv_kernel(*refs, plan: _Plan):
             sl = pl.ds(start, bq)
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
-            bias = bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...]
-            s = _clip_inf(_dot(plan, q, k) * scale + bias + key_nan_ref[...][None, :])
+            s = _dot(plan, q, k) * scale + key_nan_ref[...][None, :]
+            if plan.has_bias:
+                s = s + (bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...])
+            s = _clip_inf(s)
             rt = _runtime_tile(
                 plan, row_block, kv_block, kv_length,
                 lambda: qseg_ref[sl], lambda: kvseg_ref[...],
@@ -869,7 +876,9 @@ def _dkv_kernel(*refs, plan: _Plan):
             dk = dk + _dot(plan, ds.astype(q.dtype), q, 0, 0)
             if dense_bias_ref is not None:
                 dense_bias_ref[sl, :] = ds
-            return dk, dv, ds_cols + jnp.sum(ds, axis=0)  # the bias' column gradient
+            if plan.has_bias:
+                ds_cols = ds_cols + jnp.sum(ds, axis=0)  # the bias' column gradient
+            return dk, dv, ds_cols
 
         if plan.kind == "softmax":
             return visit(carry)
@@ -1258,6 +1267,7 @@ def pallas_attention(
 
     nq, nk = layout.num_q_blocks, layout.num_kv_blocks
     bq, bkv = layout.block_q, layout.block_kv
+    has_bias, scale_grad = bias is not None, not isinstance(scale, float)
     if bias is None:
         bias = jnp.zeros((1, 1, 1, 1), _F32)
     bias_axes = tuple(bool(size > 1) for size in bias.shape)
@@ -1275,7 +1285,8 @@ def pallas_attention(
         precision=precision if precision is not None or q.dtype != jnp.float32
         else jax.lax.Precision.HIGHEST,
         bias_axes=bias_axes, arrays=_layout_arrays(layout), num_warps=num_warps,
-        num_stages=2 if num_stages is None else num_stages,
+        num_stages=2 if num_stages is None else num_stages, has_bias=has_bias,
+        scale_grad=scale_grad,
     )  # fmt: skip
     if backward_block is not None:
         bq_b, bkv_b = backward_block
