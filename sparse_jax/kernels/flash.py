@@ -301,6 +301,7 @@ class _Plan:
     num_stages: int = 2  # Triton's software-pipelining depth
     backward: Any = None  # (plan of the backward tiles, parent slots, fq) or None: the same
     has_bias: bool = True  # False: no bias was given (nothing added, no bias gradient formed)
+    dynamic: bool = False  # the layout bounds a run-time mask: full blocks are masked too
     scale_grad: bool = True  # False: a python float scale (its gradient is never asked for)
 
     @property
@@ -482,27 +483,27 @@ def _clip_inf(s):
     return jnp.where(s > _MAX, _MAX, s)
 
 
-def _allowed(full, mask_index, masks_ref, kv_block, bound_and_tile, bkv: int):
-    """Element mask ``[bq, bkv]`` of a kept block: all True when full, else its partial mask;
-    with ``bound_and_tile`` of :func:`_runtime_tile`, keys at or beyond the bound (the batch
-    element's run-time padding length, or ``Tk``) masked, and where the tile is False.
+def _masked(plan: _Plan, s, full, mask_index, masks_ref, kv_block, bound_and_tile):
+    """Scores ``s [bq, bkv]`` of a kept block, -inf where not allowed: a partial block's
+    mask; with ``bound_and_tile`` of :func:`_runtime_tile`, keys at or beyond the bound (the
+    batch element's run-time padding length, or ``Tk``) masked, and where the tile is False.
 
-    The partial mask's ``[bq, bkv]`` tile is loaded only for a partial block: a full block
-    (all but the diagonal ones of a causal layout) costs no load of it. Loaded for every block,
-    it was twice the bytes of the block's keys and values (int32 against bfloat16)."""
+    A full block of a layout without run-time parts passes through untouched, and only a
+    partial block loads its mask's ``[bq, bkv]`` tile (a ``lax.cond`` on the block's flag):
+    most blocks of a causal or windowed layout are full, and the int32 tile, loaded for every
+    block, was twice the bytes of the block's keys and values."""
     kv_length, tile = bound_and_tile
-    shape = masks_ref.shape[1:]
-    static = (
-        jax.lax.cond(
-            full != 0,
-            lambda: jnp.ones(shape, masks_ref.dtype),
-            lambda: masks_ref[mask_index],
-        )
-        != 0
-    )
-    keys = kv_block * bkv + jnp.arange(bkv, dtype=jnp.int32)
-    allowed = jnp.logical_and(static, (keys < kv_length)[None, :])
-    return allowed if tile is None else jnp.logical_and(allowed, tile)
+    keys = kv_block * plan.bkv + jnp.arange(plan.bkv, dtype=jnp.int32)
+
+    def apply(s, allowed):
+        allowed = jnp.logical_and(allowed, (keys < kv_length)[None, :])
+        allowed = allowed if tile is None else jnp.logical_and(allowed, tile)
+        return jnp.where(allowed, s, -jnp.inf)
+
+    def whole(s):
+        return apply(s, True) if plan.dynamic or tile is not None else s
+
+    return jax.lax.cond(full != 0, whole, lambda s: apply(s, masks_ref[mask_index] != 0), s)
 
 
 def _same_segment(plan: _Plan, q_ids, kv_ids):
@@ -638,10 +639,10 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
-        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, rt, plan.bkv)
+        x = _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
         start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
         v = v_ref[pl.ds(start, plan.bkv), :]
-        return _softmax_step(plan, carry, jnp.where(allowed, s, -jnp.inf), v)
+        return _softmax_step(plan, carry, x, v)
 
     carry = jax.lax.fori_loop(0, cnt_ref[0], body, _softmax_init(plan, bq))
     out, lse = _softmax_finish(carry)
@@ -664,8 +665,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         kv_block = idx_ref[j]
         _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
-        allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, rt, plan.bkv)
-        return jnp.where(allowed, s, -jnp.inf)
+        return _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
 
     def first_pass(j, carry):
         row_max, n_valid, n_nan = carry
@@ -805,8 +805,7 @@ def _dq_kernel(*refs, plan: _Plan):
             kv_block = idx_ref[j]
             raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
             rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
-            allowed = _allowed(full_ref[j], pmi_ref[j], masks_ref, kv_block, rt, plan.bkv)
-            x = jnp.where(allowed, s, -jnp.inf)
+            x = _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
             p, g = _recompute(plan, x, rows, eps, sigma)
             start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
             k = k_ref[pl.ds(start, plan.bkv), :]
@@ -866,10 +865,8 @@ def _dkv_kernel(*refs, plan: _Plan):
                 plan, row_block, kv_block, kv_length,
                 lambda: qseg_ref[sl], lambda: kvseg_ref[...],
             )  # fmt: skip
-            allowed = _allowed(
-                full_ref[row_block, slot], pmi_ref[row_block, slot], masks_ref, kv_block, rt, bkv
-            )
-            x = jnp.where(allowed, s, -jnp.inf)
+            full, mask_index = full_ref[row_block, slot], pmi_ref[row_block, slot]
+            x = _masked(plan, s, full, mask_index, masks_ref, kv_block, rt)
             p, g = _recompute(plan, x, rows, eps, sigma)
             dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
             ds = jnp.where(g != 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
@@ -1286,7 +1283,7 @@ def pallas_attention(
         else jax.lax.Precision.HIGHEST,
         bias_axes=bias_axes, arrays=_layout_arrays(layout), num_warps=num_warps,
         num_stages=2 if num_stages is None else num_stages, has_bias=has_bias,
-        scale_grad=scale_grad,
+        scale_grad=scale_grad, dynamic=layout.dynamic,
     )  # fmt: skip
     if backward_block is not None:
         bq_b, bkv_b = backward_block

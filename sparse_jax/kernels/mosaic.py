@@ -131,7 +131,7 @@ def _dot(plan, a, b, contract_a: int = 1, contract_b: int = 1):
 
 
 def _tile_allowed(plan, full, mask_index, masks_ref, q_block, kv_block, kv_length, same=None):
-    """Element mask ``[bq, bkv]`` of a kept block (see flash._allowed): the static tile, keys
+    """Element mask ``[bq, bkv]`` of a kept block (see flash._masked): the static tile, keys
     below the batch element's ``padding`` length and in the query's segment; for a tile
     expression (run-time leaves under ``|``/``~``), keys below ``Tk`` where the expression,
     evaluated on the tile's positions, the length and the segment tile, holds. Positions are
