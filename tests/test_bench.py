@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from experiments import bench
@@ -207,6 +208,9 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     with pytest.raises(SystemExit):
         bench.main(["pallas_tuning", "--backward-blocks", "8"])
     assert "backward_blocks: 8 is not a power of two >= 16" in capsys.readouterr().err
+    if jax.default_backend() == "cpu":
+        bench.main(["pallas_tuning", "--lengths", "4096"])
+        assert "n=4096: not run (interpret mode on CPU: too slow" in capsys.readouterr().out
 
 
 def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monkeypatch, capsys):
