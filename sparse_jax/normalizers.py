@@ -422,6 +422,32 @@ def _run_search(z, search: RowSearch):
     )
 
 
+def sparsemax_start(top) -> jax.Array:
+    """A start for :func:`sparsemax_search` from each row's largest values: a lower bound of
+    the threshold, tighter than ``-1``.
+
+    ``top``: a sequence of ``k`` arrays ``[..., 1]``, the row's largest values in decreasing
+    order, shifted so that the row's maximum is 0 (``top[0]`` = 0), ``-inf`` where a row has
+    fewer. Returns ``max_k (Σ_{i<=k} top_i - 1) / k``: each term is the closed form of the
+    threshold on the row's k largest entries, and the exact threshold τ* is the largest such
+    term over all k (a set that contains the support gives at most τ*, and so does a set inside
+    it), so every term is <= τ*. Values smaller than the true k largest (ties dropped) only
+    lower a term. With the support among the k, the start is τ* itself and the search only
+    confirms it.
+
+    Example:
+      >>> top = [jnp.array([[0.0]]), jnp.array([[-0.2]]), jnp.array([[-0.5]]), jnp.array([[-3.0]])]
+      >>> round(float(sparsemax_start(top)[0, 0]), 4)  # support {0, -0.2, -0.5}: τ* = -0.5667
+      -0.5667
+    """
+    start, total = None, 0.0
+    for k, value in enumerate(top, start=1):
+        total = total + value
+        term = (total - 1.0) / k
+        start = term if start is None else jnp.maximum(start, term)
+    return start
+
+
 def sparsemax_search(tau0, done0, row_length: int) -> RowSearch:
     """Exact sparsemax threshold of rows z (max 0) by Michelot's iteration; τ shape [..., 1].
 

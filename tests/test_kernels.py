@@ -605,3 +605,46 @@ def test_no_bias_and_a_python_float_scale_form_no_gradient_sums_for_them():
     for ours in (grads(None, 0.5)(q, k, v), grads(jnp.zeros((64,)), jnp.float32(0.5))(q, k, v)):
         for g, r in zip(ours, ref, strict=True):
             np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+def test_the_first_pass_keeps_each_rows_largest_values_block_by_block():
+    """_tile_top of each block merged by _insert: the row's k largest, except that a value
+    tied with a larger one in its own block gives way to a smaller one (a lower start)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 96)).astype(np.float32)
+    x[0, 40] = x[0, 41] = x[0].max() + 1.0  # a tie inside one block, at the top
+    x[1, 10] = x[1, 70] = x[1].max() + 1.0  # a tie across two blocks: both kept
+    x[2, :] = -np.inf  # a fully masked row
+    x[2, 5] = 0.5
+    top = (jnp.full((16, 1), -jnp.inf),) * 4
+    for block in range(3):
+        for value in pk._tile_top(jnp.asarray(x[:, block * 32 : (block + 1) * 32]), 4):
+            top = pk._insert(top, value)
+    got = np.concatenate([np.asarray(t) for t in top], axis=-1)
+    want = -np.sort(-x, axis=-1)[:, :4]
+    np.testing.assert_array_equal(got[3:], want[3:])  # distinct values: exactly the top 4
+    assert got[0, 0] == want[0, 0] and got[0, 1] == want[0, 2]  # the in-block tie dropped
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[2].tolist() == [0.5, -np.inf, -np.inf, -np.inf]
+    assert (got <= want).all()
+
+
+def test_the_sparsemax_kernel_starts_its_search_from_the_rows_largest_values(monkeypatch):
+    from sparse_jax.normalizers import sparsemax_start
+
+    calls = []
+
+    def spy(top):
+        calls.append(len(top))
+        return sparsemax_start(top)
+
+    monkeypatch.setattr(pk, "sparsemax_start", spy)
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 64, 1, 16))
+    layout = masks.causal().blocks(64, 64, 16, 16)
+    out = pallas_attention(q, q, q, layout, normalizer="sparsemax")  # traced: the spy runs
+    assert calls == [pk._SPARSEMAX_TOP] == [4]
+    ref = attention(q, q, q, mask=masks.causal(), normalizer="sparsemax", impl="xla")
+    np.testing.assert_allclose(out, ref, atol=2e-6)
+    calls.clear()
+    pallas_attention(q, q, q, layout, normalizer="entmax15")
+    assert calls == []  # the other normalizers start from -1

@@ -430,3 +430,53 @@ def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkey
     np.testing.assert_allclose(grad, grad_plain, atol=2e-6)
     np.testing.assert_allclose(np.sum(p, axis=-1), 1.0, atol=1e-5)
     assert np.all(np.asarray(p)[1, n // 2 :] == 0.0)
+
+
+def _exact_sparsemax_threshold(z):
+    """τ of each row of z by sorting (the closed form on the largest support that fits)."""
+    s = -np.sort(-z, axis=-1)
+    k = np.arange(1, z.shape[-1] + 1)
+    with np.errstate(invalid="ignore"):
+        cums = np.cumsum(s, axis=-1)
+        fits = 1.0 + k * s > cums
+    support = fits.sum(-1, keepdims=True)
+    return (np.take_along_axis(cums, support - 1, axis=-1) - 1.0) / support
+
+
+def _passes(search, z):
+    """(passes until every row is done, final τ) of a RowSearch run on whole rows."""
+    state, passes = search.init, 0
+    while not bool(jnp.all(state[-1])) and passes < search.max_iter:
+        sums = tuple(jnp.sum(t, axis=-1, keepdims=True) for t in search.terms(z, state))
+        state, passes = search.update(state, sums), passes + 1
+    return passes, state[0]
+
+
+def test_the_sparsemax_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes():
+    from sparse_jax.normalizers import sparsemax_search, sparsemax_start
+
+    rng = np.random.default_rng(0)
+    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
+    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
+    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
+    for x in rows:
+        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)  # no all -inf rows
+        z = x - x.max(-1, keepdims=True)
+        exact = _exact_sparsemax_threshold(z)
+        ordered = -np.sort(-z, axis=-1)
+        true_top = [jnp.asarray(ordered[:, i : i + 1]) for i in range(4)]
+        start = np.asarray(sparsemax_start(true_top))
+        assert (start <= exact + 1e-6).all()
+        small = (z > exact).sum(-1) <= 4
+        np.testing.assert_allclose(start[small], exact[small], atol=1e-6)
+        lowered = [t - 0.25 * (i > 0) for i, t in enumerate(true_top)]  # ties dropped: lower
+        assert (np.asarray(sparsemax_start(lowered)) <= exact + 1e-6).all()
+    # Fewer passes of Michelot's iteration than from -1, to the same threshold.
+    z = jnp.asarray(rows[1] - rows[1].max(-1, keepdims=True), jnp.float32)
+    ordered = -jnp.sort(-z, axis=-1)
+    done = jnp.zeros((64, 1), bool)
+    start = sparsemax_start([ordered[:, i : i + 1] for i in range(4)])
+    base, tau = _passes(sparsemax_search(jnp.full((64, 1), -1.0), done, 300), z)
+    fewer, tau_from_start = _passes(sparsemax_search(start, done, 300), z)
+    assert fewer < base
+    np.testing.assert_allclose(tau_from_start, tau, atol=1e-6)

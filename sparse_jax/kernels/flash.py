@@ -89,6 +89,7 @@ from sparse_jax.normalizers import (
     entmax_powers,
     entmax_search,
     sparsemax_search,
+    sparsemax_start,
 )
 from sparse_jax.validation import check_bias, check_normalizer, check_qkv, check_scale
 
@@ -532,10 +533,11 @@ def _weights(kind: str, z, tau, eps, sigma):
     return entmax_powers(z, tau, eps, sigma)
 
 
-def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.expm1):
-    """The :class:`~sparse_jax.normalizers.RowSearch` of a row tile, started from τ = -1."""
+def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.expm1, tau0=None):
+    """The :class:`~sparse_jax.normalizers.RowSearch` of a row tile, started from ``tau0`` (a
+    lower bound of τ; default -1, the bound every row has once its maximum is 0)."""
     done0 = jnp.logical_not(row_max > -jnp.inf)  # nothing allowed, or NaN: no search
-    tau0 = jnp.full_like(row_max, -1.0)
+    tau0 = jnp.full_like(row_max, -1.0) if tau0 is None else jnp.where(done0, -1.0, tau0)
     if kind == "sparsemax":
         return sparsemax_search(tau0, done0, row_length)
     if kind == "entmax15":
@@ -543,12 +545,13 @@ def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.
     return entmax_search(eps, sigma, n_valid, done0, expm1)
 
 
-def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.expm1):
+def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.expm1, tau0=None):
     """Each row's threshold τ ``[rows, 1]`` by the normalizer's search, pass after pass until
     every row of the tile is done. ``row_sums(terms_of, n_terms)`` sums ``terms_of(z)`` (a tuple
     of ``n_terms`` tiles from a tile of search variables) over the row's kept blocks: each
-    kernel family walks its blocks its own way. ``expm1``: for compilers without one."""
-    search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, expm1)
+    kernel family walks its blocks its own way. ``expm1``: for compilers without one. ``tau0``:
+    a start (sparsemax; see :func:`_search`)."""
+    search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, expm1, tau0)
     tile = jax.ShapeDtypeStruct((row_max.shape[0], plan.bkv), _F32)
     n_terms = len(jax.eval_shape(search.terms, tile, search.init))
 
@@ -567,6 +570,30 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
     if plan.kind == "entmax15":
         tau = entmax15_polish(tau, row_sums(lambda z: entmax15_polish_terms(z, tau), 3))
     return tau
+
+
+_SPARSEMAX_TOP = 4  # largest values per row kept by the first pass (sparsemax's start)
+
+
+def _tile_top(x, k: int):
+    """The ``k`` largest values of each row of a tile ``[rows, n]``, each ``[rows, 1]``, in
+    decreasing order; a value tied with a larger one is dropped (a smaller one, or -inf, takes
+    its place: the start it feeds is then only lower)."""
+    values = []
+    for i in range(k):
+        value = jnp.max(x, axis=-1, keepdims=True)
+        values.append(value)
+        if i + 1 < k:
+            x = jnp.where(x >= value, -jnp.inf, x)
+    return values
+
+
+def _insert(top, value):
+    """The ``len(top)`` largest of ``top`` (``[rows, 1]`` each, decreasing) and ``value``."""
+    out = [jnp.maximum(top[0], value)]
+    for i in range(1, len(top)):
+        out.append(jnp.maximum(top[i], jnp.minimum(top[i - 1], value)))
+    return tuple(out)
 
 
 def _row_pass(count, block_terms, n_terms: int, rows: int):
@@ -667,18 +694,25 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
         return _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
 
-    def first_pass(j, carry):
-        row_max, n_valid, n_nan = carry
-        x = masked(j)
-        row_max = jnp.maximum(row_max, jnp.max(x, axis=-1, keepdims=True))
-        n_valid = n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
-        return row_max, n_valid, n_nan + jnp.sum(jnp.isnan(x).astype(_F32), -1, keepdims=True)
+    # The first pass finds each row's maximum; for sparsemax its _SPARSEMAX_TOP largest
+    # values, whose start (normalizers.sparsemax_start) saves the search passes from -1 up.
+    n_top = _SPARSEMAX_TOP if plan.kind == "sparsemax" else 1
 
-    init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32), jnp.zeros((bq, 1), _F32))
-    row_max, n_valid, n_nan = jax.lax.fori_loop(0, count, first_pass, init)
+    def first_pass(j, carry):
+        top, n_valid, n_nan = carry
+        x = masked(j)
+        for value in _tile_top(x, n_top):
+            top = _insert(top, value)
+        n_valid = n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
+        return top, n_valid, n_nan + jnp.sum(jnp.isnan(x).astype(_F32), -1, keepdims=True)
+
+    zeros_r = jnp.zeros((bq, 1), _F32)
+    init = ((jnp.full((bq, 1), -jnp.inf, _F32),) * n_top, zeros_r, zeros_r)
+    top, n_valid, n_nan = jax.lax.fori_loop(0, count, first_pass, init)
     nan_row = n_nan > 0.0  # counted: Triton's max drops NaN (see _clip_inf)
-    row_max = jnp.where(nan_row, jnp.nan, row_max)
+    row_max = jnp.where(nan_row, jnp.nan, top[0])
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN stays NaN: its z is NaN
+    tau0 = sparsemax_start([value - shift for value in top]) if n_top > 1 else None
 
     def z_of(j):
         return _z(plan.kind, masked(j), shift, eps)
@@ -686,7 +720,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def row_sums(terms_of, n_terms):
         return _row_pass(count, lambda j: terms_of(z_of(j)), n_terms, bq)
 
-    tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums)
+    tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, tau0=tau0)
 
     live_ref[...] = jnp.zeros(live_ref.shape, live_ref.dtype)
 
