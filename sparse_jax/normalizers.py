@@ -469,6 +469,32 @@ def sparsemax_search(tau0, done0, row_length: int) -> RowSearch:
     return RowSearch((tau0, jnp.full_like(tau0, -1.0), done0), terms, update, row_length + 1)
 
 
+def entmax15_start(top) -> jax.Array:
+    """A start for :func:`entmax15_search` from each row's largest values: a lower bound of
+    the threshold, tighter than ``-1``.
+
+    ``top``: a sequence of ``k`` arrays ``[..., 1]``, the row's largest search variables
+    ``z = (x - max) / 2`` in decreasing order (``top[0]`` = 0), ``-inf`` where a row has fewer.
+    For each k, the smaller root τ_k of ``Σ_{i<=k} (top_i - τ)² = 1`` is kept when it lies at
+    or below ``top_k``: the k values are then all above it, so ``Σ [z - τ_k]_+² >= 1`` over the
+    row and τ_k <= τ* (the row's sum decreases in τ). Returns the largest kept root, or -1.
+    Values smaller than the true k largest (ties dropped) keep this true.
+
+    Example:
+      >>> top = [jnp.array([[0.0]]), jnp.array([[-0.1]]), jnp.array([[-2.0]]), jnp.array([[-3.0]])]
+      >>> round(float(entmax15_start(top)[0, 0]), 4)  # support {0, -0.1}: τ* itself
+      -0.7553
+    """
+    start, s1, s2 = None, 0.0, 0.0
+    for k, value in enumerate(top, start=1):
+        s1, s2 = s1 + value, s2 + value * value
+        disc = s1 * s1 - k * (s2 - 1.0)
+        root = (s1 - jnp.sqrt(jnp.where(disc >= 0.0, disc, 0.0))) / k
+        root = jnp.where((disc >= 0.0) & (root <= value), root, -1.0)
+        start = root if start is None else jnp.maximum(start, root)
+    return jnp.maximum(start, -1.0)
+
+
 def entmax15_search(tau0, done0) -> RowSearch:
     """Exact 1.5-entmax threshold of rows z = (x - max)/2 (p = [z - τ]_+²); τ shape [..., 1].
 

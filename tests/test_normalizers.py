@@ -480,3 +480,49 @@ def test_the_sparsemax_start_is_a_lower_bound_exact_on_small_supports_and_saves_
     fewer, tau_from_start = _passes(sparsemax_search(start, done, 300), z)
     assert fewer < base
     np.testing.assert_allclose(tau_from_start, tau, atol=1e-6)
+
+
+def _exact_entmax15_threshold(z):
+    """τ of Σ [z - τ]_+² = 1 for each row of z (the search variable), by sorting: the root on
+    the largest k whose root stays below its k-th value."""
+    s = -np.sort(-z, axis=-1)
+    k = np.arange(1, z.shape[-1] + 1)
+    with np.errstate(invalid="ignore"):
+        s1, s2 = np.cumsum(s, axis=-1), np.cumsum(s * s, axis=-1)
+        disc = s1 * s1 - k * (s2 - 1.0)
+        roots = (s1 - np.sqrt(np.maximum(disc, 0.0))) / k
+        fits = (disc >= 0) & (roots <= s)
+    last = np.where(fits, k, 0).max(-1, keepdims=True)
+    return np.take_along_axis(roots, last - 1, axis=-1)
+
+
+def test_the_entmax15_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes():
+    from sparse_jax.normalizers import entmax15_search, entmax15_start
+
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
+    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
+    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
+    for x in rows:
+        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)
+        z = (x - x.max(-1, keepdims=True)) / 2
+        exact = _exact_entmax15_threshold(z)
+        np.testing.assert_allclose(
+            np.sum(np.maximum(z - exact, 0.0) ** 2, -1), 1.0, rtol=1e-9
+        )  # the reference itself
+        ordered = -np.sort(-z, axis=-1)
+        true_top = [jnp.asarray(ordered[:, i : i + 1]) for i in range(4)]
+        start = np.asarray(entmax15_start(true_top))
+        assert (start <= exact + 1e-6).all()
+        small = (z > exact).sum(-1) <= 4
+        np.testing.assert_allclose(start[small], exact[small], atol=1e-5)
+        lowered = [t - 0.25 * (i > 0) for i, t in enumerate(true_top)]  # ties dropped: lower
+        assert (np.asarray(entmax15_start(lowered)) <= exact + 1e-6).all()
+    z = jnp.asarray((rows[1] - rows[1].max(-1, keepdims=True)) / 2, jnp.float32)
+    ordered = -jnp.sort(-z, axis=-1)
+    done = jnp.zeros((64, 1), bool)
+    start = entmax15_start([ordered[:, i : i + 1] for i in range(4)])
+    base, tau = _passes(entmax15_search(jnp.full((64, 1), -1.0), done), z)
+    fewer, tau_from_start = _passes(entmax15_search(start, done), z)
+    assert fewer < base
+    np.testing.assert_allclose(tau_from_start, tau, atol=1e-5)

@@ -85,6 +85,7 @@ from sparse_jax.normalizers import (
     entmax15_polish,
     entmax15_polish_terms,
     entmax15_search,
+    entmax15_start,
     entmax_alpha_terms,
     entmax_powers,
     entmax_search,
@@ -572,7 +573,7 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
     return tau
 
 
-_SPARSEMAX_TOP = 4  # largest values per row kept by the first pass (sparsemax's start)
+_START_TOP = 4  # largest values per row the first pass keeps (the start of τ's search)
 
 
 def _tile_top(x, k: int):
@@ -694,9 +695,11 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
         return _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
 
-    # The first pass finds each row's maximum; for sparsemax its _SPARSEMAX_TOP largest
-    # values, whose start (normalizers.sparsemax_start) saves the search passes from -1 up.
-    n_top = _SPARSEMAX_TOP if plan.kind == "sparsemax" else 1
+    # The first pass finds each row's maximum; for sparsemax and 1.5-entmax its _START_TOP
+    # largest values, whose start (normalizers.sparsemax_start, entmax15_start), a lower bound
+    # of τ, saves search passes (each recomputes the tile's scores over every kept block).
+    start_of = {"sparsemax": sparsemax_start, "entmax15": entmax15_start}.get(plan.kind)
+    n_top = 1 if start_of is None else _START_TOP
 
     def first_pass(j, carry):
         top, n_valid, n_nan = carry
@@ -712,7 +715,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     nan_row = n_nan > 0.0  # counted: Triton's max drops NaN (see _clip_inf)
     row_max = jnp.where(nan_row, jnp.nan, top[0])
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN stays NaN: its z is NaN
-    tau0 = sparsemax_start([value - shift for value in top]) if n_top > 1 else None
+    tau0 = None if start_of is None else start_of([_z(plan.kind, t, shift, eps) for t in top])
 
     def z_of(j):
         return _z(plan.kind, masked(j), shift, eps)
