@@ -40,8 +40,10 @@ from experiments import timing
 from experiments.bench_kernels import (
     Interrupted,
     KernelsConfig,
+    SearchPassesConfig,
     TuningConfig,
     run_kernels,
+    run_search_passes,
     run_tuning,
 )
 from sparse_jax import masks
@@ -762,6 +764,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
 
 benchmark("kernels", KernelsConfig)(run_kernels)
 benchmark("pallas_tuning", TuningConfig)(run_tuning)
+benchmark("search_passes", SearchPassesConfig)(run_search_passes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import bench
@@ -280,6 +281,30 @@ def test_the_configs_adasplash_autotuned_are_recorded_beside_its_timings(monkeyp
     ]  # fmt: skip
     assert ("adasplash-2 (n=32, entmax15): Triton's autotuner chose adasplash_v2._fwd: "
             "BLOCK_M: 64, num_warps: 4") in printed  # fmt: skip
+
+
+def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
+    import numpy as np
+
+    from experiments.bench_kernels import count_passes
+    from sparse_jax import normalizers as nz
+
+    bench.main(["search_passes", "--lengths", "64", "--scales", "1.0", "--rows", "16",
+                "--normalizers", "sparsemax"])  # fmt: skip
+    printed = capsys.readouterr().out
+    (line,) = [line for line in printed.splitlines() if line.startswith("| sparsemax")]
+    cells = [cell.strip() for cell in line.split("|")[1:-1]]
+    rng = np.random.default_rng(0)  # the benchmark's seed and draw
+    x = rng.standard_normal((16, 64))
+    z = jnp.asarray(x - x.max(-1, keepdims=True), jnp.float32)
+    ordered = -jnp.sort(-z, axis=-1)
+    done = jnp.zeros((16, 1), bool)
+    start = nz.sparsemax_start([ordered[:, i : i + 1] for i in range(4)])
+    base, base_rows, _ = count_passes(nz.sparsemax_search(jnp.full((16, 1), -1.0), done, 64), z)
+    ours, our_rows, _ = count_passes(nz.sparsemax_search(start, done, 64), z)
+    assert cells[:5] == ["sparsemax", "64", "1", str(base), str(ours)]
+    assert cells[5:7] == [f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}"]
+    assert ours < base
 
 
 def test_bad_kernels_flags_are_refused(capsys):
