@@ -451,36 +451,6 @@ def _passes(search, z):
     return passes, tau
 
 
-def test_the_sparsemax_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes():
-    from sparse_jax.normalizers import sparsemax_search, sparsemax_start
-
-    rng = np.random.default_rng(0)
-    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
-    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
-    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
-    for x in rows:
-        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)  # no all -inf rows
-        z = x - x.max(-1, keepdims=True)
-        exact = _exact_sparsemax_threshold(z)
-        ordered = -np.sort(-z, axis=-1)
-        true_top = [jnp.asarray(ordered[:, i : i + 1]) for i in range(4)]
-        start = np.asarray(sparsemax_start(true_top))
-        assert (start <= exact + 1e-6).all()
-        small = (z > exact).sum(-1) <= 4
-        np.testing.assert_allclose(start[small], exact[small], atol=1e-6)
-        lowered = [t - 0.25 * (i > 0) for i, t in enumerate(true_top)]  # ties dropped: lower
-        assert (np.asarray(sparsemax_start(lowered)) <= exact + 1e-6).all()
-    # Fewer passes of Michelot's iteration than from -1, to the same threshold.
-    z = jnp.asarray(rows[1] - rows[1].max(-1, keepdims=True), jnp.float32)
-    ordered = -jnp.sort(-z, axis=-1)
-    done = jnp.zeros((64, 1), bool)
-    start = sparsemax_start([ordered[:, i : i + 1] for i in range(4)])
-    base, tau = _passes(sparsemax_search(jnp.full((64, 1), -1.0), done, 300), z)
-    fewer, tau_from_start = _passes(sparsemax_search(start, done, 300), z)
-    assert fewer < base
-    np.testing.assert_allclose(tau_from_start, tau, atol=1e-6)
-
-
 def _exact_entmax15_threshold(z):
     """τ of Σ [z - τ]_+² = 1 for each row of z (the search variable), by sorting: the root on
     the largest k whose root stays below its k-th value."""
@@ -495,33 +465,43 @@ def _exact_entmax15_threshold(z):
     return np.take_along_axis(roots, last - 1, axis=-1)
 
 
-def test_the_entmax15_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes():
-    from sparse_jax.normalizers import entmax15_search, entmax15_start
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
+def test_the_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes(normalizer):
+    """normalizers.sparsemax_start / entmax15_start on each row's 4 largest values, against
+    the threshold by sorting: never above it (also with smaller values, as dropped ties give),
+    equal when the support has at most 4 entries, and fewer search passes to the same τ."""
+    from sparse_jax import normalizers as nz
 
-    rng = np.random.default_rng(1)
+    if normalizer == "sparsemax":
+        start_of, exact_of, halve = nz.sparsemax_start, _exact_sparsemax_threshold, 1.0
+        search_of = functools.partial(nz.sparsemax_search, row_length=300)
+    else:
+        start_of, exact_of, halve = nz.entmax15_start, _exact_entmax15_threshold, 0.5
+        search_of = nz.entmax15_search
+    rng = np.random.default_rng(0)
     rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
     rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
     rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
     for x in rows:
-        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)
-        z = (x - x.max(-1, keepdims=True)) / 2
-        exact = _exact_entmax15_threshold(z)
-        np.testing.assert_allclose(
-            np.sum(np.maximum(z - exact, 0.0) ** 2, -1), 1.0, rtol=1e-9
-        )  # the reference itself
+        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)  # no all -inf rows
+        z = (x - x.max(-1, keepdims=True)) * halve
+        exact = exact_of(z)
+        power = 1 if normalizer == "sparsemax" else 2
+        total = np.sum(np.maximum(z - exact, 0.0) ** power, -1)
+        np.testing.assert_allclose(total, 1.0, rtol=1e-9)  # the reference itself
         ordered = -np.sort(-z, axis=-1)
         true_top = [jnp.asarray(ordered[:, i : i + 1]) for i in range(4)]
-        start = np.asarray(entmax15_start(true_top))
+        start = np.asarray(start_of(true_top))
         assert (start <= exact + 1e-6).all()
         small = (z > exact).sum(-1) <= 4
         np.testing.assert_allclose(start[small], exact[small], atol=1e-5)
         lowered = [t - 0.25 * (i > 0) for i, t in enumerate(true_top)]  # ties dropped: lower
-        assert (np.asarray(entmax15_start(lowered)) <= exact + 1e-6).all()
-    z = jnp.asarray((rows[1] - rows[1].max(-1, keepdims=True)) / 2, jnp.float32)
+        assert (np.asarray(start_of(lowered)) <= exact + 1e-6).all()
+    z = jnp.asarray((rows[1] - rows[1].max(-1, keepdims=True)) * halve, jnp.float32)
     ordered = -jnp.sort(-z, axis=-1)
     done = jnp.zeros((64, 1), bool)
-    start = entmax15_start([ordered[:, i : i + 1] for i in range(4)])
-    base, tau = _passes(entmax15_search(jnp.full((64, 1), -1.0), done), z)
-    fewer, tau_from_start = _passes(entmax15_search(start, done), z)
+    start = start_of([ordered[:, i : i + 1] for i in range(4)])
+    base, tau = _passes(search_of(jnp.full((64, 1), -1.0), done), z)
+    fewer, tau_from_start = _passes(search_of(start, done), z)
     assert fewer < base
     np.testing.assert_allclose(tau_from_start, tau, atol=1e-5)
