@@ -63,8 +63,8 @@ class KernelsConfig:
     """Also time the PyTorch peers (GPU only, torch importable)."""
     peers_timeout_s: float = 900.0
     """Wall-clock limit of the peers' process, compilations included (AdaSplash's Triton
-    kernels compile for minutes on a first call); the rows it finished are kept, the others
-    named in the notes."""
+    kernels compile for minutes on a first call); the rows it finished are kept, and the notes
+    say that it was stopped."""
     seed: int = 0
     output: pathlib.Path | None = None
     """Also write the markdown to this file."""
