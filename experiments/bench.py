@@ -140,8 +140,7 @@ class NormalizersConfig:
             positive("each of lengths", n)
         if len(set(self.lengths)) != len(self.lengths):
             raise ValueError(f"lengths must not repeat, got {self.lengths!r}")
-        for name in ("batch", "heads", "head_dim", "repeats"):
-            positive(name, getattr(self, name))
+        timing.check_counts(self, "batch", "heads", "head_dim", "repeats")
         if not self.which:
             raise ValueError(f"which must name at least one of {_ALL_NORMALIZERS}, got ()")
         unknown = [w for w in self.which if w not in _ALL_NORMALIZERS]
@@ -151,9 +150,7 @@ class NormalizersConfig:
             )
         if not self.entmax_alpha > 1:
             raise ValueError(f"entmax_alpha must be > 1, got {self.entmax_alpha!r}")
-        for name in ("slow_s", "budget_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        timing.check_seconds(self, "slow_s", "budget_s")
         if self.mask_mode not in ("neg_inf", "where"):
             raise ValueError(f"mask_mode must be 'neg_inf' or 'where', got {self.mask_mode!r}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -414,19 +411,13 @@ class AttentionConfig:
     """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "head_dim", "block", "repeats", "window"):
-            value = getattr(self, name)
-            if not timing.is_count(value):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.lengths or any(not timing.is_count(n) for n in self.lengths):
-            raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
+        timing.check_counts(self, "batch", "heads", "head_dim", "block", "repeats", "window")
+        timing.check_count_tuples(self, "lengths")
         if not self.masks or any(m not in _ALL_MASKS for m in self.masks):
             raise ValueError(f"masks must be names from {_ALL_MASKS}, got {self.masks!r}")
         if not self.normalizers:
             raise ValueError("normalizers must name at least one normalizer, got ()")
-        for name in ("slow_s", "budget_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        timing.check_seconds(self, "slow_s", "budget_s")
 
 
 def _naive_dense_mib(q, k, v, go) -> float | None:
@@ -621,12 +612,8 @@ class HardeningConfig:
     """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "width", "heads", "vocab", "block", "repeats"):
-            value = getattr(self, name)
-            if not timing.is_count(value):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.lengths or any(not timing.is_count(n) for n in self.lengths):
-            raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
+        timing.check_counts(self, "layers", "width", "heads", "vocab", "block", "repeats")
+        timing.check_count_tuples(self, "lengths")
         if not 0 < self.density <= 0.5:
             raise ValueError(f"density must be in (0, 0.5] (causal), got {self.density!r}")
         if self.width % self.heads:

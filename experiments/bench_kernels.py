@@ -70,18 +70,12 @@ class KernelsConfig:
     """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "head_dim", "block", "repeats", "window", "dense_up_to"):
-            value = getattr(self, name)
-            if not timing.is_count(value):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.lengths is not None and (
-            not self.lengths or any(not timing.is_count(n) for n in self.lengths)
-        ):
-            raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
+        timing.check_counts(
+            self, "batch", "heads", "head_dim", "block", "repeats", "window", "dense_up_to"
+        )
+        timing.check_count_tuples(self, "lengths", optional=True)
         _check_normalizer_names(self.normalizers)
-        for name in ("slow_s", "budget_s", "peers_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        timing.check_seconds(self, "slow_s", "budget_s", "peers_timeout_s")
 
 
 def _check_normalizer_names(names) -> None:
@@ -401,16 +395,9 @@ class TuningConfig:
     """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "head_dim", "repeats", "window"):
-            if not timing.is_count(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("lengths", "blocks", "num_warps", "num_stages"):
-            values = getattr(self, name)
-            if name == "lengths" and values is None:
-                continue
-
-            if not values or any(not timing.is_count(x) for x in values):
-                raise ValueError(f"{name} must be positive integers, got {values!r}")
+        timing.check_counts(self, "batch", "heads", "head_dim", "repeats", "window")
+        timing.check_count_tuples(self, "lengths", optional=True)
+        timing.check_count_tuples(self, "blocks", "num_warps", "num_stages")
         for name, blocks in (("blocks", self.blocks), ("backward_blocks", self.backward_blocks)):
             for block in blocks:
                 if name == "backward_blocks" and block == 0:
@@ -422,9 +409,7 @@ class TuningConfig:
         if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
             raise ValueError(f"num_warps must be among 1, 2, 4, 8, 16, got {self.num_warps!r}")
         _check_normalizer_names(self.normalizers)
-        for name in ("slow_s", "budget_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        timing.check_seconds(self, "slow_s", "budget_s")
 
 
 def _tuned_cells(q, k, v, g, layout, options: dict, limits: dict):
@@ -541,11 +526,8 @@ class SearchPassesConfig:
     """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        for name in ("rows", "top"):
-            if not timing.is_count(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not self.lengths or any(not timing.is_count(n) for n in self.lengths):
-            raise ValueError(f"lengths must be positive integers, got {self.lengths!r}")
+        timing.check_counts(self, "rows", "top")
+        timing.check_count_tuples(self, "lengths")
         if not self.scales or any(not (s > 0 and s < float("inf")) for s in self.scales):
             raise ValueError(f"scales must be finite and > 0, got {self.scales!r}")
 

@@ -274,3 +274,30 @@ def log(message: str) -> None:
 def is_count(value: Any) -> bool:
     """True for an integer >= 1 (python or numpy; not a bool): the benchmarks' sizes."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def check_counts(config: Any, *names: str) -> None:
+    """Raises ValueError naming the first field of ``config`` among ``names`` that is not an
+    integer >= 1 (:func:`is_count`): a benchmark config's sizes, checked in ``__post_init__``."""
+    for name in names:
+        value = getattr(config, name)
+        if not is_count(value):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_count_tuples(config: Any, *names: str, optional: bool = False) -> None:
+    """Raises ValueError naming the first field among ``names`` that is not a non-empty tuple
+    of integers >= 1; with ``optional``, None passes (a default chosen at run time)."""
+    for name in names:
+        values = getattr(config, name)
+        if optional and values is None:
+            continue
+        if not values or any(not is_count(x) for x in values):
+            raise ValueError(f"{name} must be positive integers, got {values!r}")
+
+
+def check_seconds(config: Any, *names: str) -> None:
+    """Raises ValueError naming the first field among ``names`` that is not > 0 (seconds)."""
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {getattr(config, name)!r}")
