@@ -152,6 +152,19 @@ def test_the_peers_rows_measured_before_the_time_limit_are_kept():
         assert note.startswith("no peer rows: bench_peers: ") and "no peers measured" in note
 
 
+def _interrupt_on_second_call(monkeypatch, module, name: str) -> None:
+    """``module.name`` runs once, then raises KeyboardInterrupt (a Ctrl-C mid-benchmark)."""
+    real, calls = getattr(module, name), []
+
+    def interrupt_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(module, name, interrupt_second)
+
+
 def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
     tmp_path, monkeypatch, capsys
 ):
@@ -159,15 +172,7 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
     far is printed and written, with a note, and the exit status is 130."""
     from experiments import bench_kernels
 
-    real_cells, calls = bench_kernels._cells, []
-
-    def cells_then_interrupt(*args):
-        calls.append(args[-1])
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_cells(*args)
-
-    monkeypatch.setattr(bench_kernels, "_cells", cells_then_interrupt)
+    _interrupt_on_second_call(monkeypatch, bench_kernels, "_cells")
     output = tmp_path / "kernels.md"
     with pytest.raises(SystemExit) as exit_info:
         bench.main(
@@ -217,15 +222,7 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
 def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monkeypatch, capsys):
     from experiments import bench_kernels
 
-    real, calls = bench_kernels._tuned_cells, []
-
-    def tuned_then_interrupt(*args):
-        calls.append(args)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(bench_kernels, "_tuned_cells", tuned_then_interrupt)
+    _interrupt_on_second_call(monkeypatch, bench_kernels, "_tuned_cells")
     output = tmp_path / "tuning.md"
     with pytest.raises(SystemExit) as exit_info:
         bench.main(
