@@ -452,9 +452,12 @@ def run_tuning(config: TuningConfig, command: str) -> str:
             choices = itertools.product(
                 config.masks, config.normalizers, tiles, config.num_warps, config.num_stages
             )
+            layouts = {}  # (mask, block) -> (layout, label): built once per length
             for mask_name, norm_name, (block, bwd), warps, stages in choices:
-                mask, label = _mask(mask_name, config.window)
-                layout = mask.blocks(n, n, block, block)
+                if (mask_name, block) not in layouts:
+                    mask, label = _mask(mask_name, config.window)
+                    layouts[mask_name, block] = mask.blocks(n, n, block, block), label
+                layout, label = layouts[mask_name, block]
                 options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
                            "num_stages": stages, "backward_block": (bwd, bwd)}  # fmt: skip
                 cell = (label, n, norm_name)
