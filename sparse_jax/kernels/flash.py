@@ -503,7 +503,7 @@ def _masked(plan: _Plan, s, full, mask_index, masks_ref, kv_block, bound_and_til
         return jnp.where(allowed, s, -jnp.inf)
 
     def whole(s):
-        return apply(s, True) if plan.dynamic or tile is not None else s
+        return apply(s, True) if plan.dynamic else s  # (a run-time tile implies dynamic)
 
     return jax.lax.cond(full != 0, whole, lambda s: apply(s, masks_ref[mask_index] != 0), s)
 
