@@ -24,6 +24,7 @@ from experiments import timing
 from sparse_jax import masks
 from sparse_jax.dispatch import attention
 from sparse_jax.fused import cudnn_mask_arguments
+from sparse_jax.kernels import TRITON_TILE
 
 KernelMask = Literal["causal", "local", "local_sink"]
 Engine = Literal["xla", "blocksparse", "pallas", "cudnn", "splash"]
@@ -361,10 +362,11 @@ def _findings(results, peer_rows, lengths, config) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
     """The fused Pallas kernels' tiles and Triton options on the kernels benchmark's work:
-    every combination of block size, backward tile, warps per program and pipelining stages
-    timed in one run, forward and forward+backward, and the fastest per cell against the
-    defaults (blocks 128 in both passes, ``pallas_attention``'s default warps, 2 stages). On
-    CPU the kernels run interpreted, where warps and stages mean nothing: a check that every
+    every combination of forward tile, backward tile, warps per program and pipelining stages,
+    on the layout of one block size, timed in one run, forward and forward+backward, and the
+    fastest per cell against ``pallas_attention``'s defaults (tiles of
+    ``kernels.flash.TRITON_TILE`` in both passes, its default warps, 2 stages). On CPU the
+    kernels run interpreted, where warps and stages mean nothing: a check that every
     combination runs, not a timing."""
 
     lengths: tuple[int, ...] | None = None
@@ -374,11 +376,14 @@ class TuningConfig:
     """Normalizers: names or an α for α-entmax."""
     masks: tuple[KernelMask, ...] = ("causal", "local")
     """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
-    blocks: tuple[int, ...] = (64, 128)
-    """Block sizes (query and key), powers of two >= 16."""
+    layout_block: int = 128
+    """The layout's block size, query and key (``attention``'s ``block_size``)."""
+    forward_blocks: tuple[int, ...] = (128, 64)
+    """Tiles of both passes (``forward_block``, square) cut from the layout's blocks: powers
+    of two >= 16 dividing ``layout_block``."""
     backward_blocks: tuple[int, ...] = (0,)
-    """Tiles of the backward kernels (``backward_block``, square); 0: the forward's block.
-    Those larger than a block are not combined with it."""
+    """Tiles of the backward kernels (``backward_block``, square); 0: the forward's tile.
+    Those larger than a forward tile are not combined with it."""
     num_warps: tuple[int, ...] = (4, 8)
     num_stages: tuple[int, ...] = (2, 3)
     window: int = 512
@@ -397,13 +402,18 @@ class TuningConfig:
     def __post_init__(self) -> None:
         timing.check_counts(self, "batch", "heads", "head_dim", "repeats", "window")
         timing.check_count_tuples(self, "lengths", optional=True)
-        timing.check_count_tuples(self, "blocks", "num_warps", "num_stages")
-        for name, blocks in (("blocks", self.blocks), ("backward_blocks", self.backward_blocks)):
-            for block in blocks:
+        timing.check_count_tuples(self, "forward_blocks", "num_warps", "num_stages")
+        timing.check_counts(self, "layout_block")
+        for name in ("layout_block", "forward_blocks", "backward_blocks"):
+            value = getattr(self, name)
+            for block in value if isinstance(value, tuple) else (value,):
                 if name == "backward_blocks" and block == 0:
                     continue
                 if isinstance(block, bool) or block < 16 or block & (block - 1):
                     raise ValueError(f"{name}: {block} is not a power of two >= 16")
+                if name == "forward_blocks" and block > self.layout_block:
+                    raise ValueError(f"forward_blocks: {block} is larger than the layout's "
+                                     f"blocks ({self.layout_block})")  # fmt: skip
         if not self.backward_blocks:
             raise ValueError("backward_blocks must name at least one tile size (0: the block)")
         if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
@@ -435,6 +445,7 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     lengths = [n for n in lengths if n not in skipped]
     b, h, d = config.batch, config.heads, config.head_dim
     default_warps = 4 if d <= 64 else 8
+    default_tile = min(config.layout_block, TRITON_TILE)
     start = time.perf_counter()
     header = timing.environment_line(command)
     timing.log(header)
@@ -446,20 +457,22 @@ def run_tuning(config: TuningConfig, command: str) -> str:
             keys = jax.random.split(jax.random.key(config.seed + n), 4)
             q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
             q, k, v = (x.astype(dtype_name) for x in (q, k, v))
-            tiles = [(block, bwd) for block in config.blocks
+            tiles = [(block, bwd) for block in config.forward_blocks
                      for bwd in dict.fromkeys(tile or block for tile in config.backward_blocks)
                      if bwd <= block]  # fmt: skip
             choices = itertools.product(
                 config.masks, config.normalizers, tiles, config.num_warps, config.num_stages
             )
-            layouts = {}  # (mask, block) -> (layout, label): built once per length
+            layouts = {}  # mask -> (layout, label): built once per length
             for mask_name, norm_name, (block, bwd), warps, stages in choices:
-                if (mask_name, block) not in layouts:
+                if mask_name not in layouts:
                     mask, label = _mask(mask_name, config.window)
-                    layouts[mask_name, block] = mask.blocks(n, n, block, block), label
-                layout, label = layouts[mask_name, block]
+                    size = config.layout_block
+                    layouts[mask_name] = mask.blocks(n, n, size, size), label
+                layout, label = layouts[mask_name]
                 options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
-                           "num_stages": stages, "backward_block": (bwd, bwd)}  # fmt: skip
+                           "num_stages": stages, "forward_block": (block, block),
+                           "backward_block": (bwd, bwd)}  # fmt: skip
                 cell = (label, n, norm_name)
                 row = [label, str(n), norm_name, str(block), str(bwd), str(warps), str(stages)]
                 try:
@@ -475,19 +488,21 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 )
                 if cell not in best or ms < best[cell][0]:
                     best[cell] = (ms, block, bwd, warps, stages)
-                if (block, bwd, warps, stages) == (128, 128, default_warps, 2):
+                if (block, bwd, warps, stages) == (default_tile, default_tile, default_warps, 2):
                     defaults[cell] = ms
     except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
         stopped = (
             f"INTERRUPTED after {time.perf_counter() - start:.0f} s: the combinations missing "
             "from the table were not measured."
         )
-    headers = ["mask", "n", "normalizer", "block", "bwd tile", "warps", "stages", "fwd ms",
+    headers = ["mask", "n", "normalizer", "fwd tile", "bwd tile", "warps", "stages", "fwd ms",
                "fwd+bwd ms", "note"]  # fmt: skip
     table = timing.markdown_table(headers, rows, align="lrlrrrrrrl")
     notes = [
-        f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention with the layout of each "
-        f"block size; fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
+        f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention on the layout of blocks "
+        f"{config.layout_block}, the forward's tiles (forward_block) and the backward's "
+        f"(backward_block) cut from them; defaults: tiles {default_tile}, {default_warps} warps, "
+        f"2 stages; fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
         f"{config.repeats} calls after compilation and a warm-up call."
         + ("" if accel else " CPU: interpret mode (warps and stages unused): not a timing."),
         *(f"n={n}: not run (interpret mode on CPU: too slow above 2048)" for n in skipped),
@@ -496,7 +511,7 @@ def run_tuning(config: TuningConfig, command: str) -> str:
         default = defaults.get((label, n, norm_name))
         versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
         notes.append(
-            f"fastest, {label} n={n} {norm_name}: block {block}, backward tiles {bwd}, {warps} "
+            f"fastest, {label} n={n} {norm_name}: tiles {block}, backward tiles {bwd}, {warps} "
             f"warps, {stages} stages, {ms:.2f} ms fwd+bwd{versus}"
         )
     notes.append(f"Total wall time {time.perf_counter() - start:.0f} s.")

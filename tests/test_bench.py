@@ -191,26 +191,31 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
 def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_fastest(capsys):
     bench.main(
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
-         "--blocks", "16", "32", "--backward-blocks", "0", "16", "--num-warps", "4", "8",
-         "--num-stages", "2", "--window", "8", "--masks", "local", "--normalizers", "entmax15",
-         "--repeats", "1"]
+         "--layout-block", "32", "--forward-blocks", "16", "32", "--backward-blocks", "0", "16",
+         "--num-warps", "4", "8", "--num-stages", "2", "--window", "8", "--masks", "local",
+         "--normalizers", "entmax15", "--repeats", "1"]
     )  # fmt: skip
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    # (block, backward tile, warps): block 16's tile 16 once (0 is the block), block 32's 32, 16
+    # (forward tile, backward tile, warps): tile 16's backward 16 once (0 is the forward's),
+    # tile 32's 32 and 16
     tiles = [("16", "16"), ("32", "32"), ("32", "16")]
     combos = sorted((row[3], row[4], row[5]) for row in rows)
     assert combos == sorted((*tile, warps) for tile in tiles for warps in ("4", "8"))
     times = {tuple(row[3:7]): float(row[8].split("†")[0]) for row in rows}
-    pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: block (\d+), "
+    pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: tiles (\d+), "
                r"backward tiles (\d+), (\d+) warps, (\d+) stages")  # fmt: skip
     (fastest,) = re.findall(pattern, printed)
     assert times[fastest] == min(times.values())  # the figure recomputed from the table
     assert "interpret mode (warps and stages unused): not a timing" in printed
+    assert "on the layout of blocks 32" in printed and "defaults: tiles 32, 4 warps" in printed
     with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--blocks", "48"])
-    assert "blocks: 48 is not a power of two >= 16" in capsys.readouterr().err
+        bench.main(["pallas_tuning", "--forward-blocks", "48"])
+    assert "forward_blocks: 48 is not a power of two >= 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--forward-blocks", "256"])
+    assert "forward_blocks: 256 is larger than" in capsys.readouterr().err  # tyro wraps it
     with pytest.raises(SystemExit):
         bench.main(["pallas_tuning", "--backward-blocks", "8"])
     assert "backward_blocks: 8 is not a power of two >= 16" in capsys.readouterr().err
@@ -227,9 +232,9 @@ def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monke
     with pytest.raises(SystemExit) as exit_info:
         bench.main(
             ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "1", "--head-dim",
-             "16", "--blocks", "16", "--num-warps", "4", "8", "--num-stages", "2", "--window",
-             "8", "--masks", "local", "--normalizers", "sparsemax", "--repeats", "1", "--output",
-             str(output)]
+             "16", "--layout-block", "16", "--forward-blocks", "16", "--num-warps", "4", "8",
+             "--num-stages", "2", "--window", "8", "--masks", "local", "--normalizers",
+             "sparsemax", "--repeats", "1", "--output", str(output)]
         )  # fmt: skip
     assert exit_info.value.code == 130
     written = output.read_text()
@@ -327,9 +332,9 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
         configs.append(bench.parse(args))
     assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
-    assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 120
+    assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 180
     assert type(configs[1]).__name__ == "TuningConfig" and configs[1].lengths == (16384,)
-    assert configs[1].backward_blocks == (0, 64, 32)
+    assert configs[1].forward_blocks == (64, 32) and configs[1].backward_blocks == (0, 32)
     assert "gpu-check suite" in text  # the second prepared call
     (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
     request = json.loads(request)

@@ -102,22 +102,52 @@ def test_values_and_gradients_match_the_xla_reference(case):
     _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape)
 
 
-# The backward pass on tiles half the forward's blocks (backward_block): the layout cut into
-# them, the forward pass' live flags mapped onto them.
+# Tiles cut from the layout's blocks: the backward's half the forward's (backward_block, the
+# forward pass' live flags mapped onto them), both passes' half the blocks (forward_block), and
+# the two cuts at once (blocks 4x the backward's tiles).
+_TILE_CASES = ["softmax-causal-row-bias", "sparsemax-per-head", "entmax15-cross-full-bias",
+               "alpha-heads-gqa-key-bias", "entmax15-segments-padding-gqa",
+               "sparsemax-prefix-lm-gqa"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "case",
-    ["softmax-causal-row-bias", "sparsemax-per-head", "entmax15-cross-full-bias",
-     "alpha-heads-gqa-key-bias", "entmax15-segments-padding-gqa", "sparsemax-prefix-lm-gqa"],
-)  # fmt: skip
-def test_the_backward_on_smaller_tiles_matches_the_reference(case):
+    ("cut", "case"),
+    [("backward", case) for case in _TILE_CASES]
+    + [("both passes", case) for case in _TILE_CASES]
+    + [("forward then backward", case) for case in _TILE_CASES[1:3]],
+)
+def test_tiles_cut_from_the_blocks_match_the_reference(cut, case):
     norm, mask, shape, dtype, block, bias_shape = CASES[case]
-    layout = mask.blocks(shape[1], shape[2], 2 * block, 2 * block)
+    layout_block, forward = {"backward": (2, 2), "both passes": (2, 1)}.get(cut, (4, 2))
+    layout = mask.blocks(shape[1], shape[2], layout_block * block, layout_block * block)
+    tiles = {"forward_block": (forward * block,) * 2, "backward_block": (block, block)}
 
     def pallas(q, k, v, normalizer, scale, bias):
         return pallas_attention(q, k, v, layout, mask=mask, normalizer=normalizer, scale=scale,
-                                bias=bias, backward_block=(block, block))  # fmt: skip
+                                bias=bias, **tiles)  # fmt: skip
 
     _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape)
+
+
+def test_the_triton_kernels_run_on_64_tiles_unless_told_otherwise():
+    q = jnp.zeros((1, 512, 2, 16), jnp.float32)
+    layout = masks.causal().blocks(512, 512, 128, 128)
+
+    def grids(**tiles):
+        def loss(q):
+            return jnp.sum(pallas_attention(q, q, q, layout, normalizer="sparsemax", **tiles))
+
+        found = _kernel_grids(jax.grad(loss), q)
+        return found["fwd"][0], found["dq"][0], found["dkv"][0]
+
+    assert pk.TRITON_TILE == 64
+    assert grids() == (8, 8, 8)  # 512 / 64 query and key tiles in every kernel
+    assert grids(forward_block=(128, 128)) == (4, 4, 4)
+    assert grids(forward_block=(128, 128), backward_block=(32, 64)) == (4, 16, 8)
+    assert grids(backward_block=(16, 16)) == (8, 32, 32)
+    small = masks.causal().blocks(512, 512, 32, 32)  # blocks below the default tile: their own
+    loss = lambda q: jnp.sum(pallas_attention(q, q, q, small))
+    assert _kernel_grids(jax.grad(loss), q)["fwd"][0] == 16
 
 
 def _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape):
@@ -162,9 +192,11 @@ def _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape):
     [masks.causal(), masks.causal() & (masks.local(20, 0) | masks.sink(3)), masks.local(9, 30),
      masks.per_head([masks.causal() & masks.local(24, 0), masks.causal(), masks.sink(5)])],
 )  # fmt: skip
-def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask):
-    """_refined_arrays of a (64, 32)-block layout into (16, 16) tiles keeps the same elements,
-    and the same full / partial / dropped tiles, as the mask's own (16, 16) layout."""
+@pytest.mark.parametrize("cuts", [[(16, 16)], [(32, 32), (16, 16)]])
+def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask, cuts):
+    """_refine of a (64, 32)-block layout into (16, 16) tiles, at once or through (32, 32)
+    tiles (the forward's, then the backward's), keeps the same elements, and the same full /
+    partial / dropped tiles, as the mask's own (16, 16) layout."""
 
     def elements(arrays, bq, bkv, nq, nk):
         h, rows = arrays["count"].shape[:2]
@@ -177,17 +209,22 @@ def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask):
         return out
 
     tq, tk = 100, 90
-    refined, parent = pk._refined_arrays(mask.blocks(tq, tk, 64, 32), 16, 16)
+    source = mask.blocks(tq, tk, 64, 32)
+    for cut in cuts:
+        coarse = pk._layout_arrays(source)
+        tiles, parent = pk._refine(source, *cut)
+        refined = pk._layout_arrays(tiles)
+        fq, fk = source.block_q // cut[0], source.block_kv // cut[1]
+        for hh, row in np.ndindex(*refined["count"].shape[:2]):
+            for slot in range(refined["count"][hh, row, 0]):  # each tile inside its parent block
+                parent_block = coarse["idx"][hh, row // fq, parent[hh, row, slot]]
+                assert refined["idx"][hh, row, slot] // fk == parent_block
+        source = tiles
     direct = pk._layout_arrays(mask.blocks(tq, tk, 16, 16))
     nq, nk = refined["count"].shape[1], 3 * 32 // 16  # every block's tiles, padding included
-    assert nq == 2 * 64 // 16
+    assert nq == 2 * 64 // 16 and tiles.num_kv_blocks == nk
     ours, theirs = elements(refined, 16, 16, nq, nk), elements(direct, 16, 16, nq, nk)
     np.testing.assert_array_equal(ours, theirs)  # 2: a full tile, 1: a partial tile's element
-    coarse = pk._layout_arrays(mask.blocks(tq, tk, 64, 32))
-    for hh, row in np.ndindex(*refined["count"].shape[:2]):
-        for slot in range(refined["count"][hh, row, 0]):  # each tile inside its parent block
-            parent_block = coarse["idx"][hh, row // 4, parent[hh, row, slot]]
-            assert refined["idx"][hh, row, slot] // 2 == parent_block
 
 
 def test_a_live_block_keeps_every_tile_cut_from_it_live():
@@ -536,7 +573,7 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
     assert text.count("num_warps = 8 : i32") == 3 and text.count("num_stages = 3 : i32") == 3
     text = lowered(backward_block=(32, 16))  # the backward kernels on tiles of the 64-blocks
     assert text.count("__gpu$xla.gpu.triton") == 3
-    blocks = "must be powers of two >= 16 dividing the layout's blocks \\(64, 64\\)"
+    blocks = "must be powers of two >= 16 dividing \\(64, 64\\) \\(the layout's blocks"
     for options, error, match in [
         ({"num_warps": 6}, ValueError, "`num_warps` must be None or 1, 2, 4, 8 or 16; got 6"),
         ({"num_stages": 0}, ValueError, "`num_stages` must be None or >= 1; got 0"),
@@ -544,18 +581,30 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
         ({"backward_block": (48, 16)}, ValueError, blocks),
         ({"backward_block": (128, 64)}, ValueError, blocks),
         ({"backward_block": (32,)}, TypeError, "`backward_block` must be None or \\(bq, bkv\\)"),
+        ({"forward_block": (128, 64)}, ValueError, "`forward_block`=\\(128, 64\\) must be"),
+        (
+            {"forward_block": (32, 32), "backward_block": (64, 64)},
+            ValueError,
+            "`backward_block`=\\(64, 64\\) must be powers of two >= 16 dividing \\(32, 32\\)",
+        ),
+        ({"forward_block": [32, True]}, TypeError, "`forward_block` must be None or"),
         (
             {"backward_block": (32, 32), "target": "mosaic", "interpret": True},
             ValueError,
             "`backward_block` is for the Triton kernels",
+        ),
+        (
+            {"forward_block": (32, 32), "target": "mosaic", "interpret": True},
+            ValueError,
+            "`forward_block` is for the Triton kernels",
         ),
     ]:
         with pytest.raises(error, match=match):
             pallas_attention(q, q, q, layout, **options)
 
 
-def _kernel_reduce_sums(fn, *args) -> dict[str, int]:
-    """{kernel name: reduce_sum operations in its body} of the Pallas calls ``fn`` traces."""
+def _pallas_calls(fn, *args) -> dict:
+    """{kernel name: its pallas_call equation} of the Pallas calls ``fn`` traces."""
     from jax.extend import core as jcore
 
     found = {}
@@ -564,8 +613,7 @@ def _kernel_reduce_sums(fn, *args) -> dict[str, int]:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 info = eqn.params.get("name_and_src_info")
-                name = getattr(info, "name", None) or eqn.params.get("name")
-                found[name] = str(eqn.params["jaxpr"]).count("reduce_sum")
+                found[getattr(info, "name", None) or eqn.params.get("name")] = eqn
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (list, tuple)) else [param]:
                     if isinstance(sub, jcore.ClosedJaxpr):
@@ -575,6 +623,22 @@ def _kernel_reduce_sums(fn, *args) -> dict[str, int]:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def _kernel_reduce_sums(fn, *args) -> dict[str, int]:
+    """{kernel name: reduce_sum operations in its body} of the Pallas calls ``fn`` traces."""
+    calls = _pallas_calls(fn, *args)
+    return {name: str(eqn.params["jaxpr"]).count("reduce_sum") for name, eqn in calls.items()}
+
+
+def _kernel_grids(fn, *args) -> dict[str, tuple[int, ...]]:
+    """{"fwd" / "dq" / "dkv": grid} of the Pallas calls ``fn`` traces (the grid's first axis:
+    the query tiles of the forward and dq kernels, the key tiles of the dk/dv kernel)."""
+    calls = _pallas_calls(fn, *args)
+    return {
+        name.rsplit("_", 1)[-1]: tuple(eqn.params["grid_mapping"].grid)
+        for name, eqn in calls.items()
+    }
 
 
 def test_no_bias_and_a_python_float_scale_form_no_gradient_sums_for_them():

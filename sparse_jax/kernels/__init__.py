@@ -6,6 +6,6 @@ on-chip memory, flash-style: Triton kernels for GPUs (:mod:`sparse_jax.kernels.f
 the same algorithm for TPUs (:mod:`sparse_jax.kernels.mosaic`).
 """
 
-from sparse_jax.kernels.flash import pallas_attention, pallas_supports
+from sparse_jax.kernels.flash import TRITON_TILE, pallas_attention, pallas_supports
 
-__all__ = ["pallas_attention", "pallas_supports"]
+__all__ = ["TRITON_TILE", "pallas_attention", "pallas_supports"]

@@ -115,28 +115,36 @@ def _check_tuning(num_warps, num_stages, caller: str) -> None:
             raise ValueError(f"{caller}: `{name}` must be None or {what}; got {value}")
 
 
-def _check_backward_block(backward_block, layout: BlockLayout, target, caller: str):
-    """``backward_block`` as ``(bq, bkv)`` ints, None when it is the layout's own; refuses
-    what the kernels cannot take (ValueError/TypeError naming it)."""
-    if backward_block is None:
-        return None
+# The Triton kernels' default tiles in both passes: the first GPU passes' sweep (docs/benchmarks.md,
+# "Second GPU pass") found 64 x 64 tiles 1.7-2x faster than 128 x 128 on an H200 for softmax and
+# sparsemax, causal and windowed, at head dim 64.
+TRITON_TILE = 64
+
+
+def _check_tile(tile, name: str, blocks: tuple[int, int], target, caller: str):
+    """``tile`` (``forward_block`` or ``backward_block``) as ``(bq, bkv)`` ints dividing
+    ``blocks``; None -> the Triton default (:data:`TRITON_TILE`, at most the blocks) or, for
+    Mosaic, the blocks. Refuses what the kernels cannot take (ValueError/TypeError naming it)."""
+    if tile is None:
+        if target == "mosaic":
+            return blocks
+        return tuple(min(block, TRITON_TILE) for block in blocks)
     if (
-        not isinstance(backward_block, (tuple, list))
-        or len(backward_block) != 2
-        or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in backward_block)
+        not isinstance(tile, (tuple, list))
+        or len(tile) != 2
+        or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in tile)
     ):
-        raise TypeError(f"{caller}: `backward_block` must be None or (bq, bkv) ints; "
-                        f"got {backward_block!r}")  # fmt: skip
-    blocks = (layout.block_q, layout.block_kv)
-    for size, block in zip(backward_block, blocks, strict=True):
+        raise TypeError(f"{caller}: `{name}` must be None or (bq, bkv) ints; got {tile!r}")
+    for size, block in zip(tile, blocks, strict=True):
         if size < _MIN_BLOCK or size & (size - 1) or block % size:
             raise ValueError(
-                f"{caller}: `backward_block`={tuple(backward_block)} must be powers of two >= "
-                f"{_MIN_BLOCK} dividing the layout's blocks {blocks}"
+                f"{caller}: `{name}`={tuple(tile)} must be powers of two >= {_MIN_BLOCK} "
+                f"dividing {blocks} (the layout's blocks, or for `backward_block` the forward's "
+                "tiles)"
             )
-    if target == "mosaic":
-        raise ValueError(f"{caller}: `backward_block` is for the Triton kernels (target='triton')")
-    return None if tuple(backward_block) == blocks else tuple(int(x) for x in backward_block)
+    if target == "mosaic" and tuple(tile) != blocks:
+        raise ValueError(f"{caller}: `{name}` is for the Triton kernels (target='triton')")
+    return tuple(int(x) for x in tile)
 
 
 def _next_pow2(x: int, floor: int = 1) -> int:
@@ -364,19 +372,35 @@ def _kernel_arrays(idx, full, pmi, counts, partial_masks, nk: int) -> dict:
     }
 
 
-def _refined_arrays(layout: BlockLayout, bq: int, bkv: int) -> tuple[dict, np.ndarray]:
-    """The layout cut into ``bq x bkv`` tiles (dividing its blocks) as the kernels read it,
-    and each tile's parent slot ``[H, nq', Kp']`` (the slot, in its query block's row of the
-    layout, of the block it was cut from). A full block gives full tiles; a partial one, its
-    mask's tiles: all True -> full, all False -> dropped, else partial. Every query and key
-    block of the layout gives ``block / tile`` rows and columns, padding included, so the
-    kernels' padded shapes are unchanged.
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """A layout cut into smaller tiles by :func:`_refine`: :class:`BlockLayout`'s arrays
+    (``[H, nq', K']``, ``partial_masks [P, bq, bkv]``) and sizes, padding tiles included (so
+    ``num_kv_blocks`` is the layout's times the cut, not ``ceil(kv_len / bkv)``)."""
+
+    kv_block_indices: np.ndarray
+    kv_block_counts: np.ndarray
+    block_is_full: np.ndarray
+    partial_mask_index: np.ndarray
+    partial_masks: np.ndarray
+    block_q: int
+    block_kv: int
+    num_kv_blocks: int
+
+
+def _refine(layout: BlockLayout | _Tiles, bq: int, bkv: int) -> tuple[_Tiles, np.ndarray]:
+    """``layout`` cut into ``bq x bkv`` tiles (dividing its blocks), and each tile's parent slot
+    ``[H, nq', K']`` (the slot, in its query block's row of ``layout``, of the block it was cut
+    from). A full block gives full tiles; a partial one, its mask's tiles: all True -> full,
+    all False -> dropped, else partial. Every query and key block gives ``block / tile`` rows
+    and columns, padding included, so the kernels' padded shapes are unchanged. For a static
+    mask the tiles are those of ``mask.blocks(Tq, Tk, bq, bkv)``.
 
     Example:
       >>> from sparse_jax.masks import causal
-      >>> arrays, parent = _refined_arrays(causal().blocks(4, 4, 4, 4), 2, 2)
-      >>> arrays["count"][0, :, 0].tolist(), arrays["full"][0, 1, :2].tolist()
-      ([1, 2], [1, 0])
+      >>> tiles, parent = _refine(causal().blocks(4, 4, 4, 4), 2, 2)
+      >>> tiles.kv_block_counts[0].tolist(), tiles.block_is_full[0, 1].tolist()
+      ([1, 2], [True, False])
     """
     fq, fk = layout.block_q // bq, layout.block_kv // bkv
     idx, full = layout.kv_block_indices, layout.block_is_full
@@ -410,17 +434,25 @@ def _refined_arrays(layout: BlockLayout, bq: int, bkv: int) -> tuple[dict, np.nd
         return np.take_along_axis(x, order, axis=-1)[..., :width]
 
     kept = take(kept)
-    arrays = _kernel_arrays(
-        np.where(kept, take(keys), SENTINEL).astype(np.int32),
-        take(tile_full) & kept,
-        np.where(kept, take(tile_pmi), SENTINEL).astype(np.int32),
-        counts,
-        unique.reshape(-1, bq, bkv).astype(bool),
-        layout.num_kv_blocks * fk,
+    tiles = _Tiles(
+        kv_block_indices=np.where(kept, take(keys), SENTINEL).astype(np.int32),
+        kv_block_counts=counts,
+        block_is_full=take(tile_full) & kept,
+        partial_mask_index=np.where(kept, take(tile_pmi), SENTINEL).astype(np.int32),
+        partial_masks=unique.reshape(-1, bq, bkv).astype(bool),
+        block_q=bq,
+        block_kv=bkv,
+        num_kv_blocks=layout.num_kv_blocks * fk,
     )
-    kp = arrays["idx"].shape[-1]
-    parent = np.pad(np.where(kept, take(slots), 0), ((0, 0), (0, 0), (0, kp - width)))
-    return arrays, parent.astype(np.int32)
+    return tiles, np.where(kept, take(slots), 0).astype(np.int32)
+
+
+def _tiles_plan(plan: _Plan, tiles: _Tiles) -> _Plan:
+    """``plan`` on the tiles of :func:`_refine` (same padded lengths, smaller tiles)."""
+    return dataclasses.replace(
+        plan, bq=tiles.block_q, bkv=tiles.block_kv, nq=plan.nq * plan.bq // tiles.block_q,
+        nk=tiles.num_kv_blocks, arrays=_layout_arrays(tiles),
+    )  # fmt: skip
 
 
 def _refined_live(live, parent, fq: int):
@@ -1203,6 +1235,7 @@ def pallas_attention(
     target: str | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    forward_block: tuple[int, int] | None = None,
     backward_block: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
@@ -1237,10 +1270,15 @@ def pallas_attention(
         software-pipelining depth (>= 1), as in FlexAttention's ``kernel_options``; default 4
         warps for head dims up to 64, else 8, and 2 stages. Unused by Mosaic and in interpret
         mode. ``python -m experiments.bench pallas_tuning`` times the choices.
-      backward_block: ``(bq, bkv)`` tiles of the two backward kernels, powers of two >= 16
-        dividing the layout's blocks (the layout is cut into them: FlashAttention-2 and jax's
-        Pallas ``mha`` use smaller tiles in the backward pass, whose tiles hold more live
-        values); default: the layout's blocks. Triton kernels only.
+      forward_block: ``(bq, bkv)`` tiles of the Triton kernels, powers of two >= 16 dividing
+        the layout's blocks: the layout is cut into them (a tile of a partial block that the
+        mask leaves empty is dropped, so for a static mask they are the tiles of
+        ``mask.blocks(Tq, Tk, bq, bkv)``); default ``(64, 64)`` (:data:`TRITON_TILE`, at most
+        the blocks), the fastest measured on an H200 (``docs/benchmarks.md``). Mosaic runs on
+        the layout's blocks.
+      backward_block: ``(bq, bkv)`` tiles of the two backward kernels, dividing the forward's
+        tiles (FlashAttention-2 and jax's Pallas ``mha`` use smaller tiles in the backward
+        pass, whose tiles hold more live values); default: the forward's tiles.
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -1272,7 +1310,11 @@ def pallas_attention(
         target = "mosaic" if jax.default_backend() == "tpu" else "triton"
     if target not in ("triton", "mosaic"):
         raise ValueError(f"{caller}: `target` must be None, 'triton' or 'mosaic'; got {target!r}")
-    backward_block = _check_backward_block(backward_block, layout, target, caller)
+    blocks = (layout.block_q, layout.block_kv)
+    forward_block = _check_tile(forward_block, "forward_block", blocks, target, caller)
+    if backward_block is None:
+        backward_block = forward_block
+    backward_block = _check_tile(backward_block, "backward_block", forward_block, target, caller)
     platform = {"mosaic": "tpu", "triton": "gpu"}[target]
     if not interpret and jax.default_backend() not in (platform, "cpu"):
         raise ValueError(
@@ -1322,13 +1364,18 @@ def pallas_attention(
         num_stages=2 if num_stages is None else num_stages, has_bias=has_bias,
         scale_grad=scale_grad, dynamic=layout.dynamic,
     )  # fmt: skip
-    if backward_block is not None:
-        bq_b, bkv_b = backward_block
-        arrays, parent = _refined_arrays(layout, bq_b, bkv_b)
-        tiles = dataclasses.replace(
-            plan, bq=bq_b, bkv=bkv_b, nq=nq * bq // bq_b, nk=nk * bkv // bkv_b, arrays=arrays
+    source = layout
+    if forward_block != blocks:  # both passes on tiles cut from the layout's blocks
+        source, _ = _refine(layout, *forward_block)
+        plan = _tiles_plan(plan, source)
+    if backward_block != forward_block:  # the backward on tiles cut from the forward's
+        tiles, parent = _refine(source, *backward_block)
+        backward = _tiles_plan(plan, tiles)
+        width = backward.arrays["idx"].shape[-1]
+        parent = np.pad(parent, ((0, 0), (0, 0), (0, width - parent.shape[-1])))
+        plan = dataclasses.replace(
+            plan, backward=(backward, parent, forward_block[0] // backward_block[0])
         )
-        plan = dataclasses.replace(plan, backward=(tiles, parent, bq // bq_b))
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # A non-finite value vector enters as a NaN score of its key (the attention policy), so
     # that 0 * NaN in p @ v cannot reach rows whose mask excludes the key.
