@@ -494,18 +494,21 @@ def test_kernel_arguments_are_checked():
 
 
 @pytest.mark.parametrize(
-    ("normalizer", "per_head", "kv_heads", "dtype", "bias_shape"),
+    ("normalizer", "per_head", "kv_heads", "dtype", "bias_shape", "block"),
     [
-        ("softmax", False, 4, jnp.bfloat16, None),
-        ("sparsemax", True, 4, jnp.bfloat16, (1, 4, 128, 128)),
-        ("entmax15-packed", False, 2, jnp.float16, (1, 1, 1, 128)),
-        ("softmax-or", False, 4, jnp.bfloat16, None),
-        ("alpha", False, 4, jnp.float32, (1, 4, 128, 1)),
+        ("softmax", False, 4, jnp.bfloat16, None, 32),
+        ("sparsemax", True, 4, jnp.bfloat16, (1, 4, 128, 128), 128),
+        ("entmax15-packed", False, 2, jnp.float16, (1, 1, 1, 128), 128),
+        ("softmax-or", False, 4, jnp.bfloat16, None, 32),
+        ("alpha", False, 4, jnp.float32, (1, 4, 128, 1), 32),
     ],
 )
-def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dtype, bias_shape):
+def test_the_kernels_lower_to_triton_for_gpus(
+    normalizer, per_head, kv_heads, dtype, bias_shape, block
+):
     """Forward and backward lower through Pallas' Triton backend (cross-lowered for CUDA on
-    this CPU machine: no GPU needed to catch an op that Triton cannot express)."""
+    this CPU machine: no GPU needed to catch an op that Triton cannot express); blocks of 128
+    run on the default tiles of 64 cut from them."""
     q = jnp.zeros((1, 128, 4, 64), dtype)
     k = jnp.zeros((1, 128, kv_heads, 64), dtype)
     window = masks.causal() & masks.local(32, 0)
@@ -518,7 +521,7 @@ def test_the_kernels_lower_to_triton_for_gpus(normalizer, per_head, kv_heads, dt
         normalizer = normalizer.removesuffix("-or")
         ids = np.repeat(np.arange(4), 128 // 4)[None]
         mask = (mask & ~masks.segments(ids)) | masks.padding(np.array([16]))
-    layout = mask.blocks(128, 128, 32, 32)
+    layout = mask.blocks(128, 128, block, block)
     alpha = jnp.full((4,), 1.3) if normalizer == "alpha" else None
     bias = None if bias_shape is None else jnp.zeros(bias_shape)
 
