@@ -8,6 +8,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench attention --lengths 1024 4096
     python -m experiments.bench hardening --lengths 1024
     python -m experiments.bench kernels    # fused kernels and, on a GPU, the PyTorch peers
+    python -m experiments.bench forward_passes   # what a pass of the sparse forward costs
 
 The default ``normalizers`` run takes about 8 minutes on a 2-core CPU, most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
@@ -38,10 +39,12 @@ from optax.projections import projection_simplex
 import sparse_jax
 from experiments import timing
 from experiments.bench_kernels import (
+    ForwardPassesConfig,
     Interrupted,
     KernelsConfig,
     SearchPassesConfig,
     TuningConfig,
+    run_forward_passes,
     run_kernels,
     run_search_passes,
     run_tuning,
@@ -752,6 +755,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
 benchmark("kernels", KernelsConfig)(run_kernels)
 benchmark("pallas_tuning", TuningConfig)(run_tuning)
 benchmark("search_passes", SearchPassesConfig)(run_search_passes)
+benchmark("forward_passes", ForwardPassesConfig)(run_forward_passes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ its PyTorch peers, on the same work in the same run (see KernelsConfig)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import json
@@ -608,3 +609,135 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
         f"Total wall time {time.perf_counter() - start:.0f} s.",
     ]
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPassesConfig:
+    """Where the sparse forward's time goes: the Triton forward kernel timed with each query
+    tile's threshold search stopped after 0, 1, 2, ... passes (``kernels.flash.capped_forward``:
+    inexact thresholds, the same work per pass), beside the full sparse forward and the softmax
+    forward on the same layout. The step from k to k + 1 passes is what one search pass costs;
+    at 0 passes, the first pass (maximum and largest values), the output pass (two products
+    with the values) and, for 1.5-entmax, the polishing pass. On CPU the kernels run
+    interpreted: a check that it runs, not a timing."""
+
+    lengths: tuple[int, ...] | None = None
+    """Sequence lengths; default 16384 on an accelerator, 256 on CPU."""
+    normalizers: tuple[Literal["sparsemax", "entmax15"], ...] = ("sparsemax", "entmax15")
+    masks: tuple[KernelMask, ...] = ("causal", "local")
+    """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
+    passes: tuple[int, ...] = (0, 1, 2, 3)
+    """Search passes at which the search is stopped (ints >= 0, increasing)."""
+    block: int = 128
+    """The layout's block size (the kernels' default tiles are cut from it)."""
+    window: int = 512
+    batch: int = 2
+    heads: int = 16
+    head_dim: int = 64
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
+    repeats: int = 5
+    slow_s: float = 20.0
+    budget_s: float = 10.0
+    seed: int = 0
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        timing.check_counts(self, "block", "window", "batch", "heads", "head_dim", "repeats")
+        timing.check_count_tuples(self, "lengths", optional=True)
+        if not self.passes or any(
+            isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in self.passes
+        ):
+            raise ValueError(f"passes must be ints >= 0, got {self.passes!r}")
+        if list(self.passes) != sorted(set(self.passes)):
+            raise ValueError(f"passes must increase, got {self.passes!r}")
+        timing.check_seconds(self, "slow_s", "budget_s")
+
+
+def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
+    """Returns the markdown of the forward-passes benchmark (see ForwardPassesConfig)."""
+    from sparse_jax.kernels import flash, pallas_attention
+
+    accel = jax.default_backend() != "cpu"
+    dtype_name = config.dtype or ("bfloat16" if accel else "float32")
+    lengths = config.lengths or ((16384,) if accel else (256,))
+    b, h, d = config.batch, config.heads, config.head_dim
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    timing.log(header)
+    limits = {"repeats": config.repeats, "slow_s": config.slow_s, "budget_s": config.budget_s}
+    rows, findings, stopped = [], [], ""
+    try:
+        for n in lengths:
+            keys = jax.random.split(jax.random.key(config.seed + n), 3)
+            q, k, v = (
+                jax.random.normal(key, (b, n, h, d), jnp.float32).astype(dtype_name) for key in keys
+            )
+            for mask_name in config.masks:
+                mask, label = _mask(mask_name, config.window)
+                layout = mask.blocks(n, n, config.block, config.block)
+
+                def full(q, k, v, normalizer, layout=layout):
+                    return pallas_attention(q, k, v, layout, normalizer=normalizer)
+
+                soft = timing.time_fn(functools.partial(full, normalizer="softmax"), q, k, v,
+                                      **limits)  # fmt: skip
+                rows.append([label, str(n), "softmax", "–", timing.format_ms(soft), "–"])
+                for norm in config.normalizers:
+                    whole = timing.time_fn(functools.partial(full, normalizer=norm), q, k, v,
+                                           **limits)  # fmt: skip
+                    capped = []
+                    for cap in config.passes:
+
+                        def fwd(q, k, v, cap=cap, layout=layout, norm=norm):
+                            return flash.capped_forward(
+                                q, k, v, layout, search_passes=cap, normalizer=norm
+                            )
+
+                        cell = timing.time_fn(fwd, q, k, v, **limits)
+                        step = "–"
+                        if capped:
+                            last_cap, last = capped[-1]
+                            step = f"{(cell.median_ms - last.median_ms) / (cap - last_cap):.2f}"
+                        capped.append((cap, cell))
+                        rows.append([label, str(n), norm, str(cap), timing.format_ms(cell), step])
+                    rows.append([label, str(n), norm, "to the end", timing.format_ms(whole), "–"])
+                    (c0, t0), (c1, t1) = capped[0], capped[-1]
+                    if c1 > c0:
+                        per_pass = (t1.median_ms - t0.median_ms) / (c1 - c0)
+                        implied = (
+                            f"is as {(whole.median_ms - t0.median_ms) / per_pass:.1f} search "
+                            "passes" if per_pass > 0 else "(no cost per pass resolved)"
+                        )  # fmt: skip
+                        findings.append(
+                            f"{label} n={n} {norm}: {t0.median_ms:.2f} ms at {c0} passes, "
+                            f"{per_pass:.2f} ms per search pass ({c0}-{c1}), softmax's whole "
+                            f"forward {soft.median_ms:.2f} ms; the full forward "
+                            f"({whole.median_ms:.2f} ms) {implied}"
+                        )
+                    timing.log(
+                        f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm}: "
+                        f"{whole.median_ms:.2f} ms"
+                    )
+    except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
+        stopped = (
+            f"INTERRUPTED after {time.perf_counter() - start:.0f} s: the cells missing from the "
+            "table were not measured."
+        )
+    headers = ["mask", "n", "normalizer", "search passes", "fwd ms", "ms per pass"]
+    table = timing.markdown_table(headers, rows, align="lrlrrr")
+    notes = [
+        f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; layouts of blocks {config.block}, the "
+        "kernels' default tiles; forward only (kernels.flash.capped_forward: the search stopped "
+        "after that many passes, the thresholds then inexact; 'to the end': pallas_attention); "
+        f"median of {config.repeats} calls after compilation and a warm-up call; ms per pass: "
+        "the step from the row above." + ("" if accel else " CPU: interpret mode: not a timing."),
+        *findings,
+        f"Total wall time {time.perf_counter() - start:.0f} s.",
+    ]
+    notes += [stopped] if stopped else []
+    markdown = "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+    if stopped:
+        raise Interrupted(markdown)
+    return markdown

@@ -309,6 +309,28 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     assert ours < base
 
 
+def test_the_forward_passes_benchmark_times_each_cap_and_derives_the_cost_per_pass(capsys):
+    bench.main(["forward_passes", "--lengths", "64", "--block", "16", "--window", "8",
+                "--batch", "1", "--heads", "1", "--head-dim", "16", "--masks", "local",
+                "--normalizers", "entmax15", "--passes", "0", "2", "--repeats", "1"])  # fmt: skip
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("| causal")]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
+    assert [row[2:4] for row in rows] == [
+        ["softmax", "–"], ["entmax15", "0"], ["entmax15", "2"], ["entmax15", "to the end"]
+    ]  # fmt: skip
+    ms = [float(row[4].split("†")[0]) for row in rows]
+    per_pass = (ms[2] - ms[1]) / 2  # the figure recomputed from the table
+    assert float(rows[2][5]) == pytest.approx(per_pass, abs=0.006)
+    assert f"{per_pass:.2f} ms per search pass (0-2)" in printed
+    assert "CPU: interpret mode: not a timing" in printed
+    for flag, message in [(["--passes", "2", "1"], "passes must increase"),
+                          (["--passes", "-1"], "passes must be ints >= 0")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            bench.main(["forward_passes", *flag])
+        assert message in capsys.readouterr().err
+
+
 def test_bad_kernels_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["kernels", "--normalizers", "0.5"])
@@ -326,15 +348,16 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     text = script.read_text().replace("\\\n", " ")
     benches = re.findall(r"python3 -m experiments\.bench (.*)", text)
     pytests = re.findall(r"python3 -m pytest (.*)", text)
-    assert len(benches) == 2 and len(pytests) == 2
+    assert len(benches) == 3 and len(pytests) == 2
     configs = []
     for line in benches:
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
         configs.append(bench.parse(args))
     assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
     assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 180
-    assert type(configs[1]).__name__ == "TuningConfig" and configs[1].lengths == (16384,)
-    assert configs[1].forward_blocks == (64, 32) and configs[1].backward_blocks == (0, 32)
+    assert type(configs[1]).__name__ == "ForwardPassesConfig" and configs[1].lengths == (16384,)
+    assert type(configs[2]).__name__ == "TuningConfig" and configs[2].lengths == (16384,)
+    assert configs[2].forward_blocks == (64, 32) and configs[2].backward_blocks == (0, 32)
     assert "gpu-check suite" in text  # the second prepared call
     (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
     request = json.loads(request)
@@ -343,7 +366,18 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     for line in pytests:
         files = [arg for arg in shlex.split(line) if arg.split("/")[0] == "tests"]
         assert files and all((root / f).exists() for f in files), files
-    # the device tool returns at most 8 files from $OUT
-    outputs = set(re.findall(r"\$out/([\w.-]+)", text))
-    outputs |= set(re.findall(r'^\s*step "[^"]+" \S+ (\S+)', text, re.MULTILINE))
-    assert 6 <= len(outputs) <= 8, sorted(outputs)
+
+    # the device tool returns at most 8 files from $OUT: each part writes the common files
+    # (outside the part's branch) and its own
+    def outputs(chunk):
+        found = set(re.findall(r"\$out/([\w.-]+)", chunk))
+        return found | set(re.findall(r'^\s*step "[^"]+" \S+ (\S+)', chunk, re.MULTILINE))
+
+    start = text.index("if [[ $part == kernels ]]")
+    middle, end = text.index("elif [[ $part == peers ]]"), text.index("\nfi\n", start)
+    branches = [text[start:middle], *text[middle:end].split("\nelse\n")]
+    common = outputs(text[:start] + text[end:])
+    assert len(branches) == 3 and {"env.txt", "gpu-check.log"} <= common
+    for branch in branches:
+        assert len(common | outputs(branch)) <= 8, sorted(common | outputs(branch))
+    assert "forward-passes.md" in outputs(branches[0])

@@ -234,6 +234,34 @@ def test_a_live_block_keeps_every_tile_cut_from_it_live():
     assert refined.tolist() == [[[[1, 1, 0, 1], [1, 0, 1, 1]]]]
 
 
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15", 1.3])
+def test_the_capped_forward_stops_the_search_and_is_attention_when_it_may_finish(normalizer):
+    q, k, v, _ = _inputs((1, 64, 64, 2, 2, 16), jnp.float32)
+    q = q / 6  # flat rows: wide supports, far from the start on the 4 largest values
+    layout = masks.causal().blocks(64, 64, 16, 16)
+    exact = pallas_attention(q, k, v, layout, normalizer=normalizer)
+
+    def capped(passes):
+        return pk.capped_forward(q, k, v, layout, search_passes=passes, normalizer=normalizer)
+
+    np.testing.assert_allclose(capped(100), exact, atol=2e-6)
+    stopped = np.asarray(capped(0))
+    assert np.isfinite(stopped).all() and np.abs(stopped - np.asarray(exact)).max() > 1e-3
+
+
+def test_the_capped_forward_refuses_what_it_cannot_time():
+    q = jnp.zeros((1, 32, 1, 16))
+    layout = masks.causal().blocks(32, 32, 16, 16)
+    for passes, options, error, match in [
+        (-1, {"normalizer": "sparsemax"}, ValueError, "`search_passes` must be"),
+        (1, {}, ValueError, "a sparse normalizer on the Triton kernels only; got 'softmax'"),
+        (1, {"normaliser": "sparsemax"}, TypeError, "unknown options \\['normaliser'\\]"),
+        (1, {"normalizer": "sparsemax", "num_warps": 3}, ValueError, "capped_forward: `num_warps`"),
+    ]:  # fmt: skip
+        with pytest.raises(error, match=match):
+            pk.capped_forward(q, q, q, layout, search_passes=passes, **options)
+
+
 def test_the_dispatcher_runs_the_kernel_and_auto_takes_it_on_gpu_only():
     q, k, v, _ = _inputs((1, 64, 64, 2, 2, 8), jnp.float32)
     mask = masks.causal() & masks.local(16, 0)

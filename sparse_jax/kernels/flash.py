@@ -92,7 +92,13 @@ from sparse_jax.normalizers import (
     sparsemax_search,
     sparsemax_start,
 )
-from sparse_jax.validation import check_bias, check_normalizer, check_qkv, check_scale
+from sparse_jax.validation import (
+    check_bias,
+    check_int,
+    check_normalizer,
+    check_qkv,
+    check_scale,
+)
 
 __all__ = ["pallas_attention", "pallas_supports"]
 
@@ -313,6 +319,7 @@ class _Plan:
     has_bias: bool = True  # False: no bias was given (nothing added, no bias gradient formed)
     dynamic: bool = False  # the layout bounds a run-time mask: full blocks are masked too
     scale_grad: bool = True  # False: a python float scale (its gradient is never asked for)
+    search_cap: int | None = None  # capped_forward's diagnostics: search passes at most
 
     @property
     def row_length(self) -> int:
@@ -588,11 +595,13 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
     tile = jax.ShapeDtypeStruct((row_max.shape[0], plan.bkv), _F32)
     n_terms = len(jax.eval_shape(search.terms, tile, search.init))
 
+    max_iter = search.max_iter if plan.search_cap is None else min(search.max_iter, plan.search_cap)
+
     def cond(carry):
         it, state = carry
         # (Triton lowers no boolean reductions: "all rows done" as a max over 0/1.)
         running = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
-        return jnp.logical_and(it < search.max_iter, running)
+        return jnp.logical_and(it < max_iter, running)
 
     def step(carry):
         it, state = carry
@@ -1295,7 +1304,20 @@ def pallas_attention(
       >>> out.shape, bool(jnp.allclose(out, 1.0))
       ((1, 32, 2, 16), True)
     """
-    caller = _NAME
+    plan, inputs = _prepare(
+        q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
+        num_stages, forward_block, backward_block,
+    )  # fmt: skip
+    out = _fused(plan, *inputs)
+    return out[:, : q.shape[1], :, : v.shape[3]]
+
+
+def _prepare(
+    q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
+    num_stages, forward_block, backward_block, caller: str = _NAME,
+):  # fmt: skip
+    """(plan, padded inputs of :func:`_fused`) of a :func:`pallas_attention` call, its
+    arguments checked (ValueError/TypeError naming them)."""
     check_qkv(q, k, v, caller)
     b, tq, n, d = q.shape
     tk, kh, dv = v.shape[1], v.shape[2], v.shape[3]
@@ -1391,5 +1413,42 @@ def pallas_attention(
     if seg_ids is None:  # read by no kernel (plan.segments is False)
         seg_ids = (jnp.zeros((b, nq * bq), jnp.int32), jnp.zeros((b, nk * bkv), jnp.int32))
     key_nan = jax.lax.stop_gradient(key_nan)
-    out = _fused(plan, scale, lengths, eps, q, k, v, bias, key_nan, *seg_ids)
-    return out[:, :tq, :, :dv]
+    return plan, (scale, lengths, eps, q, k, v, bias, key_nan, *seg_ids)
+
+
+def capped_forward(q, k, v, layout: BlockLayout, *, search_passes: int, **options) -> jax.Array:
+    """Diagnostics: the forward kernel of :func:`pallas_attention` (same arguments, ``options``
+    its keywords) with each query tile's threshold search stopped after ``search_passes``
+    passes, so that timing it at 0, 1, 2, ... passes shows what the first pass, a search pass
+    and the output pass cost (``python -m experiments.bench forward_passes``). The thresholds,
+    so the weights, are then inexact (each row's weights still sum to 1): not attention.
+
+    Args:
+      q, k, v, layout: as in :func:`pallas_attention`.
+      search_passes: int >= 0; sparsemax, 1.5-entmax and α-entmax only.
+
+    Returns:
+      ``[B, Tq, N, Dv]``, the forward's output (not differentiable).
+
+    Example:
+      >>> from sparse_jax.masks import causal
+      >>> q = k = v = jnp.ones((1, 32, 1, 16))
+      >>> out = capped_forward(q, k, v, causal().blocks(32, 32, 16, 16), search_passes=0,
+      ...                      normalizer="sparsemax")
+      >>> out.shape
+      (1, 32, 1, 16)
+    """
+    caller = "capped_forward"
+    search_passes = check_int(search_passes, "search_passes", caller, low=0)
+    args = {"mask": None, "normalizer": "softmax", "scale": None, "bias": None,
+            "interpret": None, "precision": None, "target": None, "num_warps": None,
+            "num_stages": None, "forward_block": None, "backward_block": None}  # fmt: skip
+    unknown = sorted(set(options) - set(args))
+    if unknown:
+        raise TypeError(f"{caller}: unknown options {unknown}; allowed: {sorted(args)}")
+    plan, inputs = _prepare(q, k, v, layout, *{**args, **options}.values(), caller=caller)
+    if plan.kind == "softmax" or plan.target != "triton":
+        raise ValueError(f"{caller}: a sparse normalizer on the Triton kernels only; got "
+                         f"{plan.kind!r} on {plan.target!r}")  # fmt: skip
+    out, _ = _forward(dataclasses.replace(plan, search_cap=search_passes), *inputs)
+    return out[:, : q.shape[1], :, : v.shape[3]]
