@@ -348,7 +348,7 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     text = script.read_text().replace("\\\n", " ")
     benches = re.findall(r"python3 -m experiments\.bench (.*)", text)
     pytests = re.findall(r"python3 -m pytest (.*)", text)
-    assert len(benches) == 3 and len(pytests) == 2
+    assert len(benches) == 5 and len(pytests) == 2
     configs = []
     for line in benches:
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
@@ -374,10 +374,10 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
         return found | set(re.findall(r'^\s*step "[^"]+" \S+ (\S+)', chunk, re.MULTILINE))
 
     start = text.index("if [[ $part == kernels ]]")
-    middle, end = text.index("elif [[ $part == peers ]]"), text.index("\nfi\n", start)
-    branches = [text[start:middle], *text[middle:end].split("\nelse\n")]
+    end = text.index("\nfi\n", start)
+    branches = re.split(r"\nelif |\nelse\n", text[start:end])
     common = outputs(text[:start] + text[end:])
-    assert len(branches) == 3 and {"env.txt", "gpu-check.log"} <= common
+    assert len(branches) == 4 and {"env.txt", "gpu-check.log"} <= common
     for branch in branches:
         assert len(common | outputs(branch)) <= 8, sorted(common | outputs(branch))
     assert "forward-passes.md" in outputs(branches[0])
