@@ -705,6 +705,35 @@ def test_no_bias_and_a_python_float_scale_form_no_gradient_sums_for_them():
             np.testing.assert_allclose(g, r, atol=2e-5)
 
 
+@pytest.mark.parametrize(("normalizer", "sums"), [("sparsemax", 4), ("entmax15", 9), (1.3, 5)])
+def test_the_sparse_forward_sums_only_what_its_passes_need(normalizer, sums):
+    """The forward kernel's row sums: the search's terms (sparsemax 2, 1.5-entmax 4 and a
+    polishing pass' 3, α-entmax 2 and the allowed keys, which only its search reads), and the
+    output pass' two (Σ p, Σ s); no count of NaN (a NaN enters the maxima as +inf). Its only
+    reduction of a whole tile to one value, the block's live flag, is taken over the rows'
+    sums ``[bq, 1]``, not over the ``[bq, bkv]`` tile."""
+    q = jnp.zeros((1, 64, 2, 16))
+    layout = masks.causal().blocks(64, 64, 16, 16)
+    ((_, fwd),) = _pallas_calls(
+        lambda q: pallas_attention(q, q, q, layout, normalizer=normalizer), q
+    ).items()
+    body = fwd.params["jaxpr"]
+    assert str(body).count("reduce_sum") == sums
+
+    def whole_tile_reductions(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name.startswith("reduce_") and len(eqn.params["axes"]) == 2:
+                yield eqn.invars[0].aval.shape
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from whole_tile_reductions(inner)
+
+    shapes = set(whole_tile_reductions(body))
+    assert shapes and shapes <= {(16, 1)}, shapes
+
+
 def test_the_first_pass_keeps_each_rows_largest_values_block_by_block():
     """_tile_top of each block merged by _insert: the row's k largest, except that a value
     tied with a larger one in its own block gives way to a smaller one (a lower start)."""

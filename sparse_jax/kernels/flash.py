@@ -741,19 +741,22 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     # of τ, saves search passes (each recomputes the tile's scores over every kept block).
     start_of = {"sparsemax": sparsemax_start, "entmax15": entmax15_start}.get(plan.kind)
     n_top = 1 if start_of is None else _START_TOP
+    count_allowed = plan.kind == "entmax"  # only α-entmax's search reads the allowed keys
 
     def first_pass(j, carry):
-        top, n_valid, n_nan = carry
+        top, n_valid = carry
         x = masked(j)
-        for value in _tile_top(x, n_top):
+        # A NaN score enters the maxima as +inf, which no score reaches (_clip_inf): a NaN
+        # row's maximum is +inf. (Triton's max drops NaN; a where costs less than a count.)
+        for value in _tile_top(jnp.where(jnp.isnan(x), jnp.inf, x), n_top):
             top = _insert(top, value)
-        n_valid = n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
-        return top, n_valid, n_nan + jnp.sum(jnp.isnan(x).astype(_F32), -1, keepdims=True)
+        if count_allowed:
+            n_valid = n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
+        return top, n_valid
 
-    zeros_r = jnp.zeros((bq, 1), _F32)
-    init = ((jnp.full((bq, 1), -jnp.inf, _F32),) * n_top, zeros_r, zeros_r)
-    top, n_valid, n_nan = jax.lax.fori_loop(0, count, first_pass, init)
-    nan_row = n_nan > 0.0  # counted: Triton's max drops NaN (see _clip_inf)
+    init = ((jnp.full((bq, 1), -jnp.inf, _F32),) * n_top, jnp.zeros((bq, 1), _F32))
+    top, n_valid = jax.lax.fori_loop(0, count, first_pass, init)
+    nan_row = top[0] == jnp.inf
     row_max = jnp.where(nan_row, jnp.nan, top[0])
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN stays NaN: its z is NaN
     tau0 = None if start_of is None else start_of([_z(plan.kind, t, shift, eps) for t in top])
@@ -771,9 +774,11 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def out_pass(j, carry):
         acc, acc_u, mass, s_sum = carry
         p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
-        # Live: some row gives the block weight, or is a NaN row (whose derivatives are NaN:
-        # the backward pass must visit it). A max over 0/1, not over p: NaN must not hide rows.
-        live = jnp.max(jnp.where((p > 0.0) | nan_row, 1, 0)) > 0
+        block_mass = jnp.sum(p, axis=-1, keepdims=True)
+        # Live: some row gives the block weight (its sum of p >= 0 is > 0: a max over the
+        # rows' sums, not over the tile), or is a NaN row (whose derivatives are NaN: the
+        # backward pass must visit it). A max over 0/1, not over p: NaN must not hide rows.
+        live = jnp.max(jnp.where((block_mass > 0.0) | nan_row, 1, 0)) > 0
         live_ref[j] = live.astype(live_ref.dtype)
         start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
 
@@ -785,8 +790,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
             )
 
         acc, acc_u = jax.lax.cond(live, products, lambda a, b: (a, b), acc, acc_u)
-        mass = mass + jnp.sum(p, axis=-1, keepdims=True)
-        return acc, acc_u, mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
+        return acc, acc_u, mass + block_mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
 
     zeros_v = jnp.zeros((bq, plan.dv), _F32)
     zeros_r = jnp.zeros((bq, 1), _F32)
@@ -812,16 +816,20 @@ def _recompute(plan: _Plan, x, rows: dict, eps, sigma):
         return p, p
     z = _z(plan.kind, x, rows["max"], eps)
     p_hat, s_hat = _weights(plan.kind, z, rows["tau"], eps, sigma)
-    mass = rows["mass"]  # NaN for a NaN row (whose p̂ Triton's max may have zeroed)
+    # Per-row factors [rows, 1], so that each entry takes a product, not a division. mass is
+    # NaN for a NaN row (whose p̂ Triton's max may have zeroed): its weights and derivatives
+    # are NaN, by a select (XLA may turn an indicator times NaN into a select giving 0).
+    mass = rows["mass"]
     safe = jnp.where(mass > 0.0, mass, 1.0)
-    p = jnp.where(jnp.isnan(mass), jnp.nan, p_hat / safe)
+    nan_row = jnp.isnan(mass)
     if plan.kind == "sparsemax":
-        g = s_hat
+        g_factor = jnp.ones_like(safe)
     elif plan.kind == "entmax15":
-        g = s_hat * jax.lax.rsqrt(safe)
+        g_factor = jax.lax.rsqrt(safe)
     else:
-        g = s_hat * jnp.exp((eps - 1.0) * jnp.log(safe))
-    return p, jnp.where(jnp.isnan(p), jnp.nan, g)  # a NaN row's derivatives are NaN
+        g_factor = jnp.exp((eps - 1.0) * jnp.log(safe))
+    p = jnp.where(nan_row, jnp.nan, p_hat * (1.0 / safe))
+    return p, jnp.where(nan_row, jnp.nan, s_hat * g_factor)
 
 
 def _row_names(plan: _Plan) -> tuple[str, ...]:
