@@ -526,29 +526,61 @@ def run_tuning(config: TuningConfig, command: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class SearchPassesConfig:
     """How many passes over a row's blocks the fused kernels' threshold searches take, from -1
-    and from the start on each row's largest values (``normalizers.sparsemax_start``,
-    ``entmax15_start``), on query tiles of random scores: each pass recomputes the tile's
-    scores over every kept block, so the count is the sparse forward's cost in units of a
-    pass. Hardware-independent (counted, not timed): runs anywhere."""
+    and from the kernels' start (``normalizers.sparsemax_start``, ``entmax15_start`` on the
+    values the first pass keeps: each block's ``block_top`` largest of a row, the ``top``
+    largest of those, merged by the kernel's own code), on query tiles of random scores: each
+    pass recomputes the tile's scores over every kept block, so the count is the sparse
+    forward's cost in units of a pass. Hardware-independent (counted, not timed): runs
+    anywhere."""
 
     lengths: tuple[int, ...] = (640, 4096, 16384)
-    """Row lengths (keys a query row keeps: 640 is causal & local(512, 0) at blocks of 128)."""
+    """Row lengths (keys a query row keeps: 640 is causal & local(512, 0) at blocks of 128),
+    multiples of ``block``."""
     scales: tuple[float, ...] = (1.0, 2.0, 4.0)
     """Standard deviations of the scores (1: q·k/√d of unit-variance q and k)."""
     normalizers: tuple[Literal["sparsemax", "entmax15"], ...] = ("sparsemax", "entmax15")
-    rows: int = 128
-    """Rows of a query tile: the tile's search runs until its last row is done."""
-    top: int = 4
-    """Largest values per row the start uses (the kernels keep 4)."""
+    rows: int = 64
+    """Rows of a query tile (the kernels' default tiles): the tile's search runs until its
+    last row is done."""
+    block: int = 64
+    """Keys per block (the kernels' default tiles)."""
+    top: int | None = None
+    """Values per row the start uses; default the kernels' (``kernels.flash._START_TOP``)."""
+    block_top: int | None = None
+    """Largest values of each block the first pass keeps; default the kernels'
+    (``kernels.flash._BLOCK_TOP``); 0: the row's own ``top`` largest."""
     seed: int = 0
     output: pathlib.Path | None = None
     """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "rows", "top")
+        timing.check_counts(self, "rows", "block")
         timing.check_count_tuples(self, "lengths")
+        if self.top is not None:
+            timing.check_counts(self, "top")
+        if self.block_top is not None and (isinstance(self.block_top, bool) or self.block_top < 0):
+            raise ValueError(f"block_top must be an int >= 0, got {self.block_top!r}")
+        if any(n % self.block for n in self.lengths):
+            raise ValueError(f"lengths {self.lengths} must be multiples of block {self.block}")
         if not self.scales or any(not (s > 0 and s < float("inf")) for s in self.scales):
             raise ValueError(f"scales must be finite and > 0, got {self.scales!r}")
+
+
+def start_values(z, top: int, block_top: int, block: int) -> list:
+    """The values the kernels' first pass keeps of rows ``z [rows, n]``: each ``block``-key
+    block's ``block_top`` largest, the ``top`` largest of those (``[rows, 1]`` each,
+    decreasing; -inf where fewer), by the kernels' own ``_tile_top`` and ``_insert``;
+    ``block_top`` 0: the rows' own ``top`` largest."""
+    from sparse_jax.kernels import flash
+
+    if block_top == 0:
+        ordered = -jnp.sort(-z, axis=-1)
+        return [ordered[:, i : i + 1] for i in range(min(top, z.shape[-1]))]
+    kept = (jnp.full((z.shape[0], 1), -jnp.inf, z.dtype),) * top
+    for start in range(0, z.shape[-1], block):
+        for value in flash._tile_top(z[:, start : start + block], block_top):
+            kept = flash._insert(kept, value)
+    return list(kept)
 
 
 def count_passes(search, z) -> tuple[int, np.ndarray, jax.Array]:
@@ -566,7 +598,10 @@ def count_passes(search, z) -> tuple[int, np.ndarray, jax.Array]:
 def run_search_passes(config: SearchPassesConfig, command: str) -> str:
     """Returns the markdown of the search-passes count (see SearchPassesConfig)."""
     from sparse_jax import normalizers as nz
+    from sparse_jax.kernels import flash
 
+    top = config.top or flash._START_TOP
+    block_top = flash._BLOCK_TOP if config.block_top is None else config.block_top
     start = time.perf_counter()
     header = timing.environment_line(command)
     rng = np.random.default_rng(config.seed)
@@ -577,17 +612,16 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                 x = rng.standard_normal((config.rows, n)) * scale
                 z = x - x.max(-1, keepdims=True)
                 z = jnp.asarray(z if norm == "sparsemax" else z / 2, jnp.float32)
-                ordered = -jnp.sort(-z, axis=-1)
-                top = [ordered[:, i : i + 1] for i in range(min(config.top, n))]
+                kept = start_values(z, top, block_top, config.block)
                 done, minus_one = (
                     jnp.zeros((config.rows, 1), bool),
                     jnp.full((config.rows, 1), -1.0),
                 )
                 if norm == "sparsemax":
-                    starts = (minus_one, nz.sparsemax_start(top))
+                    starts = (minus_one, nz.sparsemax_start(kept))
                     searches = [nz.sparsemax_search(tau0, done, n) for tau0 in starts]
                 else:
-                    starts = (minus_one, nz.entmax15_start(top))
+                    starts = (minus_one, nz.entmax15_start(kept))
                     searches = [nz.entmax15_search(tau0, done) for tau0 in starts]
                 (base, base_rows, tau), (ours, our_rows, tau_ours) = (
                     count_passes(search, z) for search in searches
@@ -601,8 +635,14 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                "row mean from -1", "from the start", "max |Δτ|"]  # fmt: skip
     table = timing.markdown_table(headers, rows, align="lrrrrrrr")
     notes = [
-        f"{config.rows}-row tiles of N(0, std²) scores; the start uses each row's {config.top} "
-        "largest values. Passes: threshold-search passes until the tile's last row (or the "
+        f"{config.rows}-row tiles of N(0, std²) scores; the start uses "
+        + (
+            f"each row's {top} largest values"
+            if block_top == 0
+            else f"the {top} largest of each {config.block}-key block's {block_top} largest values "
+            "of a row (as the kernels' first pass keeps them)"
+        )
+        + ". Passes: threshold-search passes until the tile's last row (or the "
         "row) is done, the confirming pass included; the kernels add a first pass (the maximum "
         "and the largest values) and an output pass, 1.5-entmax a polishing pass. max |Δτ|: "
         "the two starts' thresholds (the same τ, to rounding).",

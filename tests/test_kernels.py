@@ -734,26 +734,34 @@ def test_the_sparse_forward_sums_only_what_its_passes_need(normalizer, sums):
     assert shapes and shapes <= {(16, 1)}, shapes
 
 
-def test_the_first_pass_keeps_each_rows_largest_values_block_by_block():
-    """_tile_top of each block merged by _insert: the row's k largest, except that a value
-    tied with a larger one in its own block gives way to a smaller one (a lower start)."""
+def test_the_first_pass_keeps_the_largest_of_each_blocks_largest_values():
+    """_tile_top of each block (its 2 largest) merged by _insert into the row's 8 largest of
+    those: a value tied with a larger one in its own block gives way to a smaller one, and a
+    block's third value is not kept (a lower start, still a bound: any of the row's values
+    give one)."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((16, 96)).astype(np.float32)
+    x = rng.standard_normal((16, 160)).astype(np.float32)
     x[0, 40] = x[0, 41] = x[0].max() + 1.0  # a tie inside one block, at the top
     x[1, 10] = x[1, 70] = x[1].max() + 1.0  # a tie across two blocks: both kept
-    x[2, :] = -np.inf  # a fully masked row
-    x[2, 5] = 0.5
-    top = (jnp.full((16, 1), -jnp.inf),) * 4
-    for block in range(3):
-        for value in pk._tile_top(jnp.asarray(x[:, block * 32 : (block + 1) * 32]), 4):
+    x[2, :] = -np.inf  # a row with 3 allowed keys, 2 in one block
+    x[2, [5, 6, 100]] = [0.5, 0.25, 0.75]
+    top = (jnp.full((16, 1), -jnp.inf),) * pk._START_TOP
+    for block in range(5):
+        tile = jnp.asarray(x[:, block * 32 : (block + 1) * 32])
+        for value in pk._tile_top(tile, pk._BLOCK_TOP):
             top = pk._insert(top, value)
     got = np.concatenate([np.asarray(t) for t in top], axis=-1)
-    want = -np.sort(-x, axis=-1)[:, :4]
-    np.testing.assert_array_equal(got[3:], want[3:])  # distinct values: exactly the top 4
-    assert got[0, 0] == want[0, 0] and got[0, 1] == want[0, 2]  # the in-block tie dropped
-    np.testing.assert_array_equal(got[1], want[1])
-    assert got[2].tolist() == [0.5, -np.inf, -np.inf, -np.inf]
-    assert (got <= want).all()
+    picks = []  # each block's 2 largest of each row, a tie with the largest dropped
+    for block in np.split(x, 5, axis=1):
+        first = block.max(-1, keepdims=True)
+        second = np.where(block >= first, -np.inf, block).max(-1, keepdims=True)
+        picks += [first, second]
+    want = -np.sort(-np.concatenate(picks, axis=-1), axis=-1)[:, :8]
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0] == x[0].max() and got[0, 1] < got[0, 0]  # the in-block tie dropped
+    assert got[1, 0] == got[1, 1] == x[1].max()
+    assert got[2].tolist() == [0.75, 0.5, 0.25] + [-np.inf] * 5
+    assert (got <= -np.sort(-x, axis=-1)[:, :8]).all()  # never above the row's own 8 largest
 
 
 def test_the_sparsemax_kernel_starts_its_search_from_the_rows_largest_values(monkeypatch):
@@ -769,7 +777,7 @@ def test_the_sparsemax_kernel_starts_its_search_from_the_rows_largest_values(mon
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 64, 1, 16))
     layout = masks.causal().blocks(64, 64, 16, 16)
     out = pallas_attention(q, q, q, layout, normalizer="sparsemax")  # traced: the spy runs
-    assert calls == [pk._START_TOP] == [4]
+    assert calls == [pk._START_TOP] == [8] and pk._BLOCK_TOP == 2
     ref = attention(q, q, q, mask=masks.causal(), normalizer="sparsemax", impl="xla")
     np.testing.assert_allclose(out, ref, atol=2e-6)
     calls.clear()

@@ -614,7 +614,15 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
     return tau
 
 
-_START_TOP = 4  # largest values per row the first pass keeps (the start of τ's search)
+# The start of τ's search (normalizers.sparsemax_start / entmax15_start: a lower bound from
+# any of the row's values, tightest from its largest): the first pass merges each block's
+# _BLOCK_TOP largest values of a row into the row's _START_TOP largest of those. Counted by
+# `python -m experiments.bench search_passes` on 64-row tiles of random scores, 2 per block
+# into 8 gives the passes of the row's true 8 largest (sparsemax: 2, the start exact and a
+# confirming pass) for 2 row maxima per block, where the true 4 largest took 4 per block and
+# 1 to 2 passes more.
+_START_TOP = 8
+_BLOCK_TOP = 2
 
 
 def _tile_top(x, k: int):
@@ -736,11 +744,12 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
         return _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
 
-    # The first pass finds each row's maximum; for sparsemax and 1.5-entmax its _START_TOP
-    # largest values, whose start (normalizers.sparsemax_start, entmax15_start), a lower bound
-    # of τ, saves search passes (each recomputes the tile's scores over every kept block).
+    # The first pass finds each row's maximum; for sparsemax and 1.5-entmax, large values of
+    # the row (each block's _BLOCK_TOP largest, the _START_TOP largest of those), whose start
+    # (normalizers.sparsemax_start, entmax15_start), a lower bound of τ, saves search passes
+    # (each recomputes the tile's scores over every kept block).
     start_of = {"sparsemax": sparsemax_start, "entmax15": entmax15_start}.get(plan.kind)
-    n_top = 1 if start_of is None else _START_TOP
+    n_top, block_top = (1, 1) if start_of is None else (_START_TOP, _BLOCK_TOP)
     count_allowed = plan.kind == "entmax"  # only α-entmax's search reads the allowed keys
 
     def first_pass(j, carry):
@@ -748,7 +757,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         x = masked(j)
         # A NaN score enters the maxima as +inf, which no score reaches (_clip_inf): a NaN
         # row's maximum is +inf. (Triton's max drops NaN; a where costs less than a count.)
-        for value in _tile_top(jnp.where(jnp.isnan(x), jnp.inf, x), n_top):
+        for value in _tile_top(jnp.where(jnp.isnan(x), jnp.inf, x), block_top):
             top = _insert(top, value)
         if count_allowed:
             n_valid = n_valid + jnp.sum((x > -jnp.inf).astype(_F32), axis=-1, keepdims=True)
