@@ -15,7 +15,9 @@ Forward (one program per query block, batch element and head):
   2-norm with its exact quadratic check, safeguarded Newton for any α) are written as
   per-entry terms and a per-row update (:class:`~sparse_jax.normalizers.RowSearch`), so each
   pass of a search sums its terms block by block over the kept key blocks. A first pass finds
-  the row maximum, the search passes follow, then one pass accumulates ``p @ v``. That pass
+  the row maximum and large values of the row (each block's 2 largest, the 8 largest of
+  those), whose closed form starts the search from a lower bound of τ; the search passes
+  follow, then one pass accumulates ``p @ v``. That pass
   records which key blocks hold any nonzero weight: a block whose scores all fall below τ
   skips its ``p @ v`` products there and is not visited at all by the backward pass, so the
   sparsity the normalizer creates saves work, not only the mask's.
@@ -39,6 +41,7 @@ scores NaN).
 Backends: the kernels of this module use only what Pallas lowers with Triton (GPU) and run
 unchanged in Pallas' interpret mode, which is how they run, and are tested, on CPU
 (``interpret=None`` picks it there). Block sizes must be powers of two >= 16 (Triton's tiles);
+the kernels run on tiles of at most 64 x 64 cut from them (``forward_block``, ``backward_block``);
 head dims are zero-padded to one. On TPU, :func:`pallas_attention` runs the same algorithm
 written for Mosaic (:mod:`sparse_jax.kernels.mosaic`: blocks multiples of 128, key blocks
 streamed by DMA).
@@ -100,7 +103,7 @@ from sparse_jax.validation import (
     check_scale,
 )
 
-__all__ = ["pallas_attention", "pallas_supports"]
+__all__ = ["TRITON_TILE", "capped_forward", "pallas_attention", "pallas_supports"]
 
 _NAME = "pallas_attention"
 _MIN_BLOCK = 16  # Triton's smallest dot tile
@@ -827,7 +830,7 @@ def _recompute(plan: _Plan, x, rows: dict, eps, sigma):
     p_hat, s_hat = _weights(plan.kind, z, rows["tau"], eps, sigma)
     # Per-row factors [rows, 1], so that each entry takes a product, not a division. mass is
     # NaN for a NaN row (whose p̂ Triton's max may have zeroed): its weights and derivatives
-    # are NaN, by a select (XLA may turn an indicator times NaN into a select giving 0).
+    # are NaN, by a select (an indicator times NaN came out 0, not NaN, in interpret mode).
     mass = rows["mass"]
     safe = jnp.where(mass > 0.0, mass, 1.0)
     nan_row = jnp.isnan(mass)
