@@ -361,7 +361,31 @@ def _findings(results, peer_rows, lengths, config) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TuningConfig:
+class _KernelCells:
+    """The work and timing fields that the Pallas kernel benchmarks below share (the kernels
+    benchmark's work: q, k, v ``[batch, n, heads, head_dim]``, windows of ``window`` keys)."""
+
+    window: int = 512
+    """Keys of the local masks' window."""
+    batch: int = 2
+    heads: int = 16
+    head_dim: int = 64
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
+    repeats: int = 5
+    slow_s: float = 20.0
+    budget_s: float = 10.0
+    seed: int = 0
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def _check_cells(self) -> None:
+        timing.check_counts(self, "window", "batch", "heads", "head_dim", "repeats")
+        timing.check_seconds(self, "slow_s", "budget_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig(_KernelCells):
     """The fused Pallas kernels' tiles and Triton options on the kernels benchmark's work:
     every combination of forward tile, backward tile, warps per program and pipelining stages,
     on the layout of one block size, timed in one run, forward and forward+backward, and the
@@ -387,21 +411,9 @@ class TuningConfig:
     Those larger than a forward tile are not combined with it."""
     num_warps: tuple[int, ...] = (4, 8)
     num_stages: tuple[int, ...] = (2, 3)
-    window: int = 512
-    batch: int = 2
-    heads: int = 16
-    head_dim: int = 64
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
-    repeats: int = 5
-    slow_s: float = 20.0
-    budget_s: float = 10.0
-    seed: int = 0
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "batch", "heads", "head_dim", "repeats", "window")
+        self._check_cells()
         timing.check_count_tuples(self, "lengths", optional=True)
         timing.check_count_tuples(self, "forward_blocks", "num_warps", "num_stages")
         timing.check_counts(self, "layout_block")
@@ -420,7 +432,6 @@ class TuningConfig:
         if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
             raise ValueError(f"num_warps must be among 1, 2, 4, 8, 16, got {self.num_warps!r}")
         _check_normalizer_names(self.normalizers)
-        timing.check_seconds(self, "slow_s", "budget_s")
 
 
 def _tuned_cells(q, k, v, g, layout, options: dict, limits: dict):
@@ -652,7 +663,7 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardPassesConfig:
+class ForwardPassesConfig(_KernelCells):
     """Where the sparse forward's time goes: the Triton forward kernel timed with each query
     tile's threshold search stopped after 0, 1, 2, ... passes (``kernels.flash.capped_forward``:
     inexact thresholds, the same work per pass), beside the full sparse forward and the softmax
@@ -670,21 +681,10 @@ class ForwardPassesConfig:
     """Search passes at which the search is stopped (ints >= 0, increasing)."""
     block: int = 128
     """The layout's block size (the kernels' default tiles are cut from it)."""
-    window: int = 512
-    batch: int = 2
-    heads: int = 16
-    head_dim: int = 64
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
-    repeats: int = 5
-    slow_s: float = 20.0
-    budget_s: float = 10.0
-    seed: int = 0
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "block", "window", "batch", "heads", "head_dim", "repeats")
+        self._check_cells()
+        timing.check_counts(self, "block")
         timing.check_count_tuples(self, "lengths", optional=True)
         if not self.passes or any(
             isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in self.passes
@@ -692,7 +692,6 @@ class ForwardPassesConfig:
             raise ValueError(f"passes must be ints >= 0, got {self.passes!r}")
         if list(self.passes) != sorted(set(self.passes)):
             raise ValueError(f"passes must increase, got {self.passes!r}")
-        timing.check_seconds(self, "slow_s", "budget_s")
 
 
 def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
