@@ -556,7 +556,8 @@ class SearchPassesConfig:
     block: int = 64
     """Keys per block (the kernels' default tiles)."""
     top: int | None = None
-    """Values per row the start uses; default the kernels' (``kernels.flash._START_TOP``)."""
+    """Values per row the start uses; default the kernels' for each normalizer
+    (``kernels.flash._START_TOP``)."""
     block_top: int | None = None
     """Largest values of each block the first pass keeps; default the kernels'
     (``kernels.flash._BLOCK_TOP``); 0: the row's own ``top`` largest."""
@@ -611,7 +612,6 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
     from sparse_jax import normalizers as nz
     from sparse_jax.kernels import flash
 
-    top = config.top or flash._START_TOP
     block_top = flash._BLOCK_TOP if config.block_top is None else config.block_top
     start = time.perf_counter()
     header = timing.environment_line(command)
@@ -623,6 +623,7 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                 x = rng.standard_normal((config.rows, n)) * scale
                 z = x - x.max(-1, keepdims=True)
                 z = jnp.asarray(z if norm == "sparsemax" else z / 2, jnp.float32)
+                top = config.top or flash._START_TOP[norm]
                 kept = start_values(z, top, block_top, config.block)
                 done, minus_one = (
                     jnp.zeros((config.rows, 1), bool),
@@ -639,19 +640,19 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                 )
                 gap = float(jnp.max(jnp.abs(tau - tau_ours)))
                 rows.append(
-                    [norm, str(n), f"{scale:g}", str(base), str(ours),
+                    [norm, str(n), f"{scale:g}", str(top), str(base), str(ours),
                      f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}", f"{gap:.1e}"]
                 )  # fmt: skip
-    headers = ["normalizer", "n", "score std", "tile passes from -1", "from the start",
-               "row mean from -1", "from the start", "max |Δτ|"]  # fmt: skip
-    table = timing.markdown_table(headers, rows, align="lrrrrrrr")
+    headers = ["normalizer", "n", "score std", "start values", "tile passes from -1",
+               "from the start", "row mean from -1", "from the start", "max |Δτ|"]  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lrrrrrrrr")
     notes = [
         f"{config.rows}-row tiles of N(0, std²) scores; the start uses "
         + (
-            f"each row's {top} largest values"
+            "each row's largest values (start values: how many)"
             if block_top == 0
-            else f"the {top} largest of each {config.block}-key block's {block_top} largest values "
-            "of a row (as the kernels' first pass keeps them)"
+            else f"the largest (start values: how many) of each {config.block}-key block's "
+            f"{block_top} largest values of a row, as the kernels' first pass keeps them"
         )
         + ". Passes: threshold-search passes until the tile's last row (or the "
         "row) is done, the confirming pass included; the kernels add a first pass (the maximum "

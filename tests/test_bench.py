@@ -306,10 +306,10 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     z, done = jnp.asarray(z), jnp.zeros((16, 1), bool)
     base, base_rows, _ = count_passes(nz.sparsemax_search(jnp.full((16, 1), -1.0), done, 256), z)
     ours, our_rows, _ = count_passes(nz.sparsemax_search(start, done, 256), z)
-    assert cells[:5] == ["sparsemax", "256", "1", str(base), str(ours)]
-    assert cells[5:7] == [f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}"]
+    assert cells[:6] == ["sparsemax", "256", "1", "8", str(base), str(ours)]
+    assert cells[6:8] == [f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}"]
     assert ours < base
-    assert "the 8 largest of each 32-key block's 2 largest values" in printed
+    assert "of each 32-key block's 2 largest values of a row" in printed
     with pytest.raises(SystemExit):
         bench.main(["search_passes", "--lengths", "100", "--block", "64"])
     assert "must be multiples of block 64" in capsys.readouterr().err

@@ -745,7 +745,7 @@ def test_the_first_pass_keeps_the_largest_of_each_blocks_largest_values():
     x[1, 10] = x[1, 70] = x[1].max() + 1.0  # a tie across two blocks: both kept
     x[2, :] = -np.inf  # a row with 3 allowed keys, 2 in one block
     x[2, [5, 6, 100]] = [0.5, 0.25, 0.75]
-    top = (jnp.full((16, 1), -jnp.inf),) * pk._START_TOP
+    top = (jnp.full((16, 1), -jnp.inf),) * 8
     for block in range(5):
         tile = jnp.asarray(x[:, block * 32 : (block + 1) * 32])
         for value in pk._tile_top(tile, pk._BLOCK_TOP):
@@ -764,22 +764,27 @@ def test_the_first_pass_keeps_the_largest_of_each_blocks_largest_values():
     assert (got <= -np.sort(-x, axis=-1)[:, :8]).all()  # never above the row's own 8 largest
 
 
-def test_the_sparsemax_kernel_starts_its_search_from_the_rows_largest_values(monkeypatch):
-    from sparse_jax.normalizers import sparsemax_start
+def test_the_kernels_start_their_searches_from_the_rows_largest_values(monkeypatch):
+    from sparse_jax import normalizers as nz
 
     calls = []
 
-    def spy(top):
-        calls.append(len(top))
-        return sparsemax_start(top)
+    def spy(name):
+        def start(top):
+            calls.append((name, len(top)))
+            return getattr(nz, f"{name}_start")(top)
 
-    monkeypatch.setattr(pk, "sparsemax_start", spy)
+        return start
+
+    monkeypatch.setattr(pk, "sparsemax_start", spy("sparsemax"))
+    monkeypatch.setattr(pk, "entmax15_start", spy("entmax15"))
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 64, 1, 16))
     layout = masks.causal().blocks(64, 64, 16, 16)
-    out = pallas_attention(q, q, q, layout, normalizer="sparsemax")  # traced: the spy runs
-    assert calls == [pk._START_TOP] == [8] and pk._BLOCK_TOP == 2
-    ref = attention(q, q, q, mask=masks.causal(), normalizer="sparsemax", impl="xla")
-    np.testing.assert_allclose(out, ref, atol=2e-6)
+    for name in ("sparsemax", "entmax15"):
+        out = pallas_attention(q, q, q, layout, normalizer=name)  # traced: the spy runs
+        ref = attention(q, q, q, mask=masks.causal(), normalizer=name, impl="xla")
+        np.testing.assert_allclose(out, ref, atol=2e-6)
+    assert calls == [("sparsemax", 8), ("entmax15", 16)] and pk._BLOCK_TOP == 2
     calls.clear()
     pallas_attention(q, q, q, layout, normalizer=1.3)
     assert calls == []  # α-entmax's search has its own start

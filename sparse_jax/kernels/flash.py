@@ -15,8 +15,8 @@ Forward (one program per query block, batch element and head):
   2-norm with its exact quadratic check, safeguarded Newton for any α) are written as
   per-entry terms and a per-row update (:class:`~sparse_jax.normalizers.RowSearch`), so each
   pass of a search sums its terms block by block over the kept key blocks. A first pass finds
-  the row maximum and large values of the row (each block's 2 largest, the 8 largest of
-  those), whose closed form starts the search from a lower bound of τ; the search passes
+  the row maximum and large values of the row (each block's 2 largest, the 8 or 16 largest
+  of those), whose closed form starts the search from a lower bound of τ; the search passes
   follow, then one pass accumulates ``p @ v``. That pass
   records which key blocks hold any nonzero weight: a block whose scores all fall below τ
   skips its ``p @ v`` products there and is not visited at all by the backward pass, so the
@@ -621,10 +621,11 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
 # any of the row's values, tightest from its largest): the first pass merges each block's
 # _BLOCK_TOP largest values of a row into the row's _START_TOP largest of those. Counted by
 # `python -m experiments.bench search_passes` on 64-row tiles of random scores, 2 per block
-# into 8 gives the passes of the row's true 8 largest (sparsemax: 2, the start exact and a
+# into 8 gives sparsemax the passes of the row's true 8 largest (2: the start exact and a
 # confirming pass) for 2 row maxima per block, where the true 4 largest took 4 per block and
-# 1 to 2 passes more.
-_START_TOP = 8
+# 1 to 2 passes more; 1.5-entmax, whose supports are wider, takes 16 (a pass fewer than 8 at
+# score std 1 for n <= 4096: the merge is on [rows, 1] values, cheap beside a tile's work).
+_START_TOP = {"sparsemax": 8, "entmax15": 16}
 _BLOCK_TOP = 2
 
 
@@ -752,7 +753,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     # (normalizers.sparsemax_start, entmax15_start), a lower bound of τ, saves search passes
     # (each recomputes the tile's scores over every kept block).
     start_of = {"sparsemax": sparsemax_start, "entmax15": entmax15_start}.get(plan.kind)
-    n_top, block_top = (1, 1) if start_of is None else (_START_TOP, _BLOCK_TOP)
+    n_top, block_top = (1, 1) if start_of is None else (_START_TOP[plan.kind], _BLOCK_TOP)
     count_allowed = plan.kind == "entmax"  # only α-entmax's search reads the allowed keys
 
     def first_pass(j, carry):
