@@ -536,8 +536,9 @@ def run_tuning(config: TuningConfig, command: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SearchPassesConfig:
-    """How many passes over a row's blocks the fused kernels' threshold searches take, from -1
-    and from the kernels' start (``normalizers.sparsemax_start``, ``entmax15_start`` on the
+    """How many passes over a row's blocks the fused kernels' threshold searches take (as they
+    run them: ``smallest=True``, done in the pass that reaches the threshold), from -1 and
+    from the kernels' start (``normalizers.sparsemax_start``, ``entmax15_start`` on the
     values the first pass keeps: each block's ``block_top`` largest of a row, the ``top``
     largest of those, merged by the kernel's own code), on query tiles of random scores: each
     pass recomputes the tile's scores over every kept block, so the count is the sparse
@@ -601,7 +602,11 @@ def count_passes(search, z) -> tuple[int, np.ndarray, jax.Array]:
     state, passes = search.init, 0
     per_row = np.zeros(z.shape[0], int)
     while not bool(jnp.all(state[-1])) and passes < search.max_iter:
-        sums = tuple(jnp.sum(t, axis=-1, keepdims=True) for t in search.terms(z, state))
+        terms = search.terms(z, state)
+        sums = tuple(
+            (jnp.min if i >= len(terms) - search.minima else jnp.sum)(t, axis=-1, keepdims=True)
+            for i, t in enumerate(terms)
+        )
         state, passes = search.update(state, sums), passes + 1
         per_row += ~np.asarray(state[-1])[:, 0]
     return passes, per_row + 1, state[0]
@@ -631,10 +636,12 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                 )
                 if norm == "sparsemax":
                     starts = (minus_one, nz.sparsemax_start(kept))
-                    searches = [nz.sparsemax_search(tau0, done, n) for tau0 in starts]
+                    searches = [
+                        nz.sparsemax_search(tau0, done, n, smallest=True) for tau0 in starts
+                    ]
                 else:
                     starts = (minus_one, nz.entmax15_start(kept))
-                    searches = [nz.entmax15_search(tau0, done) for tau0 in starts]
+                    searches = [nz.entmax15_search(tau0, done, smallest=True) for tau0 in starts]
                 (base, base_rows, tau), (ours, our_rows, tau_ours) = (
                     count_passes(search, z) for search in searches
                 )

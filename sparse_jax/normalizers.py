@@ -301,8 +301,9 @@ def _start(z):
     return jnp.full((*z.shape[:-1], 1), -1.0, z.dtype)
 
 
-def _row_sums(*operands):
-    """Sums of several arrays over the last axis, keepdims, each pass one fused reduction.
+def _row_sums(*operands, minima: int = 0):
+    """Sums of several arrays over the last axis, keepdims, each pass one fused reduction; the
+    last ``minima`` operands are reduced by their minimum instead.
 
     Why not ``jnp.sum`` per quantity: XLA:CPU hands a plain sum to a library kernel that needs
     its input materialised, so each sum costs a write and a read of the whole score array; the
@@ -311,35 +312,44 @@ def _row_sums(*operands):
     :func:`_cpu_sum_width`); elsewhere all of them go into one reduction.
     """
     n = operands[0].shape[-1]
+    is_min = (False,) * (len(operands) - minima) + (True,) * minima
     width, padded = _cpu_sum_width(n) or (None, n)
     if width is None or padded != n:
-        sums = _reduce_last(operands, operands[0].ndim - 1)
+        sums = _reduce_last(operands, operands[0].ndim - 1, is_min)
     else:
 
         def in_two_stages(*ops):
             sums = []
-            for pair in (ops[i : i + 2] for i in range(0, len(ops), 2)):
+            for i in range(0, len(ops), 2):
+                pair, mins = ops[i : i + 2], is_min[i : i + 2]
                 split = tuple(op.reshape(*op.shape[:-1], padded // width, width) for op in pair)
-                sums += _reduce_last(_reduce_last(split, split[0].ndim - 2), split[0].ndim - 2)
+                axis = split[0].ndim - 2
+                sums += _reduce_last(_reduce_last(split, axis, mins), axis, mins)
             return tuple(sums)
 
         sums = jax.lax.platform_dependent(
             *operands,
             cpu=in_two_stages,
-            default=lambda *ops: _reduce_last(ops, ops[0].ndim - 1),
+            default=lambda *ops: _reduce_last(ops, ops[0].ndim - 1, is_min),
         )
     return tuple(s[..., None] for s in sums)
 
 
-def _reduce_last(operands, axis: int) -> tuple:
-    """Sums of ``operands`` over ``axis`` in one variadic reduction (one operand: reduce_sum,
-    which, unlike a variadic reduction, has the transpose rule reverse mode needs)."""
+def _reduce_last(operands, axis: int, is_min: tuple[bool, ...] | None = None) -> tuple:
+    """Sums (minima where ``is_min``) of ``operands`` over ``axis`` in one variadic reduction
+    (one operand: reduce_sum / reduce_min, which, unlike a variadic reduction, have the
+    transpose rule reverse mode needs)."""
+    is_min = is_min or (False,) * len(operands)
     if len(operands) == 1:
-        return (jnp.sum(operands[0], axis=axis),)
+        return ((jnp.min if is_min[0] else jnp.sum)(operands[0], axis=axis),)
     return jax.lax.reduce(
         tuple(operands),
-        tuple(jnp.zeros((), op.dtype) for op in operands),
-        lambda a, b: tuple(x + y for x, y in zip(a, b, strict=True)),
+        tuple(
+            jnp.array(jnp.inf if m else 0, op.dtype) for op, m in zip(operands, is_min, strict=True)
+        ),
+        lambda a, b: tuple(
+            jnp.minimum(x, y) if m else x + y for x, y, m in zip(a, b, is_min, strict=True)
+        ),
         (axis,),
     )
 
@@ -385,16 +395,18 @@ class RowSearch(NamedTuple):
     """A threshold search split into per-entry terms and a per-row update.
 
     One pass of a search sums ``terms(z, state)`` (a tuple of arrays shaped like ``z``) over the
-    row and hands the sums (each ``[..., 1]``) to ``update(state, sums)``, which returns the next
-    state; ``state[0]`` is the threshold and ``state[-1]`` says the row is done. Split this way,
-    the same search runs on whole rows here (:func:`_run_search`) and on rows held in blocks by
-    a fused kernel, which adds each block's sums (:mod:`sparse_jax.kernels`).
+    row (the last ``minima`` terms: takes their minimum) and hands the results (each
+    ``[..., 1]``) to ``update(state, sums)``, which returns the next state; ``state[0]`` is the
+    threshold and ``state[-1]`` says the row is done. Split this way, the same search runs on
+    whole rows here (:func:`_run_search`) and on rows held in blocks by a fused kernel, which
+    combines each block's sums and minima (:mod:`sparse_jax.kernels`).
     """
 
     init: tuple
     terms: Callable[[jax.Array, tuple], tuple]
     update: Callable[[tuple, tuple], tuple]
     max_iter: int
+    minima: int = 0
 
 
 def _run_search(z, search: RowSearch):
@@ -407,7 +419,7 @@ def _run_search(z, search: RowSearch):
 
     def run(z):
         def body(state):
-            return search.update(state, _row_sums(*search.terms(z, state)))
+            return search.update(state, _row_sums(*search.terms(z, state), minima=search.minima))
 
         return _row_loop(body, search.init, search.max_iter)
 
@@ -448,25 +460,37 @@ def sparsemax_start(top) -> jax.Array:
     return start
 
 
-def sparsemax_search(tau0, done0, row_length: int) -> RowSearch:
+def sparsemax_search(tau0, done0, row_length: int, *, smallest: bool = False) -> RowSearch:
     """Exact sparsemax threshold of rows z (max 0) by Michelot's iteration; τ shape [..., 1].
 
-    Each pass takes τ ← (Σ_S z - 1)/|S| on S = {z > τ}, from a start τ0 <= τ*. The supports are
-    nested and shrink, so an unchanged support size means an unchanged support: τ is then the
-    closed form on its own support, which is the exact threshold.
+    Each pass takes τ' = (Σ_S z - 1)/|S| on S = {z > τ}, from a start τ0 <= τ*: the iterates
+    rise to τ* and the supports shrink to its support, so an unchanged support size means an
+    unchanged support: τ is then the closed form on its own support, the exact threshold.
+
+    With ``smallest``, each pass also takes S's smallest entry (a row minimum beside the two
+    sums): if it is >= τ', S is the support at τ' too (the entries outside S are <= τ <= τ'),
+    so τ' is exact and the row is done in that pass, one pass before the size shows it (a start
+    at the threshold takes one pass). The fused kernels take it, where a pass recomputes a
+    tile's scores over every kept block; XLA's whole-row passes do not: on CPU the minimum
+    costs more than the pass it saves (docs/benchmarks.md).
     """
 
     def terms(z, state):
         in_support = z > state[0]
-        return in_support.astype(z.dtype), jnp.where(in_support, z, 0.0)
+        sums = (in_support.astype(z.dtype), jnp.where(in_support, z, 0.0))
+        return (*sums, jnp.where(in_support, z, jnp.inf)) if smallest else sums
 
     def update(state, sums):
         tau, previous_size, done = state
-        size, total = sums
+        size, total = sums[:2]
         new_tau = (total - 1.0) / jnp.maximum(size, 1.0)
-        return jnp.where(done, tau, new_tau), size, done | (size == previous_size)
+        finished = size == previous_size
+        if smallest:
+            finished = finished | (sums[2] >= new_tau)
+        return jnp.where(done, tau, new_tau), size, done | finished
 
-    return RowSearch((tau0, jnp.full_like(tau0, -1.0), done0), terms, update, row_length + 1)
+    init = (tau0, jnp.full_like(tau0, -1.0), done0)
+    return RowSearch(init, terms, update, row_length + 1, minima=int(smallest))
 
 
 def entmax15_start(top) -> jax.Array:
@@ -495,41 +519,57 @@ def entmax15_start(top) -> jax.Array:
     return jnp.maximum(start, -1.0)
 
 
-def entmax15_search(tau0, done0) -> RowSearch:
+def entmax15_search(tau0, done0, *, smallest: bool = False) -> RowSearch:
     """Exact 1.5-entmax threshold of rows z = (x - max)/2 (p = [z - τ]_+²); τ shape [..., 1].
 
     Newton steps on ||[z - τ]_+||_2 - 1 from a start τ0 <= τ* (monotone: the function is convex
     and decreasing). Every pass also forms the exact quadratic root τ_c of Σ_S (z - τ)² = 1 on
     its support S and, in the next pass, counts the entries >= τ_c: if they cover S, the KKT
     conditions hold and τ_c is the threshold. Finish with :func:`entmax15_polish`.
+
+    With ``smallest``, a pass takes S's smallest entry m (a row minimum) in place of the count:
+    if m >= τ_c, S is the support at τ_c (entries outside S are <= τ <= τ_c) and the row is
+    done in that pass, not the next; otherwise τ* > m (Σ_S (z - m)² > 1) and the next τ is the
+    larger of m and the Newton step, both lower bounds. For the fused kernels, as in
+    :func:`sparsemax_search`.
     """
 
     def terms(z, state):
         tau, candidate = state[0], state[1]
         in_support = z > tau
         u = jnp.where(in_support, z - tau, 0.0)
-        return in_support.astype(z.dtype), u, u * u, (z >= candidate).astype(z.dtype)
+        if smallest:
+            check = jnp.where(in_support, z, jnp.inf)
+        else:
+            check = (z >= candidate).astype(z.dtype)
+        return in_support.astype(z.dtype), u, u * u, check
 
     def update(state, sums):
         tau, candidate, candidate_size, done = state
-        size, s1, s2, covered = sums
-        finished = covered >= candidate_size
+        size, s1, s2, check = sums
         excess = s2 - 1.0  # >= 0 left of the root
         # Smaller root δ of Σ_S (u - δ)² = 1, written without cancellation.
         disc = s1 * s1 - size * excess
-        new_candidate = tau + excess / (s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
+        root = tau + excess / (s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
         # Newton on ||u||_2 - 1, which is nearly linear, rather than on s2 - 1.
         norm = jnp.sqrt(s2)
         newton = tau + (norm - 1.0) * norm / s1
+        if smallest:
+            finished = (disc >= 0.0) & (check >= root)
+            # (A done row's NaN step, s1 = 0, is never taken: its τ is kept.)
+            new_tau = jnp.where(finished, root, jnp.where(newton > check, newton, check))
+        else:
+            finished = check >= candidate_size
+            new_tau = jnp.where(finished, candidate, newton)
         return (
-            jnp.where(done, tau, jnp.where(finished, candidate, newton)),
-            new_candidate,
+            jnp.where(done, tau, new_tau),
+            root,
             jnp.where(disc >= 0.0, size, jnp.inf),
             done | finished,
         )
 
     init = (tau0, tau0, jnp.full_like(tau0, jnp.inf), done0)
-    return RowSearch(init, terms, update, _ENTMAX15_MAX_ITER)
+    return RowSearch(init, terms, update, _ENTMAX15_MAX_ITER, minima=int(smallest))
 
 
 def entmax15_polish_terms(z, tau):

@@ -304,8 +304,9 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     kept = -np.sort(-blocks, axis=-1)[:, :8]
     start = nz.sparsemax_start([jnp.asarray(kept[:, i : i + 1]) for i in range(8)])
     z, done = jnp.asarray(z), jnp.zeros((16, 1), bool)
-    base, base_rows, _ = count_passes(nz.sparsemax_search(jnp.full((16, 1), -1.0), done, 256), z)
-    ours, our_rows, _ = count_passes(nz.sparsemax_search(start, done, 256), z)
+    minus_one = jnp.full((16, 1), -1.0)
+    base, base_rows, _ = count_passes(nz.sparsemax_search(minus_one, done, 256, smallest=True), z)
+    ours, our_rows, _ = count_passes(nz.sparsemax_search(start, done, 256, smallest=True), z)
     assert cells[:6] == ["sparsemax", "256", "1", "8", str(base), str(ours)]
     assert cells[6:8] == [f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}"]
     assert ours < base

@@ -505,3 +505,39 @@ def test_the_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes(nor
     fewer, tau_from_start = _passes(search_of(start, done), z)
     assert fewer < base
     np.testing.assert_allclose(tau_from_start, tau, atol=1e-5)
+
+
+@pytest.mark.parametrize("smallest", [True, False])
+@pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
+def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(normalizer, smallest):
+    """With ``smallest`` each pass also takes its support's smallest entry: when it is >= the
+    pass' closed form, that form is the threshold and the row is done in the same pass, so a
+    start at the exact threshold takes one pass (without: at least two, the last confirming).
+    From -1, on random, tied and mostly masked rows, both end at the threshold found by
+    sorting (1.5-entmax after its polishing step)."""
+    from sparse_jax import normalizers as nz
+
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
+    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
+    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
+    for x in rows:
+        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)  # no all -inf rows
+        if normalizer == "sparsemax":
+            z = x - x.max(-1, keepdims=True)
+            exact = _exact_sparsemax_threshold(z)
+            search_of = functools.partial(nz.sparsemax_search, row_length=300, smallest=smallest)
+        else:
+            z = (x - x.max(-1, keepdims=True)) / 2
+            exact = _exact_entmax15_threshold(z)
+            search_of = functools.partial(nz.entmax15_search, smallest=smallest)
+        z32, done = jnp.asarray(z, jnp.float32), jnp.zeros((64, 1), bool)
+        state = search_of(jnp.full((64, 1), -1.0), done)
+        _, tau = _passes(state, z32)
+        if normalizer == "entmax15":
+            tau = nz.entmax15_polish(tau, nz._row_sums(*nz.entmax15_polish_terms(z32, tau)))
+        np.testing.assert_allclose(tau, exact, atol=2e-6)
+        passes, _ = _passes(search_of(jnp.asarray(exact, jnp.float32) - 1e-7, done), z32)
+        # started at (just below) the threshold: one pass, or a confirming one (or two: an
+        # entry at the threshold leaves the support in the second, which the third confirms)
+        assert passes == 1 if smallest else passes >= 2

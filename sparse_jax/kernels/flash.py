@@ -581,10 +581,10 @@ def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.
     lower bound of τ; default -1, the bound every row has once its maximum is 0)."""
     done0 = jnp.logical_not(row_max > -jnp.inf)  # nothing allowed, or NaN: no search
     tau0 = jnp.full_like(row_max, -1.0) if tau0 is None else jnp.where(done0, -1.0, tau0)
-    if kind == "sparsemax":
-        return sparsemax_search(tau0, done0, row_length)
+    if kind == "sparsemax":  # (smallest: a pass here costs more than a row minimum)
+        return sparsemax_search(tau0, done0, row_length, smallest=True)
     if kind == "entmax15":
-        return entmax15_search(tau0, done0)
+        return entmax15_search(tau0, done0, smallest=True)
     return entmax_search(eps, sigma, n_valid, done0, expm1)
 
 
@@ -608,7 +608,8 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
 
     def step(carry):
         it, state = carry
-        return it + 1, search.update(state, row_sums(lambda z: search.terms(z, state), n_terms))
+        terms_of = lambda z: search.terms(z, state)
+        return it + 1, search.update(state, row_sums(terms_of, n_terms, search.minima))
 
     _, state = jax.lax.while_loop(cond, step, (jnp.int32(0), search.init))
     tau = state[0]
@@ -650,17 +651,34 @@ def _insert(top, value):
     return tuple(out)
 
 
-def _row_pass(count, block_terms, n_terms: int, rows: int):
-    """Sums ``block_terms(j)`` (a tuple of ``[rows, bkv]`` tiles) over the row's kept blocks."""
+def _reductions_init(n_terms: int, minima: int, rows: int) -> tuple:
+    """The ``[rows, 1]`` start of a pass' row reductions: 0 for sums, +inf for the last
+    ``minima`` (minima; see :class:`~sparse_jax.normalizers.RowSearch`)."""
+    return tuple(
+        jnp.full((rows, 1), jnp.inf if i >= n_terms - minima else 0.0, _F32) for i in range(n_terms)
+    )
 
-    def body(j, sums):
-        return tuple(
-            a + jnp.sum(x, axis=-1, keepdims=True)
-            for a, x in zip(sums, block_terms(j), strict=True)
-        )
 
-    init = tuple(jnp.zeros((rows, 1), _F32) for _ in range(n_terms))
-    return jax.lax.fori_loop(0, count, body, init)
+def _reduce_block(acc: tuple, terms: tuple, minima: int) -> tuple:
+    """``acc`` with one block's terms (``[rows, bkv]`` tiles) added, or for the last
+    ``minima``, their row minimum taken."""
+    n = len(terms)
+    return tuple(
+        jnp.minimum(a, jnp.min(x, axis=-1, keepdims=True))
+        if i >= n - minima
+        else a + jnp.sum(x, axis=-1, keepdims=True)
+        for i, (a, x) in enumerate(zip(acc, terms, strict=True))
+    )
+
+
+def _row_pass(count, block_terms, n_terms: int, rows: int, minima: int = 0):
+    """Sums ``block_terms(j)`` (a tuple of ``[rows, bkv]`` tiles) over the row's kept blocks
+    (the last ``minima``: their minimum)."""
+
+    def body(j, acc):
+        return _reduce_block(acc, block_terms(j), minima)
+
+    return jax.lax.fori_loop(0, count, body, _reductions_init(n_terms, minima, rows))
 
 
 def _eps_sigma(plan: _Plan, eps_ref, rows: int):
@@ -777,8 +795,8 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def z_of(j):
         return _z(plan.kind, masked(j), shift, eps)
 
-    def row_sums(terms_of, n_terms):
-        return _row_pass(count, lambda j: terms_of(z_of(j)), n_terms, bq)
+    def row_sums(terms_of, n_terms, minima=0):
+        return _row_pass(count, lambda j: terms_of(z_of(j)), n_terms, bq, minima)
 
     tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, tau0=tau0)
 

@@ -39,6 +39,8 @@ from sparse_jax.kernels.flash import (
     _alpha_rows,
     _dq_step,
     _recompute,
+    _reduce_block,
+    _reductions_init,
     _row_names,
     _softmax_finish,
     _softmax_init,
@@ -240,14 +242,12 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
     nan_row = jnp.isnan(row_max)
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
 
-    def row_sums(terms_of, n_terms):
-        def body(j, tiles, sums):
+    def row_sums(terms_of, n_terms, minima=0):
+        def body(j, tiles, acc):
             terms = terms_of(_z(plan.kind, masked(j, tiles), shift, eps))
-            return tuple(
-                a + jnp.sum(x, axis=-1, keepdims=True) for a, x in zip(sums, terms, strict=True)
-            )
+            return _reduce_block(acc, terms, minima)
 
-        init = tuple(jnp.zeros((bq, 1), _F32) for _ in range(n_terms))
+        init = _reductions_init(n_terms, minima, bq)
         return _stream(count, views(False), k_bufs, sem, body, init)
 
     # (Mosaic has no expm1.)
