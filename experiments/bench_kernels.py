@@ -103,6 +103,14 @@ def _mask(name: str, window: int):
     return local | masks.sink(4), f"(causal & local({window}, 0)) | sink(4)"
 
 
+def _work(seed: int, n: int, b: int, h: int, d: int, dtype):
+    """The kernel benchmarks' inputs at length ``n``: q, k, v ``[b, n, h, d]`` in ``dtype``
+    and a float32 cotangent ``g`` of the same shape, drawn from ``seed + n``."""
+    keys = jax.random.split(jax.random.key(seed + n), 4)
+    q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
+    return (*(x.astype(dtype) for x in (q, k, v)), g)
+
+
 def _normalizer(name: str):
     return name if name in ("softmax", "sparsemax", "entmax15") else float(name)
 
@@ -237,9 +245,7 @@ def run_kernels(config: KernelsConfig, command: str) -> str:
     stopped = ""
     try:
         for n in lengths:
-            keys = jax.random.split(jax.random.key(config.seed + n), 4)
-            q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
-            q, k, v = (x.astype(dtype) for x in (q, k, v))
+            q, k, v, g = _work(config.seed, n, b, h, d, dtype)
             for mask_name in config.masks:
                 mask, label = _mask(mask_name, config.window)
                 for norm_name in config.normalizers:
@@ -466,9 +472,7 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     stopped = ""
     try:
         for n in lengths:
-            keys = jax.random.split(jax.random.key(config.seed + n), 4)
-            q, k, v, g = (jax.random.normal(key, (b, n, h, d), jnp.float32) for key in keys)
-            q, k, v = (x.astype(dtype_name) for x in (q, k, v))
+            q, k, v, g = _work(config.seed, n, b, h, d, dtype_name)
             tiles = [(block, bwd) for block in config.forward_blocks
                      for bwd in dict.fromkeys(tile or block for tile in config.backward_blocks)
                      if bwd <= block]  # fmt: skip
@@ -717,10 +721,7 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
     rows, findings, stopped = [], [], ""
     try:
         for n in lengths:
-            keys = jax.random.split(jax.random.key(config.seed + n), 3)
-            q, k, v = (
-                jax.random.normal(key, (b, n, h, d), jnp.float32).astype(dtype_name) for key in keys
-            )
+            q, k, v, _ = _work(config.seed, n, b, h, d, dtype_name)
             for mask_name in config.masks:
                 mask, label = _mask(mask_name, config.window)
                 layout = mask.blocks(n, n, config.block, config.block)

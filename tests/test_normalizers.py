@@ -465,6 +465,16 @@ def _exact_entmax15_threshold(z):
     return np.take_along_axis(roots, last - 1, axis=-1)
 
 
+def _hard_rows(seed: int) -> list:
+    """[64, 300] score rows for the threshold searches: random at four scales, many ties, and
+    99% masked (-inf; a row with nothing allowed gets zeros)."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
+    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
+    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
+    return [np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x) for x in rows]
+
+
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
 def test_the_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes(normalizer):
     """normalizers.sparsemax_start / entmax15_start on each row's 4 largest values, against
@@ -478,12 +488,8 @@ def test_the_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes(nor
     else:
         start_of, exact_of, halve = nz.entmax15_start, _exact_entmax15_threshold, 0.5
         search_of = nz.entmax15_search
-    rng = np.random.default_rng(0)
-    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
-    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
-    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
+    rows = _hard_rows(0)
     for x in rows:
-        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)  # no all -inf rows
         z = (x - x.max(-1, keepdims=True)) * halve
         exact = exact_of(z)
         power = 1 if normalizer == "sparsemax" else 2
@@ -517,12 +523,7 @@ def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(nor
     sorting (1.5-entmax after its polishing step)."""
     from sparse_jax import normalizers as nz
 
-    rng = np.random.default_rng(1)
-    rows = [rng.standard_normal((64, 300)) * scale for scale in (0.3, 1.0, 4.0, 20.0)]
-    rows.append(np.round(rng.standard_normal((64, 300)) * 2) / 2)  # many ties
-    rows.append(np.where(rng.random((64, 300)) < 0.99, -np.inf, rng.standard_normal((64, 300))))
-    for x in rows:
-        x = np.where(np.isneginf(x).all(-1, keepdims=True), 0.0, x)  # no all -inf rows
+    for x in _hard_rows(1):
         if normalizer == "sparsemax":
             z = x - x.max(-1, keepdims=True)
             exact = _exact_sparsemax_threshold(z)

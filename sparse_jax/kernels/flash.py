@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -1479,13 +1480,12 @@ def capped_forward(q, k, v, layout: BlockLayout, *, search_passes: int, **option
     """
     caller = "capped_forward"
     search_passes = check_int(search_passes, "search_passes", caller, low=0)
-    args = {"mask": None, "normalizer": "softmax", "scale": None, "bias": None,
-            "interpret": None, "precision": None, "target": None, "num_warps": None,
-            "num_stages": None, "forward_block": None, "backward_block": None}  # fmt: skip
-    unknown = sorted(set(options) - set(args))
+    params = inspect.signature(pallas_attention).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(options) - set(defaults))
     if unknown:
-        raise TypeError(f"{caller}: unknown options {unknown}; allowed: {sorted(args)}")
-    plan, inputs = _prepare(q, k, v, layout, *{**args, **options}.values(), caller=caller)
+        raise TypeError(f"{caller}: unknown options {unknown}; allowed: {sorted(defaults)}")
+    plan, inputs = _prepare(q, k, v, layout, **{**defaults, **options}, caller=caller)
     if plan.kind == "softmax" or plan.target != "triton":
         raise ValueError(f"{caller}: a sparse normalizer on the Triton kernels only; got "
                          f"{plan.kind!r} on {plan.target!r}")  # fmt: skip
