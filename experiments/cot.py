@@ -563,6 +563,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
         }
     summary = {
         "kinds": list(data_cfg.kinds),
+        "most_frequent_answer": cot.most_frequent_answers(data.train, test),
         "format": record["format"],
         "lengths": _lengths((data.train, data.validation, data.test)),
         "data": {
@@ -645,6 +646,9 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         if "tokens" in title:
             ref = [ev["dense"]["kinds"][k]["reference_tokens"] for k in kinds]
             ax.plot(x, ref, "k_", ms=30, mew=2, label="reference")
+        if "exact" in title:
+            prior = [100 * s["most_frequent_answer"][k]["exact_match"] for k in kinds]
+            ax.plot(x, prior, "k_", ms=30, mew=2, label="most frequent answer")
         ax.set_xticks(x, [k.replace("_", "\n") for k in kinds])
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -679,21 +683,51 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         )
         + ". Every problem of these "
         f"kinds fits the models: questions up to {fmt['source_len']} bytes, solutions up to "
-        f"{fmt['target_len']} tokens with EOS (nothing truncated or filtered). Exact match: the "
-        "decoded final answer equals the reference (linalg_cot.grade). Decoding: greedy with the "
-        "key/value cache on one batch per kind, stopping when every question has ended; time per "
-        "question = the batch's wall time (median of "
-        f"{s['eval_repeats']}) / its questions (compilation excluded).",
+        f"{fmt['target_len']} tokens with EOS (nothing truncated or filtered).",
         "",
-        "| kind | exact match sparse | dense | steps sparse / dense / ref | tokens sparse / dense "
-        "/ ref | decode ms/question sparse | dense | GFLOPs/question sparse | dense |",
-        "|:--|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "Correctness. Exact match: the decoded final answer equals the reference "
+        "(linalg_cot.grade). Most frequent answer: the exact match of answering every question "
+        "of a kind with that kind's most frequent training answer, without reading it "
+        "(cot.most_frequent_answers): the floor that answers learned by frequency reach. Chain "
+        "right: every step line and the final answer are the reference's. First step right: the "
+        "first step line is the reference's (the question read and copied right). Steps "
+        "matched: the mean fraction of the reference's step lines written before the first "
+        "that differs.",
+        "",
+        "| kind | exact match sparse | dense | most frequent answer | chain right sparse | "
+        "dense | first step right sparse | dense | steps matched sparse | dense |",
+        "|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    prior = s["most_frequent_answer"]
     for k in [*kinds, "overall"]:
         a = _figures(sp, k)
         b = _figures(dn, k)
         lines.append(
             f"| {k} | {_pct(a['exact_match'])} | {_pct(b['exact_match'])} | "
+            f"{_pct(prior[k]['exact_match'])} | "
+            + " | ".join(
+                _pct(r[name])
+                for name in ("chain_match", "first_step", "steps_matched")
+                for r in (a, b)
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Cost. Steps: the chain of thought's step lines (the answer line not counted). "
+        "Decoding: greedy with the key/value cache on one batch per kind, stopping when every "
+        "question has ended; time per question = the batch's wall time (median of "
+        f"{s['eval_repeats']}) / its questions (compilation excluded).",
+        "",
+        "| kind | steps sparse / dense / ref | tokens sparse / dense / ref | decode ms/question "
+        "sparse | dense | GFLOPs/question sparse | dense |",
+        "|:--|--:|--:|--:|--:|--:|--:|",
+    ]
+    for k in [*kinds, "overall"]:
+        a = _figures(sp, k)
+        b = _figures(dn, k)
+        lines.append(
+            f"| {k} | "
             f"{a['steps']:.1f} / {b['steps']:.1f} / {a['reference_steps']:.1f} | "
             f"{a['tokens']:.0f} / {b['tokens']:.0f} / {a['reference_tokens']:.0f} | "
             f"{1e3 * a['seconds_per_question']:.2f} | {1e3 * b['seconds_per_question']:.2f} | "
@@ -859,23 +893,28 @@ def _seeds_table(s: dict) -> str:
         "median of the evaluation's repeats; training s: the call that trained the model (of "
         "a resumed training, the part after the resume).",
         "",
-        "| seed | model | " + " | ".join(kinds) + " | decode ms/question | training s |",
-        "|--:|:--|" + "--:|" * (len(kinds) + 2),
+        "| seed | model | " + " | ".join(kinds) + " | chain right | decode ms/question | "
+        "training s |",
+        "|--:|:--|" + "--:|" * (len(kinds) + 3),
     ]
     for r in s["runs"]:
+        chain = r["overall"].get("chain_match")  # absent from evaluations before it existed
         lines.append(
             f"| {r['seed']} | {r['model']} | "
             + " | ".join(_pct(_exact(r, k)) for k in kinds)
+            + f" | {'n/a' if chain is None else _pct(chain)}"
             + f" | {1e3 * r['overall']['seconds_per_question']:.2f} | {r['train_seconds']:.0f} |"
         )
     spread = s["exact_match"]
     for name in s["models"]:
         cells = [spread[name][k] for k in kinds]
-        lines.append(f"| mean | {name} | " + " | ".join(_pct(c["mean"]) for c in cells) + " | | |")
+        lines.append(
+            f"| mean | {name} | " + " | ".join(_pct(c["mean"]) for c in cells) + " | | | |"
+        )
         lines.append(
             f"| range | {name} | "
             + " | ".join(f"{_pct(c['min'])}-{_pct(c['max'])}" for c in cells)
-            + " | | |"
+            + " | | | |"
         )
     gap = spread.get("sparse_minus_dense_points")
     if gap:

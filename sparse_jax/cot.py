@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -76,6 +77,7 @@ __all__ = [
     "evaluate",
     "fit_format",
     "loss_fn",
+    "most_frequent_answers",
     "pack",
     "read_record",
     "split_rows",
@@ -652,6 +654,23 @@ def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if len(values) else float("nan")
 
 
+def _steps_matched(written: Sequence[str], reference: Sequence[str]) -> int:
+    """How many of the reference's step lines were written, in order, before the first line
+    that differs from it."""
+    matched = 0
+    for mine, theirs in zip(written, reference, strict=False):
+        if mine.strip() != theirs.strip():
+            break
+        matched += 1
+    return matched
+
+
+def _first_step_right(record: Mapping[str, Any]) -> bool:
+    if record["reference_steps"] == 0:  # nothing to read: right when nothing was written
+        return record["steps"] == 0
+    return record["steps_matched"] >= 1
+
+
 def evaluate(
     solver: Solver,
     problems: Iterable[linalg_cot.Problem],
@@ -670,8 +689,13 @@ def evaluate(
 
     * ``questions``, ``exact_match`` (fraction correct), ``answered`` (fraction with an
       ``Answer:`` line), ``finished`` (fraction that ended with EOS);
+    * ``chain_match`` (fraction whose whole solution is the reference's: every step line and
+      the final answer), ``first_step`` (fraction whose first step line is the reference's: the
+      question read right) and ``steps_matched`` (mean fraction of the reference's step lines
+      written before the first that differs): whether the model reasons, beside whether its
+      final answer is right (an answer can be right after wrong steps, or guessed);
     * ``steps`` / ``reference_steps``, ``tokens`` / ``reference_tokens``: mean chain-of-thought
-      length in step lines and in tokens (EOS included);
+      length in step lines (the ``Answer:`` line not counted) and in tokens (EOS included);
     * ``seconds_per_question``: the decoding's wall time over the questions (each batch's time
       the median of ``repeats`` decodings);
     * ``flops_per_question``: mean ``model.flops(question bytes, decoded tokens)["total"]``
@@ -716,17 +740,19 @@ def evaluate(
             for i, (answer, _) in zip(part, decoded, strict=True):
                 p = problems[i]
                 ref = encode_solution(p.solution_text())
+                correct = answer.final is not None and linalg_cot.grade(answer.final, p.answer)
+                matched = _steps_matched(answer.steps, p.steps)
                 records[i] = {
                     "kind": p.kind,
                     "question": p.question,
                     "reference": p.answer,
                     "final": answer.final,
-                    "correct": (
-                        answer.final is not None and linalg_cot.grade(answer.final, p.answer)
-                    ),
+                    "correct": correct,
+                    "chain_correct": correct and tuple(answer.steps) == tuple(p.steps),
+                    "steps_matched": matched,
                     "text": answer.text,
                     "steps": len(answer.steps),
-                    "reference_steps": len(p.steps) + 1,  # + the answer line
+                    "reference_steps": len(p.steps),
                     "tokens": answer.tokens,
                     "reference_tokens": int(ref.size),
                     "finished": answer.finished,
@@ -769,6 +795,16 @@ def evaluate(
         return {
             "questions": len(rows),
             "exact_match": _mean([float(r["correct"]) for r in rows]),
+            "chain_match": _mean([float(r["chain_correct"]) for r in rows]),
+            "first_step": _mean([float(_first_step_right(r)) for r in rows]),
+            "steps_matched": _mean(
+                [
+                    r["steps_matched"] / r["reference_steps"]
+                    if r["reference_steps"]
+                    else float(r["steps"] == 0)
+                    for r in rows
+                ]
+            ),
             "answered": _mean([float(r["final"] is not None) for r in rows]),
             "finished": _mean([float(r["finished"]) for r in rows]),
             "steps": _mean([r["steps"] for r in rows]),
@@ -788,6 +824,49 @@ def evaluate(
         "overall": summary(done, order),
         "records": done,
     }
+
+
+def most_frequent_answers(
+    train: Iterable[linalg_cot.Problem], test: Iterable[linalg_cot.Problem]
+) -> dict[str, dict[str, Any]]:
+    """Exact match without reading the question: per kind, the final answer most frequent among
+    the ``train`` problems (ties: the one seen first), graded against each ``test`` problem of
+    that kind. A floor for :func:`evaluate`'s exact match: a model that scores it has learned
+    the answers' frequencies, not to solve (a kind asking "always, sometimes or never" has
+    three answers; a small rref's is often the identity).
+
+    Returns per kind of ``test`` (in :data:`~sparse_jax.data.linalg_cot.KINDS` order) and for
+    ``"overall"``: ``answer`` (None for the overall, and for a kind with no training problem,
+    which then scores 0), ``questions`` and ``exact_match``.
+
+    Example:
+      >>> train = [linalg_cot.generate("solvability", seed) for seed in range(40)]
+      >>> test = [linalg_cot.generate("solvability", seed) for seed in range(40, 60)]
+      >>> prior = most_frequent_answers(train, test)
+      >>> prior["solvability"]["answer"] in ("always", "sometimes but not always", "never")
+      True
+      >>> prior["overall"]["questions"], 0 < prior["overall"]["exact_match"] < 1
+      (20, True)
+    """
+    train = [_check_problem(p, "most_frequent_answers") for p in train]
+    test = [_check_problem(p, "most_frequent_answers") for p in test]
+    counts: dict[str, collections.Counter] = {}
+    for p in train:
+        counts.setdefault(p.kind, collections.Counter())[p.answer] += 1
+    kinds = [k for k in linalg_cot.KINDS if any(p.kind == k for p in test)]
+    result: dict[str, dict[str, Any]] = {}
+    hits: list[float] = []
+    for kind in kinds:
+        answer = counts[kind].most_common(1)[0][0] if kind in counts else None
+        right = [
+            float(answer is not None and linalg_cot.grade(answer, p.answer))
+            for p in test
+            if p.kind == kind
+        ]
+        hits += right
+        result[kind] = {"answer": answer, "questions": len(right), "exact_match": _mean(right)}
+    result["overall"] = {"answer": None, "questions": len(hits), "exact_match": _mean(hits)}
+    return result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ end (train, eval, ask, resume) and bad flags refused by name."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -140,6 +141,26 @@ def test_unreadable_questions_are_answered_with_the_reason(question, reason):
     assert both[1] == answer
 
 
+def test_most_frequent_answers_grades_each_kinds_most_frequent_training_answer():
+    def problem(kind, answer):
+        return lc.Problem(kind=kind, question="q", steps=("s",), answer=answer)
+
+    yes, no = "yes; x = [1]", "no"
+    train = [problem("column_space", a) for a in (no, yes, yes, no)]  # a tie: the first seen
+    train += [problem("solvability", a) for a in ("never", "always", "always")]
+    test = [problem("solvability", a) for a in ("always", "never", "always", "always")]
+    test += [problem("column_space", a) for a in (no, "no ", yes)]  # grading ignores spaces
+    test += [problem("rref", "[[1]]")]  # no training problem of this kind
+    got = cot.most_frequent_answers(train, test)
+    assert list(got) == ["rref", "solvability", "column_space", "overall"]  # KINDS order
+    assert got["solvability"] == {"answer": "always", "questions": 4, "exact_match": 0.75}
+    assert got["column_space"] == {"answer": no, "questions": 3, "exact_match": 2 / 3}
+    assert got["rref"] == {"answer": None, "questions": 1, "exact_match": 0.0}
+    assert got["overall"] == {"answer": None, "questions": 8, "exact_match": 5 / 8}
+    with pytest.raises(TypeError, match="most_frequent_answers: problems must be"):
+        cot.most_frequent_answers(train, ["What is rref([[1]])?"])
+
+
 def test_a_question_that_is_not_a_string_is_a_type_error():
     with pytest.raises(TypeError, match="a question must be a str; got int"):
         _untrained().answer(42)
@@ -248,17 +269,26 @@ def test_evaluate_figures_recomputed_independently(run):
     for p, ok, r in zip(problems, fits, records, strict=True):
         if not ok:
             assert r["error"].startswith("the question is") and not r["correct"]
-            mine.append(dict(kind=p.kind, correct=False, tokens=0, steps=0, flops=None))
+            mine.append(dict(kind=p.kind, correct=False, tokens=0, steps=0, flops=None,
+                             chain=False, first=False, fraction=0.0))  # fmt: skip
             continue
         text, tokens = next(decoded)
         steps, final = lc.split_solution(text)
         correct = final is not None and lc.grade(final, p.answer)
         flops = solver.model.flops(len(p.question.encode()), tokens)["total"]
+        # The reference's step lines written, in order, before the first that differs.
+        matched = next(
+            (i for i, (a, b) in enumerate(zip(steps, p.steps, strict=False)) if a != b),
+            min(len(steps), len(p.steps)),
+        )
+        chain = correct and steps == p.steps
         assert (r["text"], r["tokens"], r["steps"], r["final"]) == (text, tokens, len(steps), final)
         assert (r["correct"], r["flops"], r["error"]) == (correct, flops, None)
+        assert (r["chain_correct"], r["steps_matched"]) == (chain, matched)
         mine.append(
-            dict(kind=p.kind, correct=correct, tokens=tokens, steps=len(steps), flops=flops)
-        )
+            dict(kind=p.kind, correct=correct, tokens=tokens, steps=len(steps), flops=flops,
+                 chain=chain, first=matched >= 1, fraction=matched / len(p.steps))
+        )  # fmt: skip
     for kind in {p.kind for p in problems}:
         rows = [m for m in mine if m["kind"] == kind]
         refs = [p for p in problems if p.kind == kind]
@@ -269,12 +299,18 @@ def test_evaluate_figures_recomputed_independently(run):
         assert got["steps"] == pytest.approx(np.mean([m["steps"] for m in rows]))
         assert got["reference_tokens"] == pytest.approx(
             np.mean([len(p.solution_text().encode()) + 1 for p in refs]))  # fmt: skip
-        assert got["reference_steps"] == pytest.approx(np.mean([len(p.steps) + 1 for p in refs]))
+        assert got["reference_steps"] == pytest.approx(np.mean([len(p.steps) for p in refs]))
+        for name, key in (("chain_match", "chain"), ("first_step", "first"),
+                          ("steps_matched", "fraction")):  # fmt: skip
+            assert got[name] == pytest.approx(np.mean([m[key] for m in rows])), name
         flops = [m["flops"] for m in rows if m["flops"] is not None]
         if flops:
             assert got["flops_per_question"] == pytest.approx(np.mean(flops))
         assert got["errors"] == sum(m["flops"] is None for m in rows)
     assert result["kinds"]["rref"]["exact_match"] >= 3 / 8  # its four training problems
+    # ... whose chains it learned by heart: the chain figures are not all zero.
+    assert result["kinds"]["rref"]["chain_match"] > 0
+    assert result["kinds"]["rref"]["first_step"] >= result["kinds"]["rref"]["chain_match"]
     overall = result["overall"]
     assert overall["exact_match"] == pytest.approx(np.mean([m["correct"] for m in mine]))
     assert overall["seconds_per_question"] == pytest.approx(
@@ -301,8 +337,8 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
         assert (folder / name).is_file(), name
     saved = json.loads((folder / "summary.json").read_text())
     assert set(saved) >= {
-        "kinds", "format", "lengths", "data", "models", "evaluation", "comparison",
-        "phase_seconds", "wall_time_s", "device",
+        "kinds", "most_frequent_answer", "format", "lengths", "data", "models", "evaluation",
+        "comparison", "phase_seconds", "wall_time_s", "device",
     }  # fmt: skip
     assert saved["kinds"] == ["rref"] and saved["evaluation"] == summary["evaluation"]
     assert set(saved["phase_seconds"]) == {
@@ -327,7 +363,23 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
         assert em[name] == pytest.approx(np.mean(graded))
     assert saved["models"]["dense"]["switches"] == {}
     assert "normalizer" in saved["models"]["sparse"]["switches"]
-    assert f"| rref | {100 * em['sparse']:.1f}% | {100 * em['dense']:.1f}% |" in report
+    # Answering the most frequent training answer, recomputed from the training split.
+    answers = collections.Counter(p.answer for p in run["train"])
+    prior = np.mean([lc.grade(answers.most_common(1)[0][0], p.answer) for p in run["test"]])
+    assert saved["most_frequent_answer"]["rref"]["exact_match"] == pytest.approx(prior)
+    assert saved["most_frequent_answer"]["overall"]["exact_match"] == pytest.approx(prior)
+    chains = {}
+    for name in ("sparse", "dense"):
+        rows = [json.loads(line) for line in (folder / f"answers-{name}.jsonl").open()]
+        chains[name] = np.mean([
+            r["correct"] and lc.split_solution(r["text"])[0] == p.steps
+            for r, p in zip(rows, run["test"], strict=True)])  # fmt: skip
+        assert saved["evaluation"][name]["kinds"]["rref"]["chain_match"] == pytest.approx(
+            chains[name])  # fmt: skip
+    assert (
+        f"| rref | {100 * em['sparse']:.1f}% | {100 * em['dense']:.1f}% | {100 * prior:.1f}% | "
+        f"{100 * chains['sparse']:.1f}% | {100 * chains['dense']:.1f}% |"
+    ) in report
     # Sparsemax leaves most allowed keys at zero weight (softmax none: see above).
     sparse = saved["evaluation"]["sparse"]["overall"]["attention"]
     for part in ("encoder", "decoder_self", "decoder_cross"):
