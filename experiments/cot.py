@@ -148,6 +148,10 @@ class Model:
     decoder_block: int = 16
     """With --model.decoder-window: the block size of the decoder self-attention's mask, with
     which `impl="auto"` chooses the block-sparse kernel or the dense one (docs/results.md)."""
+    literals: bool = False
+    """Both models: learned embeddings of where each token sits in a matrix or vector
+    literal (depth, row, column: EncDecConfig.literal_tokens), in the question and the
+    solution."""
 
     def __post_init__(self):
         try:
@@ -160,7 +164,10 @@ class Model:
     def config(self, seed: int) -> EncDecConfig:
         """The sparse model's config (its baseline: ``.dense()``)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return EncDecConfig(vocab_size=cot.VOCAB_SIZE, seed=seed, **fields)
+        literal_tokens = cot.LITERAL_TOKENS if fields.pop("literals") else None
+        return EncDecConfig(
+            vocab_size=cot.VOCAB_SIZE, seed=seed, literal_tokens=literal_tokens, **fields
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,7 @@ from sparse_jax.validation import check_bool, check_int
 __all__ = [
     "BOS_ID",
     "EOS_ID",
+    "LITERAL_TOKENS",
     "PAD_ID",
     "RECORD",
     "VOCAB_SIZE",
@@ -89,6 +90,8 @@ BOS_ID = 257  # the decoder's first input
 PAD_ID = 258  # fills rows after a question or a solution
 VOCAB_SIZE = 259  # bytes 0..255 and the three above (EncDecConfig's default 260 holds them)
 RECORD = "cot.json"  # the run folder's file that Solver.load reads (format, model configs)
+# The ids of "[", "]" and "," (bytes): EncDecConfig.literal_tokens for matrices and vectors.
+LITERAL_TOKENS = tuple(b"[],")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from sparse_jax.models.encdec import (
     EncoderDecoder,
     describe,
     greedy_decode,
+    literal_coordinates,
     sequence_loss,
 )
 from tests.engines import engines_used
@@ -188,6 +189,82 @@ def test_cached_greedy_decoding_equals_the_full_forward_pass(cfg):
         np.testing.assert_array_equal(tokens[b, stop:], want[b, stop:])
 
 
+def _literal_paths(text: str) -> dict[int, tuple[int, ...]]:
+    """Each digit's index path in the bracketed literals of ``text`` (``[[1, 2], [3]]``: 1 at
+    (0, 0), 3 at (1, 0)), by recursive descent: the parser the model's scan must agree with."""
+    paths: dict[int, tuple[int, ...]] = {}
+
+    def parse(i: int, path: tuple[int, ...]) -> int:  # text[i] == "["; returns after "]"
+        i, index = i + 1, 0
+        while text[i] != "]":
+            if text[i] == "[":
+                i = parse(i, (*path, index))
+            elif text[i] == ",":
+                index += 1
+                i += 1
+            else:
+                if text[i].isdigit():
+                    paths[i] = (*path, index)
+                i += 1
+        return i + 1
+
+    i = 0
+    while i < len(text):
+        i = parse(i, ()) if text[i] == "[" else i + 1
+    return paths
+
+
+def test_literal_coordinates_agree_with_a_parser_on_every_kind_of_problem():
+    from sparse_jax.data import linalg_cot as lc
+
+    problems = [lc.generate(kind, seed) for kind in lc.KINDS for seed in range(8)]
+    texts = [p.text() for p in problems]
+    width = max(len(t) for t in texts)
+    ids = np.full((len(texts), width), ord(" "), np.int32)
+    for row, text in enumerate(texts):
+        ids[row, : len(text)] = np.frombuffer(text.encode(), np.uint8)
+    got = np.asarray(literal_coordinates(jnp.asarray(ids), tuple(b"[],")))
+    checked = 0
+    for row, text in enumerate(texts):
+        for i, path in _literal_paths(text).items():
+            # A matrix entry (row, column) at depth 2; a vector's entries are its rows.
+            want = (2, *path) if len(path) == 2 else (1, path[0], 0)
+            assert tuple(got[row, i]) == want, (text, i)
+            checked += 1
+        outside = [i for i, ch in enumerate(text) if ch.isdigit() and i not in _literal_paths(text)]
+        assert all(got[row, i, 0] == 0 for i in outside)  # "3 by 4 with rank 2": no literal
+    assert checked > 1000
+
+
+def test_literal_embeddings_are_in_both_models_and_fed_token_by_token_when_decoding():
+    cfg = dataclasses.replace(SPARSE, literal_tokens=[3, 4, 5])  # a list, as read from JSON
+    assert cfg.literal_tokens == (3, 4, 5) and cfg.dense().literal_tokens == (3, 4, 5)
+    assert "literal_tokens" not in describe(cfg)  # not a sparsity switch: the baseline has it
+    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
+    assert shapes(_model(cfg)) == shapes(_model(cfg.dense()))
+    assert shapes(_model(cfg))["literal_embed"]["embedding"] == (36, 16)
+    src, lengths, _ = _batch(2)
+    # A target that opens and closes literals ([[a, b], [c]], [d, e]) fed one token at a time
+    # through the cache gives the full pass' logits; without the coordinates they differ.
+    target_in = jnp.array([[1, 3, 3, 6, 5, 7, 4, 5, 3, 8, 4, 4, 5, 3, 9, 5, 6, 4]] * 2)
+    for config in (cfg, cfg.dense()):
+        model = _model(config)
+        full = model(src, lengths, target_in)
+        cache = model.init_cache(model.encode(src, lengths), lengths, target_in.shape[1])
+        steps = []
+        for t in range(target_in.shape[1]):
+            logits, cache = model.decode_step(target_in[:, t], cache)
+            steps.append(logits)
+        np.testing.assert_allclose(jnp.stack(steps, 1), full, atol=2e-5, rtol=1e-5)
+        assert cache["literal"].tolist() == [[0, 1, 0]] * 2  # after "[d, e]": row 1, depth 0
+        # The table is the only difference from the model without it (drawn last, so the
+        # other weights are the same draws): zeroed, the logits are that model's.
+        plain = _model(dataclasses.replace(config, literal_tokens=None))(src, lengths, target_in)
+        assert not np.allclose(plain, full, atol=1e-4)
+        model.literal_embed.embedding[...] = 0.0
+        np.testing.assert_allclose(model(src, lengths, target_in), plain, atol=1e-6)
+
+
 @pytest.mark.parametrize("sinks", [0, 1, 3])
 def test_a_windowed_decoder_caches_only_the_sinks_and_a_ring_of_the_window(sinks):
     # 19 positions through a ring of 3 slots (+ sinks): the logits of every position equal the
@@ -276,6 +353,10 @@ def test_flops_by_hand():
         ({"logit_scale": 0}, r"`logit_scale` must be a finite number > 0 or None; got 0"),
         ({"logit_scale": float("inf")}, "`logit_scale` must be a finite number > 0"),
         ({"logit_scale": True}, "`logit_scale` must be a finite number > 0"),
+        ({"literal_tokens": (3, 3, 4)}, r"`literal_tokens` must be None or 3 distinct token"),
+        ({"literal_tokens": (3, 4)}, r"`literal_tokens` must be .* got \(3, 4\)"),
+        ({"literal_tokens": (3, 4, 13)}, r"in \[0, vocab_size=13\); got \(3, 4, 13\)"),
+        ({"literal_tokens": "[],"}, r"`literal_tokens` must be None or 3 distinct"),
     ],
 )
 def test_bad_configurations_are_rejected(kwargs, match):

@@ -63,7 +63,14 @@ from sparse_jax.dynamic import topk_mask
 from sparse_jax.normalizers import sparsemax_loss
 from sparse_jax.validation import check_int
 
-__all__ = ["EncDecConfig", "EncoderDecoder", "describe", "greedy_decode", "sequence_loss"]
+__all__ = [
+    "EncDecConfig",
+    "EncoderDecoder",
+    "describe",
+    "greedy_decode",
+    "literal_coordinates",
+    "sequence_loss",
+]
 
 NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 OUTPUTS = ("softmax", "sparsemax")
@@ -109,6 +116,9 @@ class EncDecConfig:
     decoder_window: int | None = None  # decoder self-attention: recent keys kept (None: causal)
     decoder_sinks: int = 0  # with decoder_window: the first tokens every query also sees
     decoder_block: int = 16  # blocks of a windowed decoder's mask (see decoder_mask)
+    # Token ids (open, close, separator) of bracketed literals such as [[1, 2], [3, 4]]: when
+    # set, every token also gets learned embeddings of where it sits in one (literal_coordinates).
+    literal_tokens: tuple[int, int, int] | None = None
     seed: int = 0  # draws the fixed random SparseEmbed dimensions
 
     def __post_init__(self):
@@ -149,6 +159,20 @@ class EncDecConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"{caller}: `{name}` must be in (0, 1] (1: off); got {value!r}")
+        if self.literal_tokens is not None:
+            ids = self.literal_tokens
+            if (
+                not isinstance(ids, (tuple, list))
+                or len(ids) != 3
+                or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids)
+                or len(set(ids)) != 3
+                or not all(0 <= i < self.vocab_size for i in ids)
+            ):
+                raise ValueError(
+                    f"{caller}: `literal_tokens` must be None or 3 distinct token ids (open, "
+                    f"close, separator) in [0, vocab_size={self.vocab_size}); got {ids!r}"
+                )
+            object.__setattr__(self, "literal_tokens", tuple(int(i) for i in ids))  # JSON: list
         if self.decoder_sinks and self.decoder_window is None:
             raise ValueError(
                 f"{caller}: `decoder_sinks`={self.decoder_sinks} needs a `decoder_window` (without "
@@ -206,6 +230,52 @@ def sinusoid(positions: jax.Array, d_model: int) -> jax.Array:
     angle = positions.astype(jnp.float32)[..., None] * freq
     enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
     return jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, d_model - 2 * half)])
+
+
+LITERAL_SLOTS = 16  # rows and columns of a literal told apart (later ones share the last)
+LITERAL_DEPTHS = 4  # bracket depths told apart (0: outside every literal)
+
+
+def literal_step(state: jax.Array, token: jax.Array, literal_tokens) -> jax.Array:
+    """One token's move through bracketed literals: ``state [..., 3]`` = (depth, row, column)
+    before ``token [...]``, the state after it. An open bracket goes one level deeper and
+    starts a column count (at depth 1 also a row count); a separator at depth 1 starts the
+    next row (a vector's entries are rows, as for a column vector), deeper the next column; a
+    close bracket goes one level up. Other tokens leave the state as it is."""
+    open_id, close_id, sep_id = literal_tokens
+    depth, row, col = state[..., 0], state[..., 1], state[..., 2]
+    is_open, is_close, is_sep = token == open_id, token == close_id, token == sep_id
+    new_depth = jnp.where(is_open, depth + 1, jnp.where(is_close, jnp.maximum(depth - 1, 0), depth))
+    row = jnp.where(is_open & (new_depth == 1), 0, jnp.where(is_sep & (depth == 1), row + 1, row))
+    col = jnp.where(
+        is_open | (is_sep & (depth == 1)), 0, jnp.where(is_sep & (depth >= 2), col + 1, col)
+    )
+    return jnp.stack([new_depth, row, col], axis=-1)
+
+
+def literal_coordinates(ids: jax.Array, literal_tokens) -> jax.Array:
+    """Where each token of ``ids [B, L]`` sits in bracketed literals, ``[B, L, 3]`` int32:
+    (depth, row, column) after reading it (:func:`literal_step` from (0, 0, 0)). An entry of a
+    matrix ``[[a, b], [c, d]]`` gets its (row, column), ``d`` (2, 1, 1); the entries of a
+    vector ``[x, y]`` are its rows, ``y`` (1, 1, 0): what copying ``A`` and ``b`` into
+    ``[A | b]`` needs to find, whatever text comes before them.
+
+    Example (byte ids; each digit's (depth, row, column)):
+      >>> text = b"A = [[1, 2], [3, 4]], b = [5, 6]"  # b's entries are its rows
+      >>> where = literal_coordinates(jnp.array([list(text)]), tuple(b"[],"))[0].tolist()
+      >>> {chr(t): w[1:] for t, w in zip(text, where) if chr(t).isdigit()}  # (row, column)
+      {'1': [0, 0], '2': [0, 1], '3': [1, 0], '4': [1, 1], '5': [0, 0], '6': [1, 0]}
+      >>> where[text.index(b"4")][0], where[text.index(b"6")][0]  # depth: matrix, vector
+      (2, 1)
+    """
+    start = jnp.zeros((ids.shape[0], 3), jnp.int32)
+
+    def step(state, token):
+        state = literal_step(state, token, literal_tokens)
+        return state, state
+
+    _, states = jax.lax.scan(step, start, ids.T)
+    return states.swapaxes(0, 1)
 
 
 def keep_largest(x: jax.Array, keep: float) -> jax.Array:
@@ -356,6 +426,10 @@ class EncoderDecoder(nnx.Module):
         self.cot = nnx.List([SelfAttentionLayer(cfg, rngs) for _ in range(cfg.cot_steps)])
         self.decoder = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.decoder_layers)])
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, rngs=rngs)
+        if cfg.literal_tokens is not None:  # depths, then rows, then columns
+            self.literal_embed = nnx.Embed(
+                LITERAL_DEPTHS + 2 * LITERAL_SLOTS, cfg.d_model, rngs=rngs
+            )
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -368,6 +442,21 @@ class EncoderDecoder(nnx.Module):
         if cfg.embed_mask == "magnitude":
             return keep_largest(e, cfg.embed_keep)
         return jnp.where(self.embed_dims[...], e, 0.0)
+
+    def placement(self, ids: jax.Array, positions: jax.Array, coordinates=None) -> jax.Array:
+        """What is added to the embedded ``ids [B, L]``, ``[B, L, D]``: sinusoids of their
+        ``positions [L]`` and, with ``literal_tokens``, the learned embeddings of their
+        :func:`literal_coordinates` (given as ``coordinates [B, L, 3]`` when decoding)."""
+        enc = sinusoid(positions, self.config.d_model)[None]
+        literal_tokens = self.config.literal_tokens
+        if literal_tokens is None:
+            return enc
+        if coordinates is None:
+            coordinates = literal_coordinates(ids, literal_tokens)
+        depth = jnp.minimum(coordinates[..., 0], LITERAL_DEPTHS - 1)
+        row, col = (jnp.minimum(coordinates[..., i], LITERAL_SLOTS - 1) for i in (1, 2))
+        e = self.literal_embed
+        return enc + e(depth) + e(LITERAL_DEPTHS + row) + e(LITERAL_DEPTHS + LITERAL_SLOTS + col)
 
     def _source_masks(self, source_lengths, s: int):
         """(self-attention mask ``[B, 1, S, S]``: real positions among real positions, under
@@ -384,7 +473,7 @@ class EncoderDecoder(nnx.Module):
         s = source.shape[1]
         self_mask, _ = self._source_masks(source_lengths, s)
         emb = self.sparse_embed(source)
-        x = emb + sinusoid(jnp.arange(s), self.config.d_model)
+        x = emb + self.placement(source, jnp.arange(s))
         for layer in self.encoder:
             x = layer(x, self_mask, stats)
         for step in self.cot:
@@ -421,7 +510,7 @@ class EncoderDecoder(nnx.Module):
         stats = [] if return_stats else None
         memory = self.encode(source, source_lengths, stats)
         t = target.shape[1]
-        y = self.sparse_embed(target) + sinusoid(jnp.arange(t), self.config.d_model)
+        y = self.sparse_embed(target) + self.placement(target, jnp.arange(t))
         self_mask = self.config.decoder_mask()
         if self.config.decoder_window is None:
             self_mask = jnp.asarray(self_mask.dense(t, t))
@@ -467,12 +556,15 @@ class EncoderDecoder(nnx.Module):
             ck, cv = layer.cross_attn.keys_values(memory)
             zeros = jnp.zeros((b, slots, n, h), memory.dtype)
             layers.append({"k": zeros, "v": zeros, "ck": ck, "cv": cv})
-        return {
+        cache = {
             "layers": layers,
             "positions": jnp.full((slots,), -1, jnp.int32),
             "cross_mask": cross_mask,
             "index": jnp.int32(0),
         }
+        if self.config.literal_tokens is not None:  # where the tokens fed so far left off
+            cache["literal"] = jnp.zeros((b, 3), jnp.int32)
+        return cache
 
     def decode_step(self, token: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
         """Logits ``[B, V]`` for the next position after feeding ``token [B]`` at
@@ -480,7 +572,13 @@ class EncoderDecoder(nnx.Module):
         slot of the oldest token outside the sinks)."""
         index = cache["index"]
         slots = cache["layers"][0]["k"].shape[1]
-        y = self.sparse_embed(token[:, None]) + sinusoid(index[None], self.config.d_model)
+        literal = None
+        if self.config.literal_tokens is not None:
+            literal = literal_step(cache["literal"], token, self.config.literal_tokens)
+        ids = token[:, None]
+        y = self.sparse_embed(ids) + self.placement(
+            ids, index[None], None if literal is None else literal[:, None]
+        )
         sinks = self.config.decoder_sinks if self.config.decoder_window is not None else 0
         ring = max(slots - sinks, 1)
         slot = jnp.where(index < sinks, index, sinks + (index - sinks) % ring)
@@ -496,6 +594,8 @@ class EncoderDecoder(nnx.Module):
             new_layers.append({**c, "k": k_all, "v": v_all})
         logits = self.head(y)[:, 0]
         new_cache = {**cache, "layers": new_layers, "positions": positions, "index": index + 1}
+        if literal is not None:
+            new_cache["literal"] = literal
         return logits, new_cache
 
     # -- what the model is -------------------------------------------------------------------
