@@ -14,14 +14,17 @@ the sparse model (:class:`~sparse_jax.models.encdec.EncDecConfig`'s sparse switc
 attention, its scores scaled by a learned factor per head that starts at 0.125, sparsemax
 outputs, sparse embeddings, chain-of-thought feature masks, a decoder window of the 64 most
 recent tokens and 4 sinks) and then its dense baseline (``config.dense()``) with
-the project's trainer, each phase checkpointed under ``<run>/checkpoints/<model>``. ``eval``
-decodes the test split greedily with each trained model (restored by
-``sparse_jax.cot.Solver.load``) and reports, per question kind, exact match of the final answer,
-the chain of thought's length in steps and tokens, decoding time per question, attention
-density and FLOPs. ``ask`` answers one question with the trained models. ``seeds`` trains and
-evaluates the chosen models at several seeds (the same data) and prints each one's exact match
-beside their mean and range: at the default's size one kind moves by up to 24 points between
-seeds (docs/results.md), so a difference between two single runs says little.
+the project's trainer, each phase checkpointed under ``<run>/checkpoints/<model>``; both models
+embed where each token sits in a matrix or vector (``--model.literals``). ``eval`` decodes the
+test split greedily with each trained model (restored by ``sparse_jax.cot.Solver.load``) and
+reports, per question kind, exact match of the final answer beside what answering the most
+frequent training answer scores, whether the chain of thought is the reference's (all of it,
+its first step, the share of its steps), its length in steps and tokens, decoding time per
+question, attention density and FLOPs. ``ask`` answers one question with the trained models.
+``seeds`` trains and evaluates the chosen models at several seeds (the same data) and prints
+each one's exact match beside their mean and range: at the default's size one kind moves by up
+to 24 points between seeds (docs/results.md), so a difference between two single runs says
+little.
 
 The default fits a 2-core CPU: three of the six kinds (rref, solvability, column space) at small
 sizes (matrices up to 2 x 3, entries up to 3), whose solutions are at most ~270 bytes, and a small
@@ -148,10 +151,10 @@ class Model:
     decoder_block: int = 16
     """With --model.decoder-window: the block size of the decoder self-attention's mask, with
     which `impl="auto"` chooses the block-sparse kernel or the dense one (docs/results.md)."""
-    literals: bool = False
+    literals: bool = True
     """Both models: learned embeddings of where each token sits in a matrix or vector
     literal (depth, row, column: EncDecConfig.literal_tokens), in the question and the
-    solution."""
+    solution (--model.no-literals: none; docs/results.md compares)."""
 
     def __post_init__(self):
         try:

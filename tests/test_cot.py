@@ -544,6 +544,9 @@ def test_the_default_command_and_the_study_preset():
     default = experiment.parse([])
     assert isinstance(default, experiment.AllCommand) and default == experiment.AllCommand()
     assert default.data.kinds == ("rref", "solvability", "column_space")
+    config = default.model.config(0)  # both models embed the literals' coordinates
+    assert config.literal_tokens == cot.LITERAL_TOKENS == config.dense().literal_tokens
+    assert experiment.parse(["--model.no-literals"]).model.config(0).literal_tokens is None
     study = experiment.parse(["--preset", "study", "--train.steps", "7"])
     assert isinstance(study, experiment.AllCommand) and study.data.kinds == lc.KINDS
     assert study.train.steps == 7 and study.model.d_model == 256
