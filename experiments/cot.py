@@ -918,8 +918,10 @@ def _seeds_table(s: dict) -> str:
     spread = s["exact_match"]
     for name in s["models"]:
         cells = [spread[name][k] for k in kinds]
+        chains = [r["overall"].get("chain_match") for r in s["runs"] if r["model"] == name]
+        chain = "" if None in chains else _pct(float(np.mean(chains)))
         lines.append(
-            f"| mean | {name} | " + " | ".join(_pct(c["mean"]) for c in cells) + " | | | |"
+            f"| mean | {name} | " + " | ".join(_pct(c["mean"]) for c in cells) + f" | {chain} | | |"
         )
         lines.append(
             f"| range | {name} | "

@@ -427,7 +427,7 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
                            config=generator).test)  # fmt: skip
     assert [(r["seed"], r["model"]) for r in summary["runs"]] == [
         (3, "sparse"), (3, "dense"), (0, "sparse"), (0, "dense")]  # fmt: skip
-    exact = {}
+    exact, chains = {}, {"sparse": [], "dense": []}
     for r in summary["runs"]:
         folder = top / f"seed-{r['seed']}"
         config = json.loads((folder / "config.json").read_text())
@@ -444,6 +444,13 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
         assert r["train_seconds"] > 0
         line = f"| {r['seed']} | {r['model']} | {100 * np.mean(graded):.1f}% |"
         assert line in printed and line in (top / "seeds.md").read_text()
+        chains[r["model"]].append(np.mean([
+            right and lc.split_solution(row["text"])[0] == p.steps
+            for right, row, p in zip(graded, rows, test, strict=True)]))  # fmt: skip
+        assert r["overall"]["chain_match"] == pytest.approx(chains[r["model"]][-1])
+    for name, values in chains.items():  # the mean row: exact match per kind, chains right
+        mean = f"{100 * np.mean([exact[s, name] for s in (3, 0)]):.1f}%"
+        assert f"| mean | {name} | {mean} | {mean} | {100 * np.mean(values):.1f}% | | |" in printed
     # The seed decides the weights: the two seeds' sparse models differ.
     weights = [
         jax.tree.leaves(nnx.state(_trained(top / f"seed-{seed}", "sparse").model, nnx.Param))
