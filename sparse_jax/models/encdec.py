@@ -11,7 +11,11 @@ softmax encoder–decoder of the same size, the baseline):
   default: every token uses the same dimensions, so the embedding table really shrinks to
   ``V x round(keep·D)``, and nothing in the mask depends on the data) or each token's largest
   entries by magnitude (``"magnitude"``, :func:`sparse_jax.topk_mask`; it keeps more of each
-  row's information but saves no parameters). Sinusoidal positions are added after the mask.
+  row's information but saves no parameters). Sinusoidal positions are added after the mask,
+  and with ``literal_tokens`` (not a sparsity switch: the baseline has it too) learned
+  embeddings of each token's depth, row and column in bracketed literals such as
+  ``[[1, 2], [3, 4]]`` (:func:`literal_coordinates`), in the question and in the decoder's
+  input, so that an entry of a matrix can be found by where it sits, whatever text precedes it.
 * Encoder layers (post-norm, "Add & Norm"): self-attention ``normalizer(QKᵀ/√d + M) V``
   (``normalizer="sparsemax"``; ``M`` is ``-inf`` outside the source's padding and, with
   ``encoder_window``, outside a window of that many keys either side), then an FFN. With
@@ -69,6 +73,7 @@ __all__ = [
     "describe",
     "greedy_decode",
     "literal_coordinates",
+    "literal_step",
     "sequence_loss",
 ]
 
@@ -241,7 +246,15 @@ def literal_step(state: jax.Array, token: jax.Array, literal_tokens) -> jax.Arra
     before ``token [...]``, the state after it. An open bracket goes one level deeper and
     starts a column count (at depth 1 also a row count); a separator at depth 1 starts the
     next row (a vector's entries are rows, as for a column vector), deeper the next column; a
-    close bracket goes one level up. Other tokens leave the state as it is."""
+    close bracket goes one level up. Other tokens leave the state as it is.
+
+    Example (ids of ``[``, ``]``, ``,``: 1, 2, 3):
+      >>> state = jnp.zeros((3,), jnp.int32)
+      >>> for token in (1, 1, 3, 2, 3):  # "[[", ",", "]", ","
+      ...     state = literal_step(state, jnp.int32(token), (1, 2, 3))
+      >>> state.tolist()  # depth 1, row 1 (the next row), column 0
+      [1, 1, 0]
+    """
     open_id, close_id, sep_id = literal_tokens
     depth, row, col = state[..., 0], state[..., 1], state[..., 2]
     is_open, is_close, is_sep = token == open_id, token == close_id, token == sep_id
