@@ -32,7 +32,31 @@ Engine = Literal["xla", "blocksparse", "pallas", "cudnn", "splash"]
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelsConfig:
+class _KernelCells:
+    """The work and timing fields that the kernel benchmarks share (q, k, v ``[batch, n,
+    heads, head_dim]``, windows of ``window`` keys)."""
+
+    window: int = 512
+    """Keys of the local masks' window."""
+    batch: int = 2
+    heads: int = 16
+    head_dim: int = 64
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
+    repeats: int = 5
+    slow_s: float = 20.0
+    budget_s: float = 10.0
+    seed: int = 0
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def _check_cells(self) -> None:
+        timing.check_counts(self, "window", "batch", "heads", "head_dim", "repeats")
+        timing.check_seconds(self, "slow_s", "budget_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsConfig(_KernelCells):
     """Fused and XLA engines for every normalizer under causal, windowed and sink masks,
     forward and forward+backward, with compiled memory; PyTorch peers (SDPA, FlexAttention,
     AdaSplash) on a CUDA machine where torch is importable, each in its own process."""
@@ -46,20 +70,12 @@ class KernelsConfig:
     """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
     engines: tuple[Engine, ...] | None = None
     """Engines to time; default: xla, blocksparse, pallas, and cudnn (GPU) / splash (TPU)."""
-    window: int = 512
-    """Left extent of the local window."""
-    batch: int = 2
-    heads: int = 16
-    head_dim: int = 64
     block: int = 128
     """Block size (query and key) of the block-sparse and Pallas kernels."""
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
     dense_up_to: int = 16384
     """The dense XLA reference (O(n²) work) is timed up to this length only."""
     repeats: int = 10
     """Timed calls per cell (median), after compilation and a warm-up call."""
-    slow_s: float = 20.0
     budget_s: float = 20.0
     peers: bool = True
     """Also time the PyTorch peers (GPU only, torch importable)."""
@@ -67,17 +83,13 @@ class KernelsConfig:
     """Wall-clock limit of the peers' process, compilations included (AdaSplash's Triton
     kernels compile for minutes on a first call); the rows it finished are kept, and the notes
     say that it was stopped."""
-    seed: int = 0
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(
-            self, "batch", "heads", "head_dim", "block", "repeats", "window", "dense_up_to"
-        )
+        self._check_cells()
+        timing.check_counts(self, "block", "dense_up_to")
         timing.check_count_tuples(self, "lengths", optional=True)
         _check_normalizer_names(self.normalizers)
-        timing.check_seconds(self, "slow_s", "budget_s", "peers_timeout_s")
+        timing.check_seconds(self, "peers_timeout_s")
 
 
 def _check_normalizer_names(names) -> None:
@@ -364,30 +376,6 @@ def _findings(results, peer_rows, lengths, config) -> list[str]:
             if small and large:
                 check(f"{norm} local: pallas time growth 16384 -> 65536", large / small, 4.5)
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _KernelCells:
-    """The work and timing fields that the Pallas kernel benchmarks below share (the kernels
-    benchmark's work: q, k, v ``[batch, n, heads, head_dim]``, windows of ``window`` keys)."""
-
-    window: int = 512
-    """Keys of the local masks' window."""
-    batch: int = 2
-    heads: int = 16
-    head_dim: int = 64
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
-    repeats: int = 5
-    slow_s: float = 20.0
-    budget_s: float = 10.0
-    seed: int = 0
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
-
-    def _check_cells(self) -> None:
-        timing.check_counts(self, "window", "batch", "heads", "head_dim", "repeats")
-        timing.check_seconds(self, "slow_s", "budget_s")
 
 
 @dataclasses.dataclass(frozen=True)
