@@ -48,12 +48,13 @@ Implementations and dispatch
   for tests).
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on NVIDIA GPUs
   (:func:`sparse_jax.fused.cudnn_attention`), softmax only, float16/bfloat16, masks
-  ``causal()``, ``local(l, r)``, ``causal() & local(l, r)`` or none.
+  ``causal()``, ``local(l, 0)``, ``causal() & local(l, r)`` or none.
 * ``"auto"`` takes ``"splash"`` on TPU and ``"cudnn"`` on GPU when the call is one they
   compute (softmax, no bias, no array mask, no ``return_weights``, a mask they express, their
-  dtypes); on GPU ``"pallas"`` for any other call with a ``Mask`` that it computes (on TPU
-  not yet: the Mosaic kernels have not been compiled and measured on one); otherwise
-  ``"blocksparse"`` when the kernel would form at most
+  dtypes; for cuDNN also its head dims and even lengths,
+  :func:`sparse_jax.fused.cudnn_shape_problem`); on GPU ``"pallas"`` for any other call with a
+  ``Mask`` that it computes (on TPU not yet: the Mosaic kernels have not been compiled and
+  measured on one); otherwise ``"blocksparse"`` when the kernel would form at most
   ``BLOCKSPARSE_MAX_FRACTION`` (75%) of the dense score entries (``blocksparse_cost``), else
   ``"xla"``. :func:`attention_impl` says which and why. Asking a softmax-only kernel for
   anything else raises a ``ValueError`` that names the obstacle and what would work.
@@ -95,6 +96,7 @@ from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost, nonf
 from sparse_jax.fused import (
     cudnn_attention,
     cudnn_mask_arguments,
+    cudnn_shape_problem,
     splash_attention,
     splash_mask_parts,
 )
@@ -349,7 +351,13 @@ def _resolve_impl(args: _Args) -> ImplChoice:
             "splash",
             "impl='auto': softmax with a static mask (& padding, & segments) on TPU: splash",
         )
-    if backend == "gpu" and fused_ok and same_dims and args.q.dtype in (jnp.float16, jnp.bfloat16):
+    if (
+        backend == "gpu"
+        and fused_ok
+        and same_dims
+        and args.q.dtype in (jnp.float16, jnp.bfloat16)
+        and not cudnn_shape_problem(args.q.shape, args.k.shape)
+    ):
         try:
             cudnn_mask_arguments(mask)
             return ImplChoice(

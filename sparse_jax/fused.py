@@ -21,7 +21,7 @@ zeroed).
   kernel object is built once per (mask, lengths, heads, blocks) and cached.
 * :func:`cudnn_attention`: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA
   GPUs, float16/bfloat16). cuDNN takes its masks as arguments, not arrays: ``full()``,
-  ``causal()``, ``local(left, right)`` and ``causal() & local(left, right)`` (without
+  ``causal()``, ``local(left, 0)`` and ``causal() & local(left, right)`` (without
   offsets) are translated (:func:`cudnn_mask_arguments`); any other mask raises a
   ``ValueError`` that says which masks work.
 
@@ -46,7 +46,7 @@ import numpy as np
 from sparse_jax import masks as masks_lib
 from sparse_jax.validation import check_block_size, check_qkv, check_scale
 
-__all__ = ["cudnn_attention", "cudnn_mask_arguments", "splash_attention"]
+__all__ = ["cudnn_attention", "cudnn_mask_arguments", "cudnn_shape_problem", "splash_attention"]
 
 # The logit of the zero-valued sink that every splash row starts from: far above splash's
 # mask value (-0.7 x float32's largest), far below any score of real inputs.
@@ -282,9 +282,11 @@ def splash_attention(
 def cudnn_mask_arguments(mask: masks_lib.Mask | None) -> dict[str, Any]:
     """The ``jax.nn.dot_product_attention`` arguments that express ``mask``.
 
-    ``full()`` and None give ``{}``, ``causal()`` gives ``is_causal=True``, ``local(l, r)``
-    gives ``local_window_size=(l, r)`` (an unbounded side as the longest possible window is not
-    expressible: both sides must be ints), and ``causal() & local(l, r)`` both.
+    ``full()`` and None give ``{}``, ``causal()`` gives ``is_causal=True``, ``local(l, 0)``
+    gives ``local_window_size=(l, 0)`` (an unbounded side as the longest possible window is not
+    expressible: both sides must be ints), and ``causal() & local(l, r)`` both. cuDNN's window
+    has no right side of its own: ``local(l, r)`` with ``r > 0`` is only taken under
+    ``causal()`` (``jax.nn.dot_product_attention`` refuses it otherwise).
 
     Raises:
       ValueError: for any other mask (or one with an offset), naming what is supported.
@@ -310,11 +312,52 @@ def cudnn_mask_arguments(mask: masks_lib.Mask | None) -> dict[str, Any]:
             out["local_window_size"] = (part.left, part.right)
         else:
             raise ValueError(
-                f"cudnn_attention: the cuDNN kernel takes full(), causal(), local(left, right) "
+                f"cudnn_attention: the cuDNN kernel takes full(), causal(), local(left, 0) "
                 f"or causal() & local(left, right) without offsets; got `mask`={mask!r}. Use "
                 "impl='blocksparse' or impl='xla' for other masks"
             )
+    right = out.get("local_window_size", (0, 0))[1]
+    if right != 0 and "is_causal" not in out:
+        raise ValueError(
+            f"cudnn_attention: the cuDNN kernel's window has no right side without causal(); "
+            f"got `mask`={mask!r} (right={right}). Use causal() & local(left, right), "
+            "impl='pallas', impl='blocksparse' or impl='xla'"
+        )
     return out
+
+
+def cudnn_shape_problem(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> str:
+    """Why cuDNN's flash attention cannot take (and differentiate) these shapes, or ``""``.
+
+    Args:
+      q_shape: ``[B, Tq, N, H]``.
+      k_shape: ``[B, Tk, Kh, H]``.
+
+    cuDNN's flash kernel takes head dims that are multiples of 8, at most 256 on Hopper and
+    later GPUs (compute capability 9.0) and 128 before; and ``jax.nn.dot_product_attention``'s
+    gradient refuses odd lengths (its backward passes an empty bias that its own check counts as
+    a bias, which needs even lengths: ``NotImplementedError: Unsupported sequence length Q 13,
+    KV 13`` on an H200, jax 0.11.2). ``attention(impl="auto")`` takes cuDNN only where this is
+    ``""``; an explicit ``impl="cudnn"`` leaves the call to jax.
+
+    Example:
+      >>> cudnn_shape_problem((1, 13, 2, 64), (1, 13, 2, 64))
+      'odd lengths (Tq=13, Tk=13): its gradient takes even ones'
+      >>> cudnn_shape_problem((1, 16, 2, 64), (1, 16, 2, 64))
+      ''
+    """
+    tq, head_dim, tk = q_shape[1], q_shape[3], k_shape[1]
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    try:
+        hopper_or_later = int(str(capability).split(".")[0]) >= 9
+    except ValueError:
+        hopper_or_later = False
+    largest = 256 if hopper_or_later else 128
+    if head_dim % 8 or head_dim > largest:
+        return f"head dim {head_dim} (its kernel takes multiples of 8 up to {largest} here)"
+    if tq % 2 or tk % 2:
+        return f"odd lengths (Tq={tq}, Tk={tk}): its gradient takes even ones"
+    return ""
 
 
 def cudnn_attention(
@@ -331,7 +374,7 @@ def cudnn_attention(
     Args:
       q: ``[B, Tq, N, H]`` float16 or bfloat16 queries (cuDNN's requirement).
       k, v: ``[B, Tk, Kh, H]`` (``Kh`` divides ``N``), same dtype.
-      mask: None, ``full()``, ``causal()``, ``local(l, r)`` or ``causal() & local(l, r)``
+      mask: None, ``full()``, ``causal()``, ``local(l, 0)`` or ``causal() & local(l, r)``
         (see :func:`cudnn_mask_arguments`).
       scale: multiplier of ``q·k``; default ``H ** -0.5``.
       implementation: ``"cudnn"`` (needs an NVIDIA GPU), or ``"xla"`` to run the same call

@@ -4,6 +4,8 @@ the flax adapter, argument errors and the memory bound of the chunking."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -334,15 +336,19 @@ def test_low_precision_round_trip(dtype, normalizer):
 # Dispatch, flax adapter, docs.
 
 
-def test_attention_impl_reports_choice():
+def test_attention_impl_reports_choice(monkeypatch):
     q, k, v, _, _ = _inputs("self")
+    # on this machine: the engine the program runs is the one reported (a GPU's: pallas)
+    sparse = functools.partial(attention, k=k, v=v, mask=causal(), normalizer="sparsemax")
+    assert_engine(attention_impl(q, k, v, mask=causal(), normalizer="sparsemax").impl, sparse, q)
+    _close(attention(q, k, v, impl="xla"), attention(q, k, v, impl="auto"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the CPU's policy, anywhere
     choice = attention_impl(q, k, v, mask=causal(), normalizer="sparsemax")
     assert isinstance(choice, ImplChoice) and choice.impl == "xla"
     assert "auto" in choice.reason and "block-sparse" in choice.reason
     assert attention_impl(q, k, v, impl="xla").reason.startswith("impl='xla'")
     abstract = jax.ShapeDtypeStruct(q.shape, q.dtype)
     assert attention_impl(abstract, abstract, abstract).impl == "xla"
-    _close(attention(q, k, v, impl="xla"), attention(q, k, v, impl="auto"))
     assert_engine("xla", lambda q: attention(q, k, v, impl="auto"), q)
 
 
@@ -557,7 +563,9 @@ def test_chunked_path_memory_is_far_below_naive():
     assert temp_bytes(with_grad(chunked)) < temp_bytes(with_grad(naive)) / 3
 
 
-def test_auto_dispatch_follows_the_mask_density():
+def test_auto_dispatch_follows_the_mask_density(monkeypatch):
+    # the CPU's policy (a GPU takes the Pallas kernel for any Mask), checked on any machine
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     long = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.float32)
     window = attention_impl(long, long, long, mask=causal() & local(256, 0))
     assert window.impl == "blocksparse" and "9.4%" in window.reason
@@ -566,14 +574,18 @@ def test_auto_dispatch_follows_the_mask_density():
     assert attention_impl(long, long, long, mask=causal() | sink(4)).impl == "blocksparse"
     assert attention_impl(long, long, long, mask=local(2048, 2048)).impl == "xla"  # 83% formed
     assert attention_impl(long, long, long).impl == "xla"
-    # and the program "auto" traces runs the engine it reports
     q = jnp.ones((1, 64, 2, 8))
     windowed = lambda q: attention(q, q, q, mask=causal() & local(7, 0), block_size=(8, 8))
-    assert attention_impl(q, q, q, mask=causal() & local(7, 0), block_size=(8, 8)).impl == (
-        "blocksparse"
-    )
-    assert_engine("blocksparse", windowed, q)
-    assert_engine("xla", lambda q: attention(q, q, q, mask=local(40, 40), block_size=(8, 8)), q)
+    wide = lambda q: attention(q, q, q, mask=local(40, 40), block_size=(8, 8))
+    choices = [
+        attention_impl(q, q, q, mask=mask, block_size=(8, 8))
+        for mask in (causal() & local(7, 0), local(40, 40))
+    ]
+    assert [choice.impl for choice in choices] == ["blocksparse", "xla"]
+    # and the program "auto" traces runs the engine it reports, on this machine
+    monkeypatch.undo()
+    for fn, mask in ((windowed, causal() & local(7, 0)), (wide, local(40, 40))):
+        assert_engine(attention_impl(q, q, q, mask=mask, block_size=(8, 8)).impl, fn, q)
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "entmax15", "alpha_per_head"])

@@ -106,6 +106,9 @@ def test_bad_length():
 
 
 def _xla_flops(fn, *args) -> float:
+    # XLA:CPU's count on any machine: the GPU compiler counts other work (the blocksparse
+    # softmax difference below came out 7% above the matmuls on an H200)
+    args = jax.device_put(args, jax.devices("cpu")[0])
     cost = jax.jit(fn).lower(*args).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 

@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from sparse_jax.dispatch import attention, attention_impl
-from sparse_jax.fused import cudnn_attention, cudnn_mask_arguments, splash_attention
+from sparse_jax.fused import (
+    cudnn_attention,
+    cudnn_mask_arguments,
+    cudnn_shape_problem,
+    splash_attention,
+)
 from sparse_jax.masks import (
     causal,
     chunked,
@@ -228,12 +233,40 @@ def test_splash_bad_arguments(kwargs, error, match):
         (None, {}),
         (full(), {}),
         (causal(), {"is_causal": True}),
-        (local(7, 2), {"local_window_size": (7, 2)}),
+        (local(7, 0), {"local_window_size": (7, 0)}),
         (local(7, 0) & causal(), {"is_causal": True, "local_window_size": (7, 0)}),
+        (causal() & local(7, 2), {"is_causal": True, "local_window_size": (7, 2)}),
     ],
 )
 def test_cudnn_mask_arguments(mask, expected):
     assert cudnn_mask_arguments(mask) == expected
+
+
+def test_cudnn_refuses_a_right_window_without_causal():
+    # jax.nn.dot_product_attention(implementation="cudnn") raises for it: refused up front
+    with pytest.raises(ValueError, match=r"no right side without causal\(\).*right=2"):
+        cudnn_mask_arguments(local(7, 2))
+    q, k, v = _qkv(1, 16, 16, 2, 2, 8, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"no right side without causal"):
+        attention(q, k, v, mask=local(7, 2), impl="cudnn")
+
+
+def test_cudnn_shape_problems_keep_auto_off_cudnn(monkeypatch):
+    """The GPU's auto policy, checked on any machine: cuDNN where it takes the shapes (and
+    their gradient), the Pallas kernel where it does not (odd lengths failed the gradient
+    through jax on an H200)."""
+    assert cudnn_shape_problem((1, 16, 2, 64), (1, 16, 2, 64)) == ""
+    assert "odd lengths (Tq=13, Tk=13)" in cudnn_shape_problem((1, 13, 2, 64), (1, 13, 2, 64))
+    assert "odd lengths (Tq=16, Tk=15)" in cudnn_shape_problem((1, 16, 2, 64), (1, 15, 2, 64))
+    assert "head dim 12" in cudnn_shape_problem((1, 16, 2, 12), (1, 16, 2, 12))
+    assert "head dim 512" in cudnn_shape_problem((1, 16, 2, 512), (1, 16, 2, 512))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    even = jax.ShapeDtypeStruct((1, 16, 2, 16), jnp.bfloat16)
+    odd = jax.ShapeDtypeStruct((1, 13, 2, 16), jnp.bfloat16)
+    assert attention_impl(even, even, even, mask=causal()).impl == "cudnn"
+    choice = attention_impl(odd, odd, odd, mask=causal())
+    assert choice.impl == "pallas" and "Pallas" in choice.reason
+    assert attention_impl(even, even, even, mask=local(3, 1)).impl == "pallas"
 
 
 @pytest.mark.parametrize(
@@ -244,7 +277,7 @@ def test_cudnn_refuses_masks_it_cannot_express(mask):
         cudnn_mask_arguments(mask)
 
 
-@pytest.mark.parametrize("mask", [causal(), local(5, 3), causal() & local(5, 0)])
+@pytest.mark.parametrize("mask", [causal(), local(5, 0), causal() & local(5, 3)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cudnn_arguments_mean_the_same_mask(mask, dtype):
     """The translated arguments, run through jax.nn's XLA path, equal our masked reference."""
@@ -267,13 +300,25 @@ def test_cudnn_needs_a_gpu_and_half_precision():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on NVIDIA GPUs only")
 def test_cudnn_on_gpu_matches_xla():
     q, k, v = _qkv(2, 256, 256, 4, 2, 64, jnp.bfloat16)
-    for mask in (causal(), causal() & local(64, 0)):
+    for mask in (causal(), causal() & local(64, 0), local(64, 0), causal() & local(64, 8)):
         got = attention(q, k, v, mask=mask, impl="cudnn")
         want = attention(q, k, v, mask=mask, impl="xla")
         fused = functools.partial(attention, k=k, v=v, mask=mask, impl="cudnn")
         assert_engine("cudnn", fused, q)
         assert_lowered_contains(fused, q, needle="__cudnn$fmha")
         np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=2e-2)
+        # and the gradient (with odd lengths jax's own check refuses it: auto then avoids cuDNN)
+        grads = [
+            jax.grad(
+                lambda *a, impl=impl, m=mask: jnp.sum(attention(*a, mask=m, impl=impl)),
+                (0, 1, 2),
+            )(q, k, v)
+            for impl in ("cudnn", "xla")
+        ]
+        for name, g, want in zip("qkv", *grads, strict=True):
+            g, want = np.asarray(g, np.float32), np.asarray(want, np.float32)
+            atol = 0.05 * float(np.abs(want).max())
+            np.testing.assert_allclose(g, want, rtol=0, atol=atol, err_msg=name)
     assert attention_impl(q, k, v, mask=causal()).impl == "cudnn"
     assert_engine("cudnn", lambda q: attention(q, k, v, mask=causal()), q)
 
@@ -286,8 +331,6 @@ def test_auto_never_picks_a_fused_kernel_off_its_backend():
     if backend == "cpu":
         assert impl in ("xla", "blocksparse")
     assert_engine(impl, lambda q: attention(q, k, v, mask=causal()), q)  # and that one runs
-    # sparse normalizers never go to a softmax-only kernel
-    assert attention_impl(q, k, v, mask=causal(), normalizer="sparsemax").impl in (
-        "xla",
-        "blocksparse",
-    )
+    # sparse normalizers never go to a softmax-only kernel (on a GPU: the Pallas kernel)
+    sparse = {"gpu": ("pallas",)}.get(backend, ("xla", "blocksparse"))
+    assert attention_impl(q, k, v, mask=causal(), normalizer="sparsemax").impl in sparse
