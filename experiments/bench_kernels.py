@@ -654,8 +654,9 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
             f"{block_top} largest values of a row, as the kernels' first pass keeps them"
         )
         + ". Passes: threshold-search passes until the tile's last row (or the "
-        "row) is done, the confirming pass included; the kernels add a first pass (the maximum "
-        "and the largest values) and an output pass, 1.5-entmax a polishing pass. max |Δτ|: "
+        "row) is done, the confirming pass included (and 1.5-entmax's polishing pass where a "
+        "root was formed far from it); the kernels add a first pass (the maximum and the "
+        "largest values) and an output pass. max |Δτ|: "
         "the two starts' thresholds (the same τ, to rounding).",
         f"Total wall time {time.perf_counter() - start:.0f} s.",
     ]
@@ -669,7 +670,8 @@ class ForwardPassesConfig(_KernelCells):
     inexact thresholds, the same work per pass), beside the full sparse forward and the softmax
     forward on the same layout. The step from k to k + 1 passes is what one search pass costs;
     at 0 passes, the first pass (maximum and largest values), the output pass (two products
-    with the values) and, for 1.5-entmax, the polishing pass. On CPU the kernels run
+    with the values) (1.5-entmax's polishing is a pass of its search, taken where a row needs
+    it). On CPU the kernels run
     interpreted: a check that it runs, not a timing."""
 
     lengths: tuple[int, ...] | None = None

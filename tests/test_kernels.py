@@ -705,10 +705,11 @@ def test_no_bias_and_a_python_float_scale_form_no_gradient_sums_for_them():
             np.testing.assert_allclose(g, r, atol=2e-5)
 
 
-@pytest.mark.parametrize(("normalizer", "sums"), [("sparsemax", 4), ("entmax15", 8), (1.3, 5)])
+@pytest.mark.parametrize(("normalizer", "sums"), [("sparsemax", 4), ("entmax15", 5), (1.3, 5)])
 def test_the_sparse_forward_sums_only_what_its_passes_need(normalizer, sums):
-    """The forward kernel's row sums: the search's terms (sparsemax 2, 1.5-entmax 3 and a
-    polishing pass' 3, α-entmax 2 and the allowed keys, which only its search reads; beside a
+    """The forward kernel's row sums: the search's terms (sparsemax 2, 1.5-entmax 3, whose
+    polishing is a pass of its search, α-entmax 2 and the allowed keys, which only its search
+    reads; beside a
     minimum, the support's smallest entry, for sparsemax and 1.5-entmax), and the output
     pass' two (Σ p, Σ s); no count of NaN (a NaN enters the maxima as +inf). Its only
     reduction of a whole tile to one value, the block's live flag, is taken over the rows'

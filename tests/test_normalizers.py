@@ -513,6 +513,43 @@ def test_the_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes(nor
     np.testing.assert_allclose(tau_from_start, tau, atol=1e-5)
 
 
+def test_entmax15s_search_polishes_only_roots_formed_far_from_them():
+    """1.5-entmax's search with ``smallest`` takes its polishing pass only for rows whose
+    closed form was formed far from the root (there the form loses digits), and is then exact:
+    float32 thresholds against float64 sorting, to 1 ulp of the row's scale."""
+    from sparse_jax import normalizers as nz
+
+    def polished_rows(z, tau0):
+        """Rows that took a polishing pass (found, not yet done), checking the final τ."""
+        z32 = jnp.asarray(z, jnp.float32)
+        search = nz.entmax15_search(tau0, jnp.zeros_like(tau0, bool), smallest=True)
+        state, polished = search.init, np.zeros(len(z), bool)
+        while not bool(jnp.all(state[-1])):
+            terms = search.terms(z32, state)
+            sums = [jnp.sum(t, -1, keepdims=True) for t in terms[:-1]]
+            sums.append(jnp.min(terms[-1], -1, keepdims=True))
+            polished |= np.asarray(state[1] & ~state[2])[:, 0]
+            state = search.update(state, tuple(sums))
+        exact = _exact_entmax15_threshold(np.asarray(z32, np.float64))
+        ulp = float(np.finfo(np.float32).eps)
+        np.testing.assert_allclose(state[0], exact, rtol=0, atol=ulp)
+        return polished
+
+    rng = np.random.default_rng(0)
+    ties = np.full((4, 2048), -25.0)
+    ties[:, :1000] = rng.standard_normal((4, 1000)) * 1e-3  # 1000 near-ties, then a gap
+    # from -1 their support is found at once, 0.98 below τ* (-0.016): Σ (z - τ)² - 1 = 960
+    assert polished_rows(ties, jnp.full((4, 1), -1.0)).all()
+    # random rows from the kernels' start (the 16 largest values): roots formed within
+    # POLISH_FREE_EXCESS of 1 and exact as they are, no polishing pass
+    for std in (0.5, 1.0, 4.0):
+        x = rng.standard_normal((64, 4096)) * std
+        z = jnp.asarray((x - x.max(-1, keepdims=True)) / 2, jnp.float32)
+        top = jax.lax.top_k(z, 16)[0]
+        start = nz.entmax15_start([top[:, i : i + 1] for i in range(16)])
+        assert not polished_rows(z, start).any()
+
+
 @pytest.mark.parametrize("smallest", [True, False])
 @pytest.mark.parametrize("normalizer", ["sparsemax", "entmax15"])
 def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(normalizer, smallest):
@@ -520,7 +557,8 @@ def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(nor
     pass' closed form, that form is the threshold and the row is done in the same pass, so a
     start at the exact threshold takes one pass (without: at least two, the last confirming).
     From -1, on random, tied and mostly masked rows, both end at the threshold found by
-    sorting (1.5-entmax after its polishing step)."""
+    sorting (1.5-entmax without ``smallest`` after its polishing step; with it, the search
+    polishes where it must)."""
     from sparse_jax import normalizers as nz
 
     for x in _hard_rows(1):
@@ -538,7 +576,7 @@ def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(nor
         # The XLA engines' runner (its row minima in the CPU's two-stage row sums for n = 300:
         # the sums' order differs, so τ to rounding)
         np.testing.assert_allclose(nz._run_search(z32, state)[0], tau, atol=2e-7)
-        if normalizer == "entmax15":
+        if normalizer == "entmax15" and not smallest:
             tau = nz.entmax15_polish(tau, nz._row_sums(*nz.entmax15_polish_terms(z32, tau)))
         np.testing.assert_allclose(tau, exact, atol=2e-6)
         passes, _ = _passes(search_of(jnp.asarray(exact, jnp.float32) - 1e-7, done), z32)

@@ -86,8 +86,6 @@ from sparse_jax.masks import (
 from sparse_jax.normalizers import (
     LIFT_FROM_EPS,
     SIGMA_MAX_EPS,
-    entmax15_polish,
-    entmax15_polish_terms,
     entmax15_search,
     entmax15_start,
     entmax_alpha_terms,
@@ -613,10 +611,7 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
         return it + 1, search.update(state, row_sums(terms_of, n_terms, search.minima))
 
     _, state = jax.lax.while_loop(cond, step, (jnp.int32(0), search.init))
-    tau = state[0]
-    if plan.kind == "entmax15":
-        tau = entmax15_polish(tau, row_sums(lambda z: entmax15_polish_terms(z, tau), 3))
-    return tau
+    return state[0]  # (1.5-entmax's search polishes its rows itself, where they need it)
 
 
 # The start of τ's search (normalizers.sparsemax_start / entmax15_start: a lower bound from
