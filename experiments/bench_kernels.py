@@ -588,6 +588,25 @@ def start_values(z, top: int, block_top: int, block: int) -> list:
     return list(kept)
 
 
+def sorted_threshold(normalizer: str, z) -> np.ndarray:
+    """Each row's threshold τ ``[rows, 1]`` by sorting, in float64: of sparsemax (``z = x -
+    max``: the closed form on the largest support that fits) or 1.5-entmax (``z = (x - max) /
+    2``: the root of ``Σ [z - τ]_+² = 1`` on the largest k whose root stays below its k-th
+    value). The reference the searches are checked and counted against."""
+    s = -np.sort(-np.asarray(z, np.float64), axis=-1)
+    k = np.arange(1, s.shape[-1] + 1)
+    with np.errstate(invalid="ignore"):
+        s1 = np.cumsum(s, axis=-1)
+        if normalizer == "sparsemax":
+            support = (1.0 + k * s > s1).sum(-1, keepdims=True)
+            return (np.take_along_axis(s1, support - 1, axis=-1) - 1.0) / support
+        disc = s1 * s1 - k * (np.cumsum(s * s, axis=-1) - 1.0)
+        roots = (s1 - np.sqrt(np.maximum(disc, 0.0))) / k
+        fits = (disc >= 0) & (roots <= s)
+    last = np.where(fits, k, 0).max(-1, keepdims=True)
+    return np.take_along_axis(roots, last - 1, axis=-1)
+
+
 def count_passes(search, z) -> tuple[int, np.ndarray, jax.Array]:
     """Runs a ``normalizers.RowSearch`` on whole rows ``z [rows, n]``: (passes until every row
     is done, each row's passes ``[rows]``, the final τ ``[rows, 1]``)."""
@@ -638,13 +657,17 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                     count_passes(search, z) for search in searches
                 )
                 gap = float(jnp.max(jnp.abs(tau - tau_ours)))
+                ulps = np.abs(np.asarray(tau_ours, np.float64) - sorted_threshold(norm, z))
+                ulps = float(ulps.max()) / float(np.finfo(np.float32).eps)
                 rows.append(
                     [norm, str(n), f"{scale:g}", str(top), str(base), str(ours),
-                     f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}", f"{gap:.1e}"]
+                     f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}", f"{gap:.1e}",
+                     f"{ulps:.2f}"]
                 )  # fmt: skip
     headers = ["normalizer", "n", "score std", "start values", "tile passes from -1",
-               "from the start", "row mean from -1", "from the start", "max |Δτ|"]  # fmt: skip
-    table = timing.markdown_table(headers, rows, align="lrrrrrrrr")
+               "from the start", "row mean from -1", "from the start", "max |Δτ|",
+               "ulps from sorting"]  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lrrrrrrrrr")
     notes = [
         f"{config.rows}-row tiles of N(0, std²) scores; the start uses "
         + (
@@ -657,7 +680,9 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
         "row) is done, the confirming pass included (and 1.5-entmax's polishing pass where a "
         "root was formed far from it); the kernels add a first pass (the maximum and the "
         "largest values) and an output pass. max |Δτ|: "
-        "the two starts' thresholds (the same τ, to rounding).",
+        "the two starts' thresholds (the same τ, to rounding); ulps from sorting: the largest "
+        "difference of the threshold from the start to sorting's in float64, in float32 ulps "
+        "(eps) of the rows' scale (their maximum is 0).",
         f"Total wall time {time.perf_counter() - start:.0f} s.",
     ]
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"

@@ -20,6 +20,7 @@ import pytest
 from jax.test_util import check_grads
 
 import sparse_jax as sj
+from experiments.bench_kernels import sorted_threshold
 from tests.reference import entmax15_ref, entmax_ref, sparsemax_ref
 
 # Jitted once per (function, shape, dtype): hypothesis varies lengths, so rows are padded to a
@@ -432,37 +433,12 @@ def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkey
     assert np.all(np.asarray(p)[1, n // 2 :] == 0.0)
 
 
-def _exact_sparsemax_threshold(z):
-    """τ of each row of z by sorting (the closed form on the largest support that fits)."""
-    s = -np.sort(-z, axis=-1)
-    k = np.arange(1, z.shape[-1] + 1)
-    with np.errstate(invalid="ignore"):
-        cums = np.cumsum(s, axis=-1)
-        fits = 1.0 + k * s > cums
-    support = fits.sum(-1, keepdims=True)
-    return (np.take_along_axis(cums, support - 1, axis=-1) - 1.0) / support
-
-
 def _passes(search, z):
     """(passes until every row is done, final τ) of a RowSearch run on whole rows."""
     from experiments.bench_kernels import count_passes
 
     passes, _, tau = count_passes(search, z)
     return passes, tau
-
-
-def _exact_entmax15_threshold(z):
-    """τ of Σ [z - τ]_+² = 1 for each row of z (the search variable), by sorting: the root on
-    the largest k whose root stays below its k-th value."""
-    s = -np.sort(-z, axis=-1)
-    k = np.arange(1, z.shape[-1] + 1)
-    with np.errstate(invalid="ignore"):
-        s1, s2 = np.cumsum(s, axis=-1), np.cumsum(s * s, axis=-1)
-        disc = s1 * s1 - k * (s2 - 1.0)
-        roots = (s1 - np.sqrt(np.maximum(disc, 0.0))) / k
-        fits = (disc >= 0) & (roots <= s)
-    last = np.where(fits, k, 0).max(-1, keepdims=True)
-    return np.take_along_axis(roots, last - 1, axis=-1)
 
 
 def _hard_rows(seed: int) -> list:
@@ -483,15 +459,15 @@ def test_the_start_is_a_lower_bound_exact_on_small_supports_and_saves_passes(nor
     from sparse_jax import normalizers as nz
 
     if normalizer == "sparsemax":
-        start_of, exact_of, halve = nz.sparsemax_start, _exact_sparsemax_threshold, 1.0
+        start_of, halve = nz.sparsemax_start, 1.0
         search_of = functools.partial(nz.sparsemax_search, row_length=300)
     else:
-        start_of, exact_of, halve = nz.entmax15_start, _exact_entmax15_threshold, 0.5
+        start_of, halve = nz.entmax15_start, 0.5
         search_of = nz.entmax15_search
     rows = _hard_rows(0)
     for x in rows:
         z = (x - x.max(-1, keepdims=True)) * halve
-        exact = exact_of(z)
+        exact = sorted_threshold(normalizer, z)
         power = 1 if normalizer == "sparsemax" else 2
         total = np.sum(np.maximum(z - exact, 0.0) ** power, -1)
         np.testing.assert_allclose(total, 1.0, rtol=1e-9)  # the reference itself
@@ -530,7 +506,7 @@ def test_entmax15s_search_polishes_only_roots_formed_far_from_them():
             sums.append(jnp.min(terms[-1], -1, keepdims=True))
             polished |= np.asarray(state[1] & ~state[2])[:, 0]
             state = search.update(state, tuple(sums))
-        exact = _exact_entmax15_threshold(np.asarray(z32, np.float64))
+        exact = sorted_threshold("entmax15", np.asarray(z32, np.float64))
         ulp = float(np.finfo(np.float32).eps)
         np.testing.assert_allclose(state[0], exact, rtol=0, atol=ulp)
         return polished
@@ -564,11 +540,11 @@ def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(nor
     for x in _hard_rows(1):
         if normalizer == "sparsemax":
             z = x - x.max(-1, keepdims=True)
-            exact = _exact_sparsemax_threshold(z)
+            exact = sorted_threshold("sparsemax", z)
             search_of = functools.partial(nz.sparsemax_search, row_length=300, smallest=smallest)
         else:
             z = (x - x.max(-1, keepdims=True)) / 2
-            exact = _exact_entmax15_threshold(z)
+            exact = sorted_threshold("entmax15", z)
             search_of = functools.partial(nz.entmax15_search, smallest=smallest)
         z32, done = jnp.asarray(z, jnp.float32), jnp.zeros((64, 1), bool)
         state = search_of(jnp.full((64, 1), -1.0), done)
