@@ -137,6 +137,9 @@ class Model:
     """The sparse model's output distribution and loss (the dense one's: softmax)."""
     embed_keep: float = EncDecConfig.embed_keep
     """SparseEmbed: kept fraction of embedding dimensions, (0, 1]."""
+    embed_mask: Literal["random", "magnitude"] = EncDecConfig.embed_mask
+    """SparseEmbed: which dimensions it keeps, a fixed random set (the table shrinks) or each
+    token's largest by magnitude (docs/results.md compares)."""
     cot_keep: float = EncDecConfig.cot_keep
     """Kept fraction of features at each chain-of-thought step, (0, 1]."""
     decoder_keep: float = EncDecConfig.decoder_keep
