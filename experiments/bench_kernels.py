@@ -706,6 +706,11 @@ class ForwardPassesConfig(_KernelCells):
     """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
     passes: tuple[int, ...] = (0, 1, 2, 3)
     """Search passes at which the search is stopped (ints >= 0, increasing)."""
+    start_values: tuple[int, ...] = ()
+    """Also the whole forward with the search started from this many of the row's large values
+    (``capped_forward(start_values=...)``; the kernels' default: 8 for sparsemax, 16 for
+    1.5-entmax): what more values cost in the first pass against the search passes they save
+    (``bench search_passes --top`` counts those)."""
     block: int = 128
     """The layout's block size (the kernels' default tiles are cut from it)."""
 
@@ -713,6 +718,8 @@ class ForwardPassesConfig(_KernelCells):
         self._check_cells()
         timing.check_counts(self, "block")
         timing.check_count_tuples(self, "lengths", optional=True)
+        if self.start_values:
+            timing.check_count_tuples(self, "start_values")
         if not self.passes or any(
             isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in self.passes
         ):
@@ -766,6 +773,17 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
                         capped.append((cap, cell))
                         rows.append([label, str(n), norm, str(cap), timing.format_ms(cell), step])
                     rows.append([label, str(n), norm, "to the end", timing.format_ms(whole), "–"])
+                    for top in config.start_values:
+
+                        def started(q, k, v, top=top, layout=layout, norm=norm):
+                            return flash.capped_forward(
+                                q, k, v, layout, search_passes=None, start_values=top,
+                                normalizer=norm,
+                            )  # fmt: skip
+
+                        cell = timing.time_fn(started, q, k, v, **limits)
+                        rows.append([label, str(n), norm, f"to the end, start {top}",
+                                     timing.format_ms(cell), "–"])  # fmt: skip
                     (c0, t0), (c1, t1) = capped[0], capped[-1]
                     if c1 > c0:
                         per_pass = (t1.median_ms - t0.median_ms) / (c1 - c0)
@@ -793,7 +811,8 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
     notes = [
         f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; layouts of blocks {config.block}, the "
         "kernels' default tiles; forward only (kernels.flash.capped_forward: the search stopped "
-        "after that many passes, the thresholds then inexact; 'to the end': pallas_attention); "
+        "after that many passes, the thresholds then inexact; 'to the end': pallas_attention; "
+        "'start k': capped_forward to the end, its start from k of the row's largest values); "
         f"median of {config.repeats} calls after compilation and a warm-up call; ms per pass: "
         "the step from the row above." + ("" if accel else " CPU: interpret mode: not a timing."),
         *findings,

@@ -324,12 +324,14 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
 def test_the_forward_passes_benchmark_times_each_cap_and_derives_the_cost_per_pass(capsys):
     bench.main(["forward_passes", "--lengths", "64", "--block", "16", "--window", "8",
                 "--batch", "1", "--heads", "1", "--head-dim", "16", "--masks", "local",
-                "--normalizers", "entmax15", "--passes", "0", "2", "--repeats", "1"])  # fmt: skip
+                "--normalizers", "entmax15", "--passes", "0", "2", "--repeats", "1",
+                "--start-values", "4"])  # fmt: skip
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
     assert [row[2:4] for row in rows] == [
-        ["softmax", "–"], ["entmax15", "0"], ["entmax15", "2"], ["entmax15", "to the end"]
+        ["softmax", "–"], ["entmax15", "0"], ["entmax15", "2"], ["entmax15", "to the end"],
+        ["entmax15", "to the end, start 4"],
     ]  # fmt: skip
     ms = [float(row[4].split("†")[0]) for row in rows]
     per_pass = (ms[2] - ms[1]) / 2  # the figure recomputed from the table
@@ -338,7 +340,8 @@ def test_the_forward_passes_benchmark_times_each_cap_and_derives_the_cost_per_pa
     assert float(finding) == pytest.approx(per_pass, abs=0.011)  # from unrounded medians
     assert "CPU: interpret mode: not a timing" in printed
     for flag, message in [(["--passes", "2", "1"], "passes must increase"),
-                          (["--passes", "-1"], "passes must be ints >= 0")]:  # fmt: skip
+                          (["--passes", "-1"], "passes must be ints >= 0"),
+                          (["--start-values", "0"], "start_values must be positive")]:  # fmt: skip
         with pytest.raises(SystemExit):
             bench.main(["forward_passes", *flag])
         assert message in capsys.readouterr().err

@@ -8,6 +8,7 @@ kernels run in Pallas' interpret mode on CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +248,15 @@ def test_the_capped_forward_stops_the_search_and_is_attention_when_it_may_finish
     np.testing.assert_allclose(capped(100), exact, atol=2e-6)
     stopped = np.asarray(capped(0))
     assert np.isfinite(stopped).all() and np.abs(stopped - np.asarray(exact)).max() > 1e-3
+    if normalizer == 1.3:
+        return
+    # to the end from another start: the same attention; stopped at 0 passes, the start shows
+    # (of the 8 values 4 blocks keep, the kernels' start uses them all)
+    for top in (1, 4):
+        run = functools.partial(pk.capped_forward, q, k, v, layout, normalizer=normalizer,
+                                start_values=top)  # fmt: skip
+        np.testing.assert_allclose(run(search_passes=None), exact, atol=2e-6)
+        assert np.abs(np.asarray(run(search_passes=0)) - stopped).max() > 1e-4, top
 
 
 def test_the_capped_forward_refuses_what_it_cannot_time():
@@ -254,6 +264,7 @@ def test_the_capped_forward_refuses_what_it_cannot_time():
     layout = masks.causal().blocks(32, 32, 16, 16)
     for passes, options, error, match in [
         (-1, {"normalizer": "sparsemax"}, ValueError, "`search_passes` must be"),
+        (1, {"normalizer": "sparsemax", "start_values": 0}, ValueError, "`start_values` must"),
         (1, {}, ValueError, "a sparse normalizer on the Triton kernels only; got 'softmax'"),
         (1, {"normaliser": "sparsemax"}, TypeError, "unknown options \\['normaliser'\\]"),
         (1, {"normalizer": "sparsemax", "num_warps": 3}, ValueError, "capped_forward: `num_warps`"),

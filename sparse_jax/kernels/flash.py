@@ -322,6 +322,7 @@ class _Plan:
     dynamic: bool = False  # the layout bounds a run-time mask: full blocks are masked too
     scale_grad: bool = True  # False: a python float scale (its gradient is never asked for)
     search_cap: int | None = None  # capped_forward's diagnostics: search passes at most
+    start_top: int | None = None  # capped_forward's diagnostics: values the start uses
 
     @property
     def row_length(self) -> int:
@@ -767,7 +768,8 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     # (normalizers.sparsemax_start, entmax15_start), a lower bound of τ, saves search passes
     # (each recomputes the tile's scores over every kept block).
     start_of = {"sparsemax": sparsemax_start, "entmax15": entmax15_start}.get(plan.kind)
-    n_top, block_top = (1, 1) if start_of is None else (_START_TOP[plan.kind], _BLOCK_TOP)
+    n_top = plan.start_top or _START_TOP.get(plan.kind, 1)
+    n_top, block_top = (1, 1) if start_of is None else (n_top, _BLOCK_TOP)
     count_allowed = plan.kind == "entmax"  # only α-entmax's search reads the allowed keys
 
     def first_pass(j, carry):
@@ -1451,7 +1453,16 @@ def _prepare(
     return plan, (scale, lengths, eps, q, k, v, bias, key_nan, *seg_ids)
 
 
-def capped_forward(q, k, v, layout: BlockLayout, *, search_passes: int, **options) -> jax.Array:
+def capped_forward(
+    q,
+    k,
+    v,
+    layout: BlockLayout,
+    *,
+    search_passes: int | None,
+    start_values: int | None = None,
+    **options,
+) -> jax.Array:
     """Diagnostics: the forward kernel of :func:`pallas_attention` (same arguments, ``options``
     its keywords) with each query tile's threshold search stopped after ``search_passes``
     passes, so that timing it at 0, 1, 2, ... passes shows what the first pass, a search pass
@@ -1460,7 +1471,11 @@ def capped_forward(q, k, v, layout: BlockLayout, *, search_passes: int, **option
 
     Args:
       q, k, v, layout: as in :func:`pallas_attention`.
-      search_passes: int >= 0; sparsemax, 1.5-entmax and α-entmax only.
+      search_passes: int >= 0, or None: to the end (then attention); sparsemax, 1.5-entmax
+        and α-entmax only.
+      start_values: how many of the row's large values the first pass keeps for the start of
+        sparsemax's and 1.5-entmax's searches (the largest of each block's 2 largest); default
+        the kernels' (8 and 16): timing others shows what more values cost and save.
 
     Returns:
       ``[B, Tq, N, Dv]``, the forward's output (not differentiable).
@@ -1474,7 +1489,10 @@ def capped_forward(q, k, v, layout: BlockLayout, *, search_passes: int, **option
       (1, 32, 1, 16)
     """
     caller = "capped_forward"
-    search_passes = check_int(search_passes, "search_passes", caller, low=0)
+    if search_passes is not None:
+        search_passes = check_int(search_passes, "search_passes", caller, low=0)
+    if start_values is not None:
+        start_values = check_int(start_values, "start_values", caller, low=1)
     params = inspect.signature(pallas_attention).parameters.values()
     defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
     unknown = sorted(set(options) - set(defaults))
@@ -1484,5 +1502,6 @@ def capped_forward(q, k, v, layout: BlockLayout, *, search_passes: int, **option
     if plan.kind == "softmax" or plan.target != "triton":
         raise ValueError(f"{caller}: a sparse normalizer on the Triton kernels only; got "
                          f"{plan.kind!r} on {plan.target!r}")  # fmt: skip
-    out, _ = _forward(dataclasses.replace(plan, search_cap=search_passes), *inputs)
+    capped = dataclasses.replace(plan, search_cap=search_passes, start_top=start_values)
+    out, _ = _forward(capped, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]
