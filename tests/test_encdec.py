@@ -43,8 +43,8 @@ def _batch(seed=0, b=2, s=7, t=6):
 def test_dense_baseline_has_every_switch_off_and_the_same_parameters():
     assert describe(DENSE) == {}
     assert set(describe(SPARSE)) == {
-        "normalizer", "output", "embed_keep", "cot_keep", "decoder_keep", "decoder_window",
-        "decoder_sinks",
+        "normalizer", "output", "embed_keep", "embed_mask", "cot_keep", "decoder_keep",
+        "decoder_window", "decoder_sinks",
     }  # fmt: skip
     shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
     assert shapes(_model(SPARSE)) == shapes(_model(DENSE))
@@ -73,7 +73,8 @@ def test_dense_baseline_has_every_switch_off_and_the_same_parameters():
 def test_each_switch_changes_the_forward_pass_and_only_what_it_names(switch, value):
     base = dataclasses.replace(DENSE, cot_steps=1)
     cfg = dataclasses.replace(base, **{switch: value})
-    assert describe(cfg) == {switch: value}
+    qualified = {"embed_mask": "random"} if switch == "embed_keep" else {}  # which dims
+    assert describe(cfg) == {switch: value, **qualified}
     src, lengths, tgt = _batch()
     dense_model, model = _model(base), _model(cfg)
     dense_logits, dense_stats = dense_model(src, lengths, tgt, return_stats=True)

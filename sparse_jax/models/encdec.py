@@ -733,12 +733,13 @@ def _greedy(graphdef, state, source, source_lengths, bos, eos, max_len):
 
 
 def describe(config: EncDecConfig) -> dict[str, Any]:
-    """The switches of ``config`` that differ from its dense baseline (empty: dense).
+    """The switches of ``config`` that differ from its dense baseline (empty: dense), with
+    SparseEmbed's ``embed_mask`` beside ``embed_keep`` when it is on.
 
     Example:
       >>> describe(EncDecConfig(decoder_window=8))  # the sparse defaults and a window
-      {'normalizer': 'sparsemax', 'output': 'sparsemax', 'embed_keep': 0.5, 'cot_keep': 0.5,
-       'decoder_window': 8}
+      {'normalizer': 'sparsemax', 'output': 'sparsemax', 'embed_keep': 0.5, 'embed_mask': 'random',
+       'cot_keep': 0.5, 'decoder_window': 8}
       >>> describe(EncDecConfig().dense())  # the baseline: nothing differs
       {}
     """
@@ -747,4 +748,5 @@ def describe(config: EncDecConfig) -> dict[str, Any]:
         f.name: getattr(config, f.name)
         for f in dataclasses.fields(config)
         if getattr(config, f.name) != getattr(dense, f.name)
+        or (f.name == "embed_mask" and config.embed_keep < 1)
     }
