@@ -373,15 +373,21 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 180
     assert type(configs[1]).__name__ == "ForwardPassesConfig" and configs[1].lengths == (16384,)
     assert type(configs[2]).__name__ == "TuningConfig" and configs[2].lengths == (16384,)
-    assert configs[2].forward_blocks == (64, 32) and configs[2].backward_blocks == (0, 32)
+    assert configs[1].start_values == (4, 16, 32)
+    assert configs[2].forward_blocks == (64,) and configs[2].backward_blocks == (0,)
+    assert configs[2].num_warps == (4, 2) and configs[2].num_stages == (2, 1, 3)
     assert "gpu-check suite" in text  # the second prepared call
     (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
     request = json.loads(request)
     assert {cell["normalizer"] for cell in request["cells"]} == {"entmax15", "sparsemax"}
     assert all(cell["mask"] == "causal" for cell in request["cells"])  # what AdaSplash computes
+    # the suite's tests: GPU_CHECK_TESTS, by default the whole folder
+    (default,) = re.findall(r"tests=\$\{GPU_CHECK_TESTS:-(\S+)\}", text)
     for line in pytests:
-        files = [arg for arg in shlex.split(line) if arg.split("/")[0] == "tests"]
+        args = [default if arg == "$tests" else arg for arg in shlex.split(line)]
+        files = [arg for arg in args if arg.split("/")[0] == "tests"]
         assert files and all((root / f).exists() for f in files), files
+    assert "--session-timeout" in pytests[1]  # a cut run still writes its failures
 
     # the device tool returns at most 8 files from $OUT: each part writes the common files
     # (outside the part's branch) and its own
