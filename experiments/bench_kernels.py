@@ -694,10 +694,9 @@ class ForwardPassesConfig(_KernelCells):
     tile's threshold search stopped after 0, 1, 2, ... passes (``kernels.flash.capped_forward``:
     inexact thresholds, the same work per pass), beside the full sparse forward and the softmax
     forward on the same layout. The step from k to k + 1 passes is what one search pass costs;
-    at 0 passes, the first pass (maximum and largest values), the output pass (two products
-    with the values) (1.5-entmax's polishing is a pass of its search, taken where a row needs
-    it). On CPU the kernels run
-    interpreted: a check that it runs, not a timing."""
+    at 0 passes, the first pass (maximum and largest values) and the output pass (two products
+    with the values); 1.5-entmax's polishing, where a row needs it, is one of its search
+    passes. On CPU the kernels run interpreted: a check that it runs, not a timing."""
 
     lengths: tuple[int, ...] | None = None
     """Sequence lengths; default 16384 on an accelerator, 256 on CPU."""
@@ -758,13 +757,10 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
                     whole = timing.time_fn(functools.partial(full, normalizer=norm), q, k, v,
                                            **limits)  # fmt: skip
                     capped = []
+                    capped_of = functools.partial(flash.capped_forward, layout=layout,
+                                                  normalizer=norm)  # fmt: skip
                     for cap in config.passes:
-
-                        def fwd(q, k, v, cap=cap, layout=layout, norm=norm):
-                            return flash.capped_forward(
-                                q, k, v, layout, search_passes=cap, normalizer=norm
-                            )
-
+                        fwd = functools.partial(capped_of, search_passes=cap)
                         cell = timing.time_fn(fwd, q, k, v, **limits)
                         step = "–"
                         if capped:
@@ -774,13 +770,8 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
                         rows.append([label, str(n), norm, str(cap), timing.format_ms(cell), step])
                     rows.append([label, str(n), norm, "to the end", timing.format_ms(whole), "–"])
                     for top in config.start_values:
-
-                        def started(q, k, v, top=top, layout=layout, norm=norm):
-                            return flash.capped_forward(
-                                q, k, v, layout, search_passes=None, start_values=top,
-                                normalizer=norm,
-                            )  # fmt: skip
-
+                        started = functools.partial(capped_of, search_passes=None,
+                                                    start_values=top)  # fmt: skip
                         cell = timing.time_fn(started, q, k, v, **limits)
                         rows.append([label, str(n), norm, f"to the end, start {top}",
                                      timing.format_ms(cell), "–"])  # fmt: skip

@@ -768,8 +768,9 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     # (normalizers.sparsemax_start, entmax15_start), a lower bound of τ, saves search passes
     # (each recomputes the tile's scores over every kept block).
     start_of = {"sparsemax": sparsemax_start, "entmax15": entmax15_start}.get(plan.kind)
-    n_top = plan.start_top or _START_TOP.get(plan.kind, 1)
-    n_top, block_top = (1, 1) if start_of is None else (n_top, _BLOCK_TOP)
+    n_top, block_top = (1, 1)
+    if start_of is not None:  # (capped_forward's start_top: a diagnostic's other start)
+        n_top, block_top = plan.start_top or _START_TOP[plan.kind], _BLOCK_TOP
     count_allowed = plan.kind == "entmax"  # only α-entmax's search reads the allowed keys
 
     def first_pass(j, carry):
