@@ -405,10 +405,18 @@ class TuningConfig(_KernelCells):
     Those larger than a forward tile are not combined with it."""
     num_warps: tuple[int, ...] = (4, 8)
     num_stages: tuple[int, ...] = (2, 3)
+    dq_accumulation: tuple[Literal["separate", "atomic"], ...] = ("separate",)
+    """How the backward forms dq (``pallas_attention``'s ``dq_accumulation``): a kernel of its
+    own, or atomic adds in the dk/dv kernel."""
 
     def __post_init__(self) -> None:
         self._check_cells()
         timing.check_count_tuples(self, "lengths", optional=True)
+        if not self.dq_accumulation or any(
+            mode not in ("separate", "atomic") for mode in self.dq_accumulation
+        ):
+            raise ValueError(f"dq_accumulation must name 'separate' and/or 'atomic', got "
+                             f"{self.dq_accumulation!r}")  # fmt: skip
         timing.check_count_tuples(self, "forward_blocks", "num_warps", "num_stages")
         timing.check_counts(self, "layout_block")
         for name in ("layout_block", "forward_blocks", "backward_blocks"):
@@ -464,11 +472,10 @@ def run_tuning(config: TuningConfig, command: str) -> str:
             tiles = [(block, bwd) for block in config.forward_blocks
                      for bwd in dict.fromkeys(tile or block for tile in config.backward_blocks)
                      if bwd <= block]  # fmt: skip
-            choices = itertools.product(
-                config.masks, config.normalizers, tiles, config.num_warps, config.num_stages
-            )
+            knobs = (config.num_warps, config.num_stages, config.dq_accumulation)
+            choices = itertools.product(config.masks, config.normalizers, tiles, *knobs)
             layouts = {}  # mask -> (layout, label): built once per length
-            for mask_name, norm_name, (block, bwd), warps, stages in choices:
+            for mask_name, norm_name, (block, bwd), warps, stages, dq in choices:
                 if mask_name not in layouts:
                     mask, label = _mask(mask_name, config.window)
                     size = config.layout_block
@@ -476,9 +483,10 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 layout, label = layouts[mask_name]
                 options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
                            "num_stages": stages, "forward_block": (block, block),
-                           "backward_block": (bwd, bwd)}  # fmt: skip
+                           "backward_block": (bwd, bwd), "dq_accumulation": dq}  # fmt: skip
                 cell = (label, n, norm_name)
-                row = [label, str(n), norm_name, str(block), str(bwd), str(warps), str(stages)]
+                row = [label, str(n), norm_name, str(block), str(bwd), str(warps), str(stages),
+                       dq]  # fmt: skip
                 try:
                     one, both = _tuned_cells(q, k, v, g, layout, options, limits)
                 except Exception as err:  # a tile too large for the chip: say so, go on
@@ -488,35 +496,38 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
                 timing.log(
                     f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} block "
-                    f"{block} backward {bwd} warps {warps} stages {stages}: {ms:.2f} ms fwd+bwd"
+                    f"{block} backward {bwd} warps {warps} stages {stages} dq {dq}: {ms:.2f} ms "
+                    "fwd+bwd"
                 )
                 if cell not in best or ms < best[cell][0]:
-                    best[cell] = (ms, block, bwd, warps, stages)
-                if (block, bwd, warps, stages) == (default_tile, default_tile, default_warps, 2):
+                    best[cell] = (ms, block, bwd, warps, stages, dq)
+                default = (default_tile, default_tile, default_warps, 2, "separate")
+                if (block, bwd, warps, stages, dq) == default:
                     defaults[cell] = ms
     except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
         stopped = (
             f"INTERRUPTED after {time.perf_counter() - start:.0f} s: the combinations missing "
             "from the table were not measured."
         )
-    headers = ["mask", "n", "normalizer", "fwd tile", "bwd tile", "warps", "stages", "fwd ms",
-               "fwd+bwd ms", "note"]  # fmt: skip
-    table = timing.markdown_table(headers, rows, align="lrlrrrrrrl")
+    headers = ["mask", "n", "normalizer", "fwd tile", "bwd tile", "warps", "stages", "dq",
+               "fwd ms", "fwd+bwd ms", "note"]  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lrlrrrrlrrl")
     notes = [
         f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention on the layout of blocks "
         f"{config.layout_block}, the forward's tiles (forward_block) and the backward's "
         f"(backward_block) cut from them; defaults: tiles {default_tile}, {default_warps} warps, "
-        f"2 stages; fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
+        f"2 stages, dq by its own kernel (separate; atomic: by the dk/dv kernel); "
+        f"fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
         f"{config.repeats} calls after compilation and a warm-up call."
         + ("" if accel else " CPU: interpret mode (warps and stages unused): not a timing."),
         *(f"n={n}: not run (interpret mode on CPU: too slow above 2048)" for n in skipped),
     ]
-    for (label, n, norm_name), (ms, block, bwd, warps, stages) in best.items():
+    for (label, n, norm_name), (ms, block, bwd, warps, stages, dq) in best.items():
         default = defaults.get((label, n, norm_name))
         versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
         notes.append(
             f"fastest, {label} n={n} {norm_name}: tiles {block}, backward tiles {bwd}, {warps} "
-            f"warps, {stages} stages, {ms:.2f} ms fwd+bwd{versus}"
+            f"warps, {stages} stages, dq {dq}, {ms:.2f} ms fwd+bwd{versus}"
         )
     notes.append(f"Total wall time {time.perf_counter() - start:.0f} s.")
     notes += [stopped] if stopped else []

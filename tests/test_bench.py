@@ -197,24 +197,28 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     bench.main(
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
          "--layout-block", "32", "--forward-blocks", "16", "32", "--backward-blocks", "0", "16",
-         "--num-warps", "4", "8", "--num-stages", "2", "--window", "8", "--masks", "local",
-         "--normalizers", "entmax15", "--repeats", "1"]
+         "--num-warps", "4", "--num-stages", "2", "--window", "8", "--masks", "local",
+         "--normalizers", "entmax15", "--repeats", "1", "--dq-accumulation", "separate",
+         "atomic"]
     )  # fmt: skip
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    # (forward tile, backward tile, warps): tile 16's backward 16 once (0 is the forward's),
+    # (forward tile, backward tile, dq): tile 16's backward 16 once (0 is the forward's),
     # tile 32's 32 and 16
     tiles = [("16", "16"), ("32", "32"), ("32", "16")]
-    combos = sorted((row[3], row[4], row[5]) for row in rows)
-    assert combos == sorted((*tile, warps) for tile in tiles for warps in ("4", "8"))
-    times = {tuple(row[3:7]): float(row[8].split("†")[0]) for row in rows}
+    combos = sorted((row[3], row[4], row[7]) for row in rows)
+    assert combos == sorted((*tile, dq) for tile in tiles for dq in ("separate", "atomic"))
+    times = {tuple(row[3:8]): float(row[9].split("†")[0]) for row in rows}
     pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: tiles (\d+), "
-               r"backward tiles (\d+), (\d+) warps, (\d+) stages")  # fmt: skip
+               r"backward tiles (\d+), (\d+) warps, (\d+) stages, dq (\w+)")  # fmt: skip
     (fastest,) = re.findall(pattern, printed)
     assert times[fastest] == min(times.values())  # the figure recomputed from the table
     assert "interpret mode (warps and stages unused): not a timing" in printed
     assert "on the layout of blocks 32" in printed and "defaults: tiles 32, 4 warps" in printed
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--dq-accumulation", "atomics"])
+    assert "atomics" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["pallas_tuning", "--forward-blocks", "48"])
     assert "forward_blocks: 48 is not a power of two >= 16" in capsys.readouterr().err
@@ -364,18 +368,21 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     text = script.read_text().replace("\\\n", " ")
     benches = re.findall(r"python3 -m experiments\.bench (.*)", text)
     pytests = re.findall(r"python3 -m pytest (.*)", text)
-    assert len(benches) == 5 and len(pytests) == 2
+    assert len(benches) == 6 and len(pytests) == 2
     configs = []
     for line in benches:
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
         configs.append(bench.parse(args))
     assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
     assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 180
-    assert type(configs[1]).__name__ == "ForwardPassesConfig" and configs[1].lengths == (16384,)
-    assert type(configs[2]).__name__ == "TuningConfig" and configs[2].lengths == (16384,)
-    assert configs[1].start_values == (4, 16, 32)
-    assert configs[2].forward_blocks == (64,) and configs[2].backward_blocks == (0,)
-    assert configs[2].num_warps == (4, 2) and configs[2].num_stages == (2, 1, 3)
+    dq, passes, tuning = configs[1:4]
+    assert type(dq).__name__ == "TuningConfig" and dq.dq_accumulation == ("separate", "atomic")
+    assert dq.num_warps == (4,) and dq.num_stages == (2,) and dq.forward_blocks == (64,)
+    assert type(passes).__name__ == "ForwardPassesConfig" and passes.lengths == (16384,)
+    assert type(tuning).__name__ == "TuningConfig" and tuning.lengths == (16384,)
+    assert passes.start_values == (4, 16, 32)
+    assert tuning.forward_blocks == (64,) and tuning.backward_blocks == (0,)
+    assert tuning.num_warps == (4, 2) and tuning.num_stages == (2, 1, 3)
     assert "gpu-check suite" in text  # the second prepared call
     (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
     request = json.loads(request)

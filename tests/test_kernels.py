@@ -130,6 +130,64 @@ def test_tiles_cut_from_the_blocks_match_the_reference(cut, case):
     _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape)
 
 
+# dq added by the dk/dv kernel's atomic adds: every kind of bias and its row sums, a learnable
+# α's and the scale's row terms, grouped-query heads, run-time masks, bfloat16, backward tiles.
+_ATOMIC_CASES = ["softmax-causal-row-bias", "entmax15-cross-full-bias", "alpha-heads-gqa-key-bias",
+                 "entmax15-segments-padding-gqa", "sparsemax-prefix-lm-gqa",
+                 "sparsemax-window-gqa-bf16"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _ATOMIC_CASES)
+def test_atomic_dq_accumulation_matches_the_reference(case):
+    norm, mask, shape, dtype, block, bias_shape = CASES[case]
+    layout = mask.blocks(shape[1], shape[2], 2 * block, 2 * block)
+
+    def pallas(q, k, v, normalizer, scale, bias):
+        return pallas_attention(q, k, v, layout, mask=mask, normalizer=normalizer, scale=scale,
+                                bias=bias, backward_block=(block, block),
+                                dq_accumulation="atomic")  # fmt: skip
+
+    _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape)
+
+
+@pytest.mark.parametrize(("normalizer", "adds"), [("softmax", 1), ("alpha", 4)])
+def test_atomic_dq_accumulation_runs_in_the_dkv_kernel(normalizer, adds):
+    """One backward kernel, not two, in the program lowered for a GPU (Triton IR with
+    atomic read-modify-writes), and in the traced one the atomic adds of dq and of each row
+    term the call asks for: the scale's and α's arrays and the bias' rows (``alpha``)."""
+    q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    layout = (masks.causal() & masks.local(32, 0)).blocks(128, 128, 64, 64)
+    alpha, bias = jnp.full((4,), 1.3), jnp.zeros((1, 4, 128, 1))
+    if normalizer == "softmax":
+        alpha = bias = None
+
+    def grad(mode):
+        def loss(q, alpha, bias):
+            norm = normalizer if alpha is None else alpha
+            scale = None if alpha is None else jnp.float32(0.1)
+            out = pallas_attention(q, q, q, layout, normalizer=norm, bias=bias, scale=scale,
+                                   interpret=False, dq_accumulation=mode)  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2) if alpha is not None else 0))
+
+    for mode, kernels in [("separate", 3), ("atomic", 2)]:
+        text = grad(mode).trace(q, alpha, bias).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == kernels, mode
+        assert ("\\00atomic_rmw\\00" in text) == (mode == "atomic"), mode
+        jaxpr = str(jax.make_jaxpr(grad(mode))(q, alpha, bias))
+        assert jaxpr.count("atomic_rmw") == (adds if mode == "atomic" else 0), mode
+
+
+def test_atomic_dq_accumulation_is_refused_where_it_cannot_run():
+    q = jnp.zeros((1, 128, 1, 16))
+    layout = masks.causal().blocks(128, 128, 128, 128)
+    with pytest.raises(ValueError, match="`dq_accumulation` must be None, 'separate' or 'atomic'"):
+        pallas_attention(q, q, q, layout, dq_accumulation="atomics")
+    with pytest.raises(ValueError, match="`dq_accumulation`='atomic' is for the Triton kernels"):
+        pallas_attention(q, q, q, layout, target="mosaic", interpret=True, dq_accumulation="atomic")
+
+
 def test_the_triton_kernels_run_on_64_tiles_unless_told_otherwise():
     q = jnp.zeros((1, 512, 2, 16), jnp.float32)
     layout = masks.causal().blocks(512, 512, 128, 128)

@@ -30,7 +30,9 @@ softmax). One kernel walks the kept key blocks of each query block for ``dq`` (a
 scale derivatives, ``δ Σ c - Σ dp c`` per row, plus ``(Σ dp s' - δ Σ s') / ε²`` for α >= 1.5,
 with the ``c`` and ``s'`` of :func:`~sparse_jax.normalizers.entmax_alpha_terms`); the other
 walks, for each key block, the query blocks that keep it (the transposed layout) for ``dk``
-and ``dv``.
+and ``dv``. With ``dq_accumulation="atomic"`` the second kernel alone does both: it adds each
+tile's share of ``dq`` and of the row terms to float32 sums by atomic adds (FlashAttention-2's
+way: 5 tile products where the two kernels take 7, their scores and ``do @ vᵀ`` formed once).
 
 Numerics follow :func:`sparse_jax.attention`: scores, normalizer and accumulation in float32,
 ``p`` cast to ``v``'s dtype for its product, output in ``q``'s dtype; fully masked rows give
@@ -323,6 +325,7 @@ class _Plan:
     scale_grad: bool = True  # False: a python float scale (its gradient is never asked for)
     search_cap: int | None = None  # capped_forward's diagnostics: search passes at most
     start_top: int | None = None  # capped_forward's diagnostics: values the start uses
+    atomic_dq: bool = False  # dq added by the dk/dv kernel (dq_accumulation="atomic")
 
     @property
     def row_length(self) -> int:
@@ -867,26 +870,54 @@ def _row_names(plan: _Plan) -> tuple[str, ...]:
     return (*stats, "delta")
 
 
-def _dq_step(plan: _Plan, carry, p, g, dp, delta, raw, k, eps):
-    """Adds one key tile's share to the dq kernel's sums ``(dq, α sums, Σ ds·raw, Σ ds)``:
-    ``ds = g ⊙ (dp - δ)``; the scale's and the bias' row gradients; for α-entmax the four row
-    sums of the α derivative (Σ c, Σ dp c, Σ s_rest, Σ dp s_rest)."""
-    dq, alpha_sums, ds_raw, ds_rows = carry
-    ds = g * (dp - delta)
-    dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
-    ds = jnp.where(g != 0.0, ds, 0.0)
-    if plan.scale_grad:
-        ds_raw = ds_raw + jnp.sum(ds * raw, axis=-1, keepdims=True)
-    if plan.has_bias:
-        ds_rows = ds_rows + jnp.sum(ds, axis=-1, keepdims=True)  # the bias' row gradient
+def _row_terms(plan: _Plan, p, ds, dp, raw, eps):
+    """A key tile's shares of the per-row sums that the scale, the bias and α take: ``(α
+    sums, Σ ds·raw, Σ ds)`` ``[rows, 1]`` each (None where the call asks no such gradient);
+    the α sums are the four of :func:`_alpha_rows` (Σ c, Σ dp c, Σ s_rest, Σ dp s_rest).
+    ``ds``: zero off the support."""
+    ds_raw = jnp.sum(ds * raw, axis=-1, keepdims=True) if plan.scale_grad else None
+    ds_rows = jnp.sum(ds, axis=-1, keepdims=True) if plan.has_bias else None  # the bias' rows
+    alpha = None
     if plan.kind == "entmax":
         _, c, s_rest = entmax_alpha_terms(p, eps)
         terms = (c, jnp.where(c != 0.0, dp * c, 0.0), s_rest)
         terms += (jnp.where(s_rest != 0.0, dp * s_rest, 0.0),)
-        alpha_sums = tuple(
-            a + jnp.sum(t, axis=-1, keepdims=True) for a, t in zip(alpha_sums, terms, strict=True)
-        )
+        alpha = tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms)
+    return alpha, ds_raw, ds_rows
+
+
+def _dq_step(plan: _Plan, carry, p, g, dp, delta, raw, k, eps):
+    """Adds one key tile's share to the dq kernel's sums ``(dq, α sums, Σ ds·raw, Σ ds)``:
+    ``ds = g ⊙ (dp - δ)`` and the row terms of :func:`_row_terms`."""
+    dq, alpha_sums, ds_raw, ds_rows = carry
+    ds = g * (dp - delta)
+    dq = dq + _dot(plan, ds.astype(k.dtype), k, 1, 0)
+    ds = jnp.where(g != 0.0, ds, 0.0)
+    alpha, raw_sum, row_sum = _row_terms(plan, p, ds, dp, raw, eps)
+    if alpha is not None:
+        alpha_sums = tuple(a + t for a, t in zip(alpha_sums, alpha, strict=True))
+    ds_raw = ds_raw if raw_sum is None else ds_raw + raw_sum
+    ds_rows = ds_rows if row_sum is None else ds_rows + row_sum
     return dq, alpha_sums, ds_raw, ds_rows
+
+
+def _add_dq_share(plan: _Plan, refs, rows, p, ds, dp, raw, k, delta, eps):
+    """``dq_accumulation="atomic"``: adds a (query tile, key block) share of dq and of the
+    row terms to the float32 sums ``refs`` ``(dq [Tq, D], dα [Tq], d scale [Tq], d bias
+    [Tq])`` by atomic adds (several key blocks' programs add to the same rows at once; the
+    order of the additions, so the last bits, varies from run to run). ``rows``: the tile's
+    query rows (a ``pl.ds``)."""
+    from jax.experimental.pallas import triton as plgpu  # (see _call)
+
+    dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs
+    plgpu.atomic_add(dq_ref, (rows, slice(None)), _dot(plan, ds.astype(k.dtype), k, 1, 0))
+    alpha, raw_sum, row_sum = _row_terms(plan, p, ds, dp, raw, eps)
+    if alpha is not None:
+        plgpu.atomic_add(dalpha_ref, (rows,), _alpha_rows(plan, alpha, delta, eps)[:, 0])
+    if raw_sum is not None:
+        plgpu.atomic_add(dscale_ref, (rows,), raw_sum[:, 0])
+    if row_sum is not None:
+        plgpu.atomic_add(dbias_ref, (rows,), row_sum[:, 0])
 
 
 def _alpha_rows(plan: _Plan, alpha_sums, delta, eps):
@@ -948,8 +979,10 @@ def _dkv_kernel(*refs, plan: _Plan):
     row_refs = dict(zip(names, refs[11 : 11 + len(names)], strict=True))
     rest = refs[11 + len(names) :]
     t_rows_ref, t_slots_ref, t_cnt_ref, full_ref, pmi_ref, masks_ref, live_ref = rest[:7]
-    dk_ref, dv_ref, dbias_cols_ref = rest[7:10]
-    dense_bias_ref = rest[10] if len(rest) > 10 else None  # a bias with q and kv axes
+    outs = rest[7 + 4 * plan.atomic_dq :]  # (after the zeros the atomic sums start from)
+    dk_ref, dv_ref, dbias_cols_ref = outs[:3]
+    atomic_refs = outs[3:7] if plan.atomic_dq else None  # dq and the row terms' sums
+    dense_bias_ref = outs[-1] if plan.bias_axes[2] and plan.bias_axes[3] else None
     bq, bkv = plan.bq, plan.bkv
     if dense_bias_ref is not None:  # tile by tile: Triton takes no tile of nq * bq rows
         zeros = jnp.zeros((bq, bkv), dense_bias_ref.dtype)
@@ -973,7 +1006,8 @@ def _dkv_kernel(*refs, plan: _Plan):
             sl = pl.ds(start, bq)
             q, do = q_ref[sl, :], do_ref[sl, :]
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
-            s = _dot(plan, q, k) * scale + key_nan_ref[...][None, :]
+            raw = _dot(plan, q, k)
+            s = raw * scale + key_nan_ref[...][None, :]
             if plan.has_bias:
                 s = s + (bias_ref[sl, :] if plan.bias_axes[2] else bias_ref[...])
             s = _clip_inf(s)
@@ -985,8 +1019,11 @@ def _dkv_kernel(*refs, plan: _Plan):
             x = _masked(plan, s, full, mask_index, masks_ref, kv_block, rt)
             p, g = _recompute(plan, x, rows, eps, sigma)
             dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
-            ds = jnp.where(g != 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
+            dp = _dot(plan, do, v)
+            ds = jnp.where(g != 0.0, g * (dp - rows["delta"]), 0.0)
             dk = dk + _dot(plan, ds.astype(q.dtype), q, 0, 0)
+            if atomic_refs is not None:
+                _add_dq_share(plan, atomic_refs, sl, p, ds, dp, raw, k, rows["delta"], eps)
             if dense_bias_ref is not None:
                 dense_bias_ref[sl, :] = ds
             if plan.has_bias:
@@ -1012,8 +1049,8 @@ def _dkv_kernel(*refs, plan: _Plan):
 # pallas_call wrappers.
 
 
-def _call(kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name: str):
-    kwargs = {}
+def _call(kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
+    kwargs = {"input_output_aliases": aliases} if aliases else {}
     if not plan.interpret:
         # Imported here, not at the top: it adds ~80 ms to `import sparse_jax` (measured with
         # python -X importtime), paid on CPU where the kernels only ever run interpreted.
@@ -1131,21 +1168,24 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, k
     stat_blk = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
     row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
     live_w = live.shape[-1]
-    dq, dalpha_rows, dscale_rows, dbias_rows = _call(
-        _dq_kernel, plan, (nq, b, n),
-        [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
-         _bias_rows_spec(plan, bias.shape),
-         pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)),
-         *_row_segment_specs(plan, tk), do_blk,
-         *[stat_blk] * len(row_values),
-         row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
-         row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
-         pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
-        [q_blk, stat_blk, stat_blk, stat_blk],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
-        f"sparse_jax_pallas_{plan.kind}_dq",
-    )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values, *layout_in,
-      live)  # fmt: skip
+    if plan.atomic_dq:  # the dk/dv kernel adds them
+        dq = dalpha_rows = dscale_rows = dbias_rows = None
+    else:
+        dq, dalpha_rows, dscale_rows, dbias_rows = _call(
+            _dq_kernel, plan, (nq, b, n),
+            [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
+             _bias_rows_spec(plan, bias.shape),
+             pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)),
+             *_row_segment_specs(plan, tk), do_blk,
+             *[stat_blk] * len(row_values),
+             row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
+             row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
+             pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
+            [q_blk, stat_blk, stat_blk, stat_blk],
+            [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
+            f"sparse_jax_pallas_{plan.kind}_dq",
+        )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values, *layout_in,
+          live)  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
     mp = a["t_rows"].shape[-1]
@@ -1171,6 +1211,17 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, k
         jax.ShapeDtypeStruct((b, tk, n, plan.dv), grad_dtype[1]),
         jax.ShapeDtypeStruct((b, n, tk), _F32),
     ]
+    sums, aliases = [], None
+    if plan.atomic_dq:  # float32 sums of dq and of the row terms, from zeros
+        n_in = 18 + len(row_values)  # the call's inputs before these
+        sum_specs = [
+            pl.BlockSpec((None, tq, None, plan.d), lambda c, bb, h: (bb, 0, h, 0)),
+            *[pl.BlockSpec((None, None, tq), lambda c, bb, h: (bb, h, 0))] * 3,
+        ]
+        sums = [jnp.zeros((b, tq, n, plan.d), _F32), *[jnp.zeros((b, n, tq), _F32)] * 3]
+        aliases = {n_in + i: 3 + i for i in range(4)}
+        out_specs += sum_specs
+        out_shapes += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sums]
     if aq and ak:  # a bias with both length axes: its gradient is dense like itself
         out_specs.append(pl.BlockSpec((None, None, tq, bkv), lambda c, bb, h: (bb, h, 0, c)))
         out_shapes.append(jax.ShapeDtypeStruct((b, n, tq, tk), _F32))
@@ -1183,13 +1234,17 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, k
          *[stat_all] * len(row_values),
          t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
-         pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0))],
-        out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv",
+         pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0)),
+         *(sum_specs if plan.atomic_dq else [])],
+        out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv", aliases,
     )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values,
       *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
-      live)  # fmt: skip
+      live, *sums)  # fmt: skip
     dk, dv, dbias_cols = grads[:3]
-    dense_dbias = grads[3] if aq and ak else None
+    if plan.atomic_dq:
+        dq, dalpha_rows, dscale_rows, dbias_rows = grads[3:7]
+        dq = (dq * scale[0]).astype(q.dtype)
+    dense_dbias = grads[-1] if aq and ak else None
     return dq, dk, dv, dalpha_rows, dscale_rows, dbias_rows, dbias_cols, dense_dbias
 
 
@@ -1284,6 +1339,7 @@ def pallas_attention(
     num_stages: int | None = None,
     forward_block: tuple[int, int] | None = None,
     backward_block: tuple[int, int] | None = None,
+    dq_accumulation: str | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -1326,6 +1382,12 @@ def pallas_attention(
       backward_block: ``(bq, bkv)`` tiles of the two backward kernels, dividing the forward's
         tiles (FlashAttention-2 and jax's Pallas ``mha`` use smaller tiles in the backward
         pass, whose tiles hold more live values); default: the forward's tiles.
+      dq_accumulation: how the backward forms dq (and the α, scale and bias row terms):
+        ``"separate"`` (the default), a kernel of its own that walks each query block's key
+        blocks, recomputing their scores and ``do @ vᵀ`` (7 tile products in the backward);
+        or ``"atomic"``, the dk/dv kernel adds each tile's share to float32 sums by atomic
+        adds, FlashAttention-2's way (5 products, one kernel; the order of the additions,
+        so dq's last bits, varies from run to run). Triton kernels only.
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -1344,7 +1406,7 @@ def pallas_attention(
     """
     plan, inputs = _prepare(
         q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
-        num_stages, forward_block, backward_block,
+        num_stages, forward_block, backward_block, dq_accumulation,
     )  # fmt: skip
     out = _fused(plan, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]
@@ -1352,7 +1414,7 @@ def pallas_attention(
 
 def _prepare(
     q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
-    num_stages, forward_block, backward_block, caller: str = _NAME,
+    num_stages, forward_block, backward_block, dq_accumulation=None, caller: str = _NAME,
 ):  # fmt: skip
     """(plan, padded inputs of :func:`_fused`) of a :func:`pallas_attention` call, its
     arguments checked (ValueError/TypeError naming them)."""
@@ -1375,6 +1437,12 @@ def _prepare(
     if backward_block is None:
         backward_block = forward_block
     backward_block = _check_tile(backward_block, "backward_block", forward_block, target, caller)
+    if dq_accumulation not in (None, "separate", "atomic"):
+        raise ValueError(f"{caller}: `dq_accumulation` must be None, 'separate' or 'atomic'; "
+                         f"got {dq_accumulation!r}")  # fmt: skip
+    if dq_accumulation == "atomic" and target != "triton":
+        raise ValueError(f"{caller}: `dq_accumulation`='atomic' is for the Triton kernels "
+                         f"(target='triton'); got target={target!r}")  # fmt: skip
     platform = {"mosaic": "tpu", "triton": "gpu"}[target]
     if not interpret and jax.default_backend() not in (platform, "cpu"):
         raise ValueError(
@@ -1422,7 +1490,7 @@ def _prepare(
         else jax.lax.Precision.HIGHEST,
         bias_axes=bias_axes, arrays=_layout_arrays(layout), num_warps=num_warps,
         num_stages=2 if num_stages is None else num_stages, has_bias=has_bias,
-        scale_grad=scale_grad, dynamic=layout.dynamic,
+        scale_grad=scale_grad, dynamic=layout.dynamic, atomic_dq=dq_accumulation == "atomic",
     )  # fmt: skip
     source = layout
     if forward_block != blocks:  # both passes on tiles cut from the layout's blocks
