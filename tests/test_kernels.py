@@ -635,6 +635,21 @@ def test_the_kernels_lower_to_triton_for_gpus(
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 
+def test_the_softmax_kernels_take_exp2_on_gpus():
+    """Softmax's exponentials are ex2 instructions in the Triton kernels (libdevice's exp2f),
+    not libdevice's expf with its range reduction: every score takes one in each kernel."""
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    layout = masks.causal().blocks(128, 128, 64, 64)
+
+    def loss(q):
+        out = pallas_attention(q, q, q, layout, interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert text.count("__nv_exp2f") == 3 and "__nv_expf" not in text
+
+
 def test_ragged_lengths_and_a_dense_bias_lower_to_triton():
     """Tq, Tk and the head dim off the blocks (padded inside) with a bias of both length axes,
     whose gradient the dk/dv kernel clears tile by tile: Triton takes only power-of-two tiles,
