@@ -408,6 +408,10 @@ class TuningConfig(_KernelCells):
     dq_accumulation: tuple[Literal["separate", "atomic"], ...] = ("separate",)
     """How the backward forms dq (``pallas_attention``'s ``dq_accumulation``): a kernel of its
     own, or atomic adds in the dk/dv kernel."""
+    prefetch: tuple[bool, ...] = (False,)
+    """``pallas_attention``'s ``prefetch``: the sparse normalizers' operand loads before the
+    test that skips blocks without weight (True) or inside it. Softmax skips none: its rows
+    are timed once, at False."""
 
     def __post_init__(self) -> None:
         self._check_cells()
@@ -472,10 +476,12 @@ def run_tuning(config: TuningConfig, command: str) -> str:
             tiles = [(block, bwd) for block in config.forward_blocks
                      for bwd in dict.fromkeys(tile or block for tile in config.backward_blocks)
                      if bwd <= block]  # fmt: skip
-            knobs = (config.num_warps, config.num_stages, config.dq_accumulation)
+            knobs = (config.num_warps, config.num_stages, config.dq_accumulation, config.prefetch)
             choices = itertools.product(config.masks, config.normalizers, tiles, *knobs)
             layouts = {}  # mask -> (layout, label): built once per length
-            for mask_name, norm_name, (block, bwd), warps, stages, dq in choices:
+            for mask_name, norm_name, (block, bwd), warps, stages, dq, prefetch in choices:
+                if prefetch and norm_name == "softmax":
+                    continue  # (the same kernels)
                 if mask_name not in layouts:
                     mask, label = _mask(mask_name, config.window)
                     size = config.layout_block
@@ -483,10 +489,11 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 layout, label = layouts[mask_name]
                 options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
                            "num_stages": stages, "forward_block": (block, block),
-                           "backward_block": (bwd, bwd), "dq_accumulation": dq}  # fmt: skip
+                           "backward_block": (bwd, bwd), "dq_accumulation": dq,
+                           "prefetch": prefetch}  # fmt: skip
                 cell = (label, n, norm_name)
                 row = [label, str(n), norm_name, str(block), str(bwd), str(warps), str(stages),
-                       dq]  # fmt: skip
+                       dq, "yes" if prefetch else "no"]  # fmt: skip
                 try:
                     one, both = _tuned_cells(q, k, v, g, layout, options, limits)
                 except Exception as err:  # a tile too large for the chip: say so, go on
@@ -496,13 +503,13 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
                 timing.log(
                     f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} block "
-                    f"{block} backward {bwd} warps {warps} stages {stages} dq {dq}: {ms:.2f} ms "
-                    "fwd+bwd"
+                    f"{block} backward {bwd} warps {warps} stages {stages} dq {dq} prefetch "
+                    f"{prefetch}: {ms:.2f} ms fwd+bwd"
                 )
                 if cell not in best or ms < best[cell][0]:
-                    best[cell] = (ms, block, bwd, warps, stages, dq)
-                default = (default_tile, default_tile, default_warps, 2, "separate")
-                if (block, bwd, warps, stages, dq) == default:
+                    best[cell] = (ms, block, bwd, warps, stages, dq, prefetch)
+                default = (default_tile, default_tile, default_warps, 2, "separate", False)
+                if (block, bwd, warps, stages, dq, prefetch) == default:
                     defaults[cell] = ms
     except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
         stopped = (
@@ -510,24 +517,26 @@ def run_tuning(config: TuningConfig, command: str) -> str:
             "from the table were not measured."
         )
     headers = ["mask", "n", "normalizer", "fwd tile", "bwd tile", "warps", "stages", "dq",
-               "fwd ms", "fwd+bwd ms", "note"]  # fmt: skip
-    table = timing.markdown_table(headers, rows, align="lrlrrrrlrrl")
+               "prefetch", "fwd ms", "fwd+bwd ms", "note"]  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lrlrrrrllrrl")
     notes = [
         f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention on the layout of blocks "
         f"{config.layout_block}, the forward's tiles (forward_block) and the backward's "
         f"(backward_block) cut from them; defaults: tiles {default_tile}, {default_warps} warps, "
-        f"2 stages, dq by its own kernel (separate; atomic: by the dk/dv kernel); "
+        f"2 stages, dq by its own kernel (separate; atomic: by the dk/dv kernel), no "
+        f"prefetch; "
         f"fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
         f"{config.repeats} calls after compilation and a warm-up call."
         + ("" if accel else " CPU: interpret mode (warps and stages unused): not a timing."),
         *(f"n={n}: not run (interpret mode on CPU: too slow above 2048)" for n in skipped),
     ]
-    for (label, n, norm_name), (ms, block, bwd, warps, stages, dq) in best.items():
+    for (label, n, norm_name), (ms, block, bwd, warps, stages, dq, pf) in best.items():
         default = defaults.get((label, n, norm_name))
         versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
         notes.append(
             f"fastest, {label} n={n} {norm_name}: tiles {block}, backward tiles {bwd}, {warps} "
-            f"warps, {stages} stages, dq {dq}, {ms:.2f} ms fwd+bwd{versus}"
+            f"warps, {stages} stages, dq {dq}, prefetch {'yes' if pf else 'no'}, {ms:.2f} ms "
+            f"fwd+bwd{versus}"
         )
     notes.append(f"Total wall time {time.perf_counter() - start:.0f} s.")
     notes += [stopped] if stopped else []

@@ -198,20 +198,24 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
          "--layout-block", "32", "--forward-blocks", "16", "32", "--backward-blocks", "0", "16",
          "--num-warps", "4", "--num-stages", "2", "--window", "8", "--masks", "local",
-         "--normalizers", "entmax15", "--repeats", "1", "--dq-accumulation", "separate",
-         "atomic"]
+         "--normalizers", "entmax15", "softmax", "--repeats", "1", "--dq-accumulation",
+         "separate", "atomic", "--prefetch", "True", "False"]
     )  # fmt: skip
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    # (forward tile, backward tile, dq): tile 16's backward 16 once (0 is the forward's),
-    # tile 32's 32 and 16
+    # (forward tile, backward tile, dq, prefetch): tile 16's backward 16 once (0 is the
+    # forward's), tile 32's 32 and 16; softmax, which skips no block, without prefetching
     tiles = [("16", "16"), ("32", "32"), ("32", "16")]
-    combos = sorted((row[3], row[4], row[7]) for row in rows)
-    assert combos == sorted((*tile, dq) for tile in tiles for dq in ("separate", "atomic"))
-    times = {tuple(row[3:8]): float(row[9].split("†")[0]) for row in rows}
+    modes = [(dq, pf) for dq in ("separate", "atomic") for pf in ("yes", "no")]
+    combos = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "entmax15")
+    assert combos == sorted((*tile, *mode) for tile in tiles for mode in modes)
+    softmax = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "softmax")
+    assert softmax == sorted((*tile, dq, "no") for tile in tiles for dq in ("separate", "atomic"))
+    times = {tuple(row[3:9]): float(row[10].split("†")[0]) for row in rows if row[2] == "entmax15"}
     pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: tiles (\d+), "
-               r"backward tiles (\d+), (\d+) warps, (\d+) stages, dq (\w+)")  # fmt: skip
+               r"backward tiles (\d+), (\d+) warps, (\d+) stages, dq (\w+), "
+               r"prefetch (\w+)")  # fmt: skip
     (fastest,) = re.findall(pattern, printed)
     assert times[fastest] == min(times.values())  # the figure recomputed from the table
     assert "interpret mode (warps and stages unused): not a timing" in printed
@@ -377,6 +381,7 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 180
     dq, passes, tuning = configs[1:4]
     assert type(dq).__name__ == "TuningConfig" and dq.dq_accumulation == ("separate", "atomic")
+    assert dq.prefetch == (False, True)
     assert dq.num_warps == (4,) and dq.num_stages == (2,) and dq.forward_blocks == (64,)
     assert type(passes).__name__ == "ForwardPassesConfig" and passes.lengths == (16384,)
     assert type(tuning).__name__ == "TuningConfig" and tuning.lengths == (16384,)

@@ -179,13 +179,76 @@ def test_atomic_dq_accumulation_runs_in_the_dkv_kernel(normalizer, adds):
         assert jaxpr.count("atomic_rmw") == (adds if mode == "atomic" else 0), mode
 
 
-def test_atomic_dq_accumulation_is_refused_where_it_cannot_run():
+def _operand_loads_in_branches(fn, *args) -> dict[str, int]:
+    """Per Pallas kernel of ``fn``'s program: the loads inside a ``cond`` branch of a whole
+    operand's tile (a ref of shape ``[128, 64]``: every key's keys or values, every query's
+    rows or output gradients, in the tests' calls below)."""
+    from jax.extend import core as jcore
+
+    counts = {}
+
+    def walk(jaxpr, in_branch, kernel):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernel = str(eqn.params["name"])
+                counts.setdefault(kernel, 0)
+            if eqn.primitive.name == "get" and in_branch:
+                counts[kernel] += tuple(eqn.invars[0].aval.shape) == (128, 64)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    if isinstance(sub, jcore.ClosedJaxpr):
+                        sub = sub.jaxpr
+                    if isinstance(sub, jcore.Jaxpr):
+                        walk(sub, in_branch or eqn.primitive.name == "cond", kernel)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False, None)
+    return counts
+
+
+def test_prefetch_moves_the_operand_loads_before_the_live_test():
+    """The sparse kernels skip blocks without weight by a ``cond``: by default the skipped
+    blocks' operands are loaded inside it (output pass: v; dq: k and v; dk/dv: q and do), with
+    ``prefetch=True`` before it, in the loop's body where Triton pipelines loads."""
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    layout = masks.causal().blocks(128, 128, 64, 64)
+
+    def grad(prefetch):
+        def loss(q):
+            out = pallas_attention(q, q, q, layout, normalizer="entmax15", prefetch=prefetch)
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss)
+
+    name = "sparse_jax_pallas_entmax15_"
+    assert _operand_loads_in_branches(grad(False), q) == {name + "fwd": 1, name + "dq": 2,
+                                                          name + "dkv": 2}  # fmt: skip
+    assert _operand_loads_in_branches(grad(True), q) == {name + "fwd": 0, name + "dq": 0,
+                                                         name + "dkv": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["sparsemax-per-head", "alpha-segments-or-sinks-not-padding"])
+def test_prefetching_kernels_match_the_reference(case):
+    norm, mask, shape, dtype, block, bias_shape = CASES[case]
+
+    def prefetching(q, k, v, normalizer, scale, bias):
+        layout = mask.blocks(shape[1], shape[2], block, block)
+        return pallas_attention(q, k, v, layout, mask=mask, normalizer=normalizer, scale=scale,
+                                bias=bias, prefetch=True)  # fmt: skip
+
+    _assert_matches_the_reference(prefetching, norm, mask, shape, dtype, bias_shape)
+
+
+def test_atomic_dq_accumulation_and_prefetch_are_refused_where_they_cannot_run():
     q = jnp.zeros((1, 128, 1, 16))
     layout = masks.causal().blocks(128, 128, 128, 128)
     with pytest.raises(ValueError, match="`dq_accumulation` must be None, 'separate' or 'atomic'"):
         pallas_attention(q, q, q, layout, dq_accumulation="atomics")
     with pytest.raises(ValueError, match="`dq_accumulation`='atomic' is for the Triton kernels"):
         pallas_attention(q, q, q, layout, target="mosaic", interpret=True, dq_accumulation="atomic")
+    with pytest.raises(TypeError, match="`prefetch` must be None or a bool; got 1"):
+        pallas_attention(q, q, q, layout, prefetch=1)
+    with pytest.raises(ValueError, match="`prefetch` is for the Triton kernels"):
+        pallas_attention(q, q, q, layout, target="mosaic", interpret=True, prefetch=True)
 
 
 def test_the_triton_kernels_run_on_64_tiles_unless_told_otherwise():
@@ -688,6 +751,8 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
     assert text.count("num_warps = 8 : i32") == 3 and text.count("num_stages = 3 : i32") == 3
     text = lowered(backward_block=(32, 16))  # the backward kernels on tiles of the 64-blocks
     assert text.count("__gpu$xla.gpu.triton") == 3
+    text = lowered(prefetch=True, dq_accumulation="atomic")
+    assert text.count("__gpu$xla.gpu.triton") == 2
     blocks = "must be powers of two >= 16 dividing \\(64, 64\\) \\(the layout's blocks"
     for options, error, match in [
         ({"num_warps": 6}, ValueError, "`num_warps` must be None or 1, 2, 4, 8 or 16; got 6"),

@@ -19,8 +19,9 @@ Forward (one program per query block, batch element and head):
   of those), whose closed form starts the search from a lower bound of τ; the search passes
   follow, then one pass accumulates ``p @ v``. That pass
   records which key blocks hold any nonzero weight: a block whose scores all fall below τ
-  skips its ``p @ v`` products there and is not visited at all by the backward pass, so the
-  sparsity the normalizer creates saves work, not only the mask's.
+  skips its ``p @ v`` products there and its work in the backward pass (with
+  ``prefetch=True`` its operands are still loaded, before the test), so the sparsity the
+  normalizer creates saves work, not only the mask's.
 
 Backward (two kernels, FlashAttention-2 style, no ``n x n`` buffer): with ``g_i = p_i^(2-α)``
 on the support (``p`` for softmax, ``1[p > 0]`` for sparsemax, ``√p`` for 1.5-entmax) the
@@ -326,6 +327,7 @@ class _Plan:
     search_cap: int | None = None  # capped_forward's diagnostics: search passes at most
     start_top: int | None = None  # capped_forward's diagnostics: values the start uses
     atomic_dq: bool = False  # dq added by the dk/dv kernel (dq_accumulation="atomic")
+    prefetch: bool = False  # sparse normalizers: blocks loaded before the live test
 
     @property
     def row_length(self) -> int:
@@ -510,12 +512,30 @@ def _row_tile(plan: _Plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block):
     )  # fmt: skip
 
 
-def _block_scores(q, k_ref, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref):
-    """Scaled, biased scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (+inf
-    clipped), and the raw products q·k. ``bias_ref``: the query tile's bias rows;
-    ``key_nan_ref``: NaN at the keys whose value vector is not finite, 0 elsewhere."""
+def _key_block(ref, plan: _Plan, kv_block):
+    """Rows ``[bkv, ...]`` of key block ``kv_block`` from a ref of every key's (keys, values)."""
+    return ref[pl.ds(pl.multiple_of(kv_block * plan.bkv, plan.bkv), plan.bkv), :]
+
+
+def _visit_if_live(plan: _Plan, live, visit, load, carry):
+    """``visit(carry, load())`` for a block that holds weight (``live != 0``; every block for
+    softmax), else ``carry``. With ``plan.prefetch`` the loads come before the branch, in the
+    loop's own body, where Triton pipelines them with the previous step's work; else only live
+    blocks load, inside the branch, each load waited for."""
+    if plan.kind == "softmax":
+        return visit(carry, load())
+    if plan.prefetch:
+        loaded = load()
+        return jax.lax.cond(live != 0, lambda c: visit(c, loaded), lambda c: c, carry)
+    return jax.lax.cond(live != 0, lambda c: visit(c, load()), lambda c: c, carry)
+
+
+def _block_scores(q, k, kv_block, plan: _Plan, scale, bias_ref, key_nan_ref):
+    """Scaled, biased scores ``[bq, bkv]`` of a query tile with key block ``kv_block`` (keys
+    ``k`` ``[bkv, D]``; +inf clipped), and the raw products q·k. ``bias_ref``: the query
+    tile's bias rows; ``key_nan_ref``: NaN at the keys whose value vector is not finite, 0
+    elsewhere."""
     start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
-    k = k_ref[pl.ds(start, plan.bkv), :]
     raw = _dot(plan, q, k)
     s = raw * scale + key_nan_ref[pl.ds(start, plan.bkv)][None, :]
     if plan.has_bias:
@@ -751,12 +771,11 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
 
     def body(j, carry):
         kv_block = idx_ref[j]
-        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
+        k = _key_block(k_ref, plan, kv_block)
+        _, s = _block_scores(q, k, kv_block, plan, scale, bias_ref, key_nan_ref)
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
         x = _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
-        start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
-        v = v_ref[pl.ds(start, plan.bkv), :]
-        return _softmax_step(plan, carry, x, v)
+        return _softmax_step(plan, carry, x, _key_block(v_ref, plan, kv_block))
 
     carry = jax.lax.fori_loop(0, cnt_ref[0], body, _softmax_init(plan, bq))
     out, lse = _softmax_finish(carry)
@@ -777,7 +796,8 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
 
     def masked(j):
         kv_block = idx_ref[j]
-        _, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
+        k = _key_block(k_ref, plan, kv_block)
+        _, s = _block_scores(q, k, kv_block, plan, scale, bias_ref, key_nan_ref)
         rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
         return _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
 
@@ -828,16 +848,15 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         # backward pass must visit it). A max over 0/1, not over p: NaN must not hide rows.
         live = jnp.max(jnp.where((block_mass > 0.0) | nan_row, 1, 0)) > 0
         live_ref[j] = live.astype(live_ref.dtype)
-        start = pl.multiple_of(idx_ref[j] * plan.bkv, plan.bkv)
 
-        def products(acc, acc_u):
-            v = v_ref[pl.ds(start, plan.bkv), :]
+        def products(accs, v):
             return (
-                acc + _dot(plan, p.astype(v.dtype), v, 1, 0),
-                acc_u + _dot(plan, s.astype(v.dtype), v, 1, 0),
+                accs[0] + _dot(plan, p.astype(v.dtype), v, 1, 0),
+                accs[1] + _dot(plan, s.astype(v.dtype), v, 1, 0),
             )
 
-        acc, acc_u = jax.lax.cond(live, products, lambda a, b: (a, b), acc, acc_u)
+        load = functools.partial(_key_block, v_ref, plan, idx_ref[j])
+        acc, acc_u = _visit_if_live(plan, live, products, load, (acc, acc_u))
         return acc, acc_u, mass + block_mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
 
     zeros_v = jnp.zeros((bq, plan.dv), _F32)
@@ -963,20 +982,20 @@ def _dq_kernel(*refs, plan: _Plan):
     delta = rows["delta"]
 
     def body(j, carry):
-        def visit(carry):
-            kv_block = idx_ref[j]
-            raw, s = _block_scores(q, k_ref, kv_block, plan, scale, bias_ref, key_nan_ref)
+        kv_block = idx_ref[j]
+
+        def load():
+            return _key_block(k_ref, plan, kv_block), _key_block(v_ref, plan, kv_block)
+
+        def visit(carry, loaded):
+            k, v = loaded
+            raw, s = _block_scores(q, k, kv_block, plan, scale, bias_ref, key_nan_ref)
             rt = _row_tile(plan, q_block, qseg_ref, kvseg_ref, kv_length, kv_block)
             x = _masked(plan, s, full_ref[j], pmi_ref[j], masks_ref, kv_block, rt)
             p, g = _recompute(plan, x, rows, eps, sigma)
-            start = pl.multiple_of(kv_block * plan.bkv, plan.bkv)
-            k = k_ref[pl.ds(start, plan.bkv), :]
-            v = v_ref[pl.ds(start, plan.bkv), :]
             return _dq_step(plan, carry, p, g, _dot(plan, do, v), delta, raw, k, eps)
 
-        if plan.kind == "softmax":
-            return visit(carry)
-        return jax.lax.cond(live_ref[j] != 0, visit, lambda c: c, carry)
+        return _visit_if_live(plan, live_ref[j], visit, load, carry)
 
     zeros_r = jnp.zeros((bq, 1), _F32)
     init = (jnp.zeros((bq, plan.d), _F32), (zeros_r,) * 4, zeros_r, zeros_r)
@@ -1014,13 +1033,15 @@ def _dkv_kernel(*refs, plan: _Plan):
 
     def body(t, carry):
         row_block, slot = t_rows_ref[t], t_slots_ref[t]
+        sl = pl.ds(pl.multiple_of(row_block * bq, bq), bq)
 
-        def visit(carry):
-            dk, dv, ds_cols = carry
-            start = pl.multiple_of(row_block * bq, bq)
-            sl = pl.ds(start, bq)
-            q, do = q_ref[sl, :], do_ref[sl, :]
+        def load():
             rows = {name: ref[sl][:, None] for name, ref in row_refs.items()}
+            return q_ref[sl, :], do_ref[sl, :], rows
+
+        def visit(carry, loaded):
+            dk, dv, ds_cols = carry
+            q, do, rows = loaded
             raw = _dot(plan, q, k)
             s = raw * scale + key_nan_ref[...][None, :]
             if plan.has_bias:
@@ -1045,9 +1066,7 @@ def _dkv_kernel(*refs, plan: _Plan):
                 ds_cols = ds_cols + jnp.sum(ds, axis=0)  # the bias' column gradient
             return dk, dv, ds_cols
 
-        if plan.kind == "softmax":
-            return visit(carry)
-        return jax.lax.cond(live_ref[row_block, slot] != 0, visit, lambda c: c, carry)
+        return _visit_if_live(plan, live_ref[row_block, slot], visit, load, carry)
 
     init = (
         jnp.zeros((bkv, plan.d), _F32),
@@ -1355,6 +1374,7 @@ def pallas_attention(
     forward_block: tuple[int, int] | None = None,
     backward_block: tuple[int, int] | None = None,
     dq_accumulation: str | None = None,
+    prefetch: bool | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -1403,6 +1423,12 @@ def pallas_attention(
         or ``"atomic"``, the dk/dv kernel adds each tile's share to float32 sums by atomic
         adds, FlashAttention-2's way (5 products, one kernel; the order of the additions,
         so dq's last bits, varies from run to run). Triton kernels only.
+      prefetch: sparse normalizers skip the products of key blocks in which the forward
+        found no weight (softmax skips none); True: each visited block's operands are loaded
+        before that test, in the loop's own body, where Triton pipelines the loads with the
+        previous block's work, at the cost of loading the blocks then skipped; default
+        False: only blocks with weight load theirs, inside the branch they take. Triton
+        kernels only (Mosaic streams every block by DMA).
 
     Returns:
       ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
@@ -1421,7 +1447,7 @@ def pallas_attention(
     """
     plan, inputs = _prepare(
         q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
-        num_stages, forward_block, backward_block, dq_accumulation,
+        num_stages, forward_block, backward_block, dq_accumulation, prefetch,
     )  # fmt: skip
     out = _fused(plan, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]
@@ -1429,7 +1455,8 @@ def pallas_attention(
 
 def _prepare(
     q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
-    num_stages, forward_block, backward_block, dq_accumulation=None, caller: str = _NAME,
+    num_stages, forward_block, backward_block, dq_accumulation=None, prefetch=None,
+    caller: str = _NAME,
 ):  # fmt: skip
     """(plan, padded inputs of :func:`_fused`) of a :func:`pallas_attention` call, its
     arguments checked (ValueError/TypeError naming them)."""
@@ -1458,6 +1485,11 @@ def _prepare(
     if dq_accumulation == "atomic" and target != "triton":
         raise ValueError(f"{caller}: `dq_accumulation`='atomic' is for the Triton kernels "
                          f"(target='triton'); got target={target!r}")  # fmt: skip
+    if prefetch is not None and not isinstance(prefetch, (bool, np.bool_)):
+        raise TypeError(f"{caller}: `prefetch` must be None or a bool; got {prefetch!r}")
+    if prefetch and target != "triton":
+        raise ValueError(f"{caller}: `prefetch` is for the Triton kernels (target='triton'); "
+                         f"got target={target!r}")  # fmt: skip
     platform = {"mosaic": "tpu", "triton": "gpu"}[target]
     if not interpret and jax.default_backend() not in (platform, "cpu"):
         raise ValueError(
@@ -1506,6 +1538,7 @@ def _prepare(
         bias_axes=bias_axes, arrays=_layout_arrays(layout), num_warps=num_warps,
         num_stages=2 if num_stages is None else num_stages, has_bias=has_bias,
         scale_grad=scale_grad, dynamic=layout.dynamic, atomic_dq=dq_accumulation == "atomic",
+        prefetch=bool(prefetch),
     )  # fmt: skip
     source = layout
     if forward_block != blocks:  # both passes on tiles cut from the layout's blocks
