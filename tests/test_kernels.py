@@ -238,6 +238,63 @@ def test_prefetching_kernels_match_the_reference(case):
     _assert_matches_the_reference(prefetching, norm, mask, shape, dtype, bias_shape)
 
 
+def _first_programs_blocks(fn, *args) -> dict[str, int]:
+    """Per Pallas kernel of ``fn``'s program: the block along the grid's first axis that its
+    first program (ids 0, 0, 0) reads: query block of ``q`` (operand 3) in the forward and dq
+    kernels, key block of ``k`` (operand 4) in the dk/dv kernel."""
+    from jax.extend import core as jcore
+
+    blocks = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                name = str(eqn.params["name"])
+                mapping = eqn.params["grid_mapping"].block_mappings[4 if "dkv" in name else 3]
+                closed = mapping.index_map_jaxpr
+                ids = [jnp.int32(0)] * len(eqn.params["grid_mapping"].grid)
+                blocks[name] = int(jcore.jaxpr_as_fun(closed)(*ids)[1])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    if isinstance(sub, jcore.ClosedJaxpr):
+                        sub = sub.jaxpr
+                    if isinstance(sub, jcore.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return blocks
+
+
+@pytest.mark.parametrize(
+    ("mask", "first_query_block", "first_key_block"),
+    [(masks.causal(), 7, 0), (masks.local(0, 200), 0, 7), (masks.local(24, 24), 0, 0)],
+)
+def test_grids_launch_their_longest_programs_first(mask, first_query_block, first_key_block):
+    """A causal mask's last query blocks keep the most key blocks, and (keys after the query)
+    a key block's count grows along the keys: those grids start from their last block, which
+    the kernels read back from the program id (the values are checked against the reference in
+    every causal case above)."""
+    q = jnp.zeros((1, 128, 1, 16))
+    layout = mask.blocks(128, 128, 16, 16)
+
+    def loss(q):
+        return jnp.sum(pallas_attention(q, q, q, layout, normalizer="sparsemax"))
+
+    name = "sparse_jax_pallas_sparsemax_"
+    expected = {name + "fwd": first_query_block, name + "dq": first_query_block,
+                name + "dkv": first_key_block}  # fmt: skip
+    assert _first_programs_blocks(jax.grad(loss), q) == expected
+    # The values under the anti-causal mask, whose dk/dv grid is the reversed one; 56 keys, so
+    # that the last key block's padding is masked by its position (read from the program id).
+    if first_key_block:
+        _assert_matches_the_reference(
+            lambda q, k, v, normalizer, scale, bias: pallas_attention(
+                q, k, v, mask.blocks(64, 56, 16, 16), normalizer=normalizer, scale=scale,
+                bias=bias),
+            "entmax15", mask, (1, 64, 56, 2, 2, 8), jnp.float32, bias_shape=(1, 2, 64, 1),
+        )  # fmt: skip
+
+
 def test_atomic_dq_accumulation_and_prefetch_are_refused_where_they_cannot_run():
     q = jnp.zeros((1, 128, 1, 16))
     layout = masks.causal().blocks(128, 128, 128, 128)

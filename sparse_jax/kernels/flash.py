@@ -35,6 +35,10 @@ and ``dv``. With ``dq_accumulation="atomic"`` the second kernel alone does both:
 tile's share of ``dq`` and of the row terms to float32 sums by atomic adds (FlashAttention-2's
 way: 5 tile products where the two kernels take 7, their scores and ``do @ vᵀ`` formed once).
 
+Launch order: a grid whose later blocks hold more work than its earlier ones (a causal mask's
+query blocks; key blocks when keys follow their queries) is launched last block first, so that
+its longest programs start first and the short ones fill the end.
+
 Numerics follow :func:`sparse_jax.attention`: scores, normalizer and accumulation in float32,
 ``p`` cast to ``v``'s dtype for its product, output in ``q``'s dtype; fully masked rows give
 0 and zero gradients; non-finite input follows the attention policy (``+inf`` scores count as
@@ -332,6 +336,34 @@ class _Plan:
     @property
     def row_length(self) -> int:
         return self.arrays["idx"].shape[-1] * self.bkv
+
+    @property
+    def reverse_q(self) -> bool:
+        """The kernels with a program per query block start from the last: see _heavy_last."""
+        return _heavy_last(self.arrays["count"])
+
+    @property
+    def reverse_kv(self) -> bool:
+        """The dk/dv kernel, a program per key block, starts from the last: see _heavy_last."""
+        return _heavy_last(self.arrays["t_count"])
+
+
+def _heavy_last(counts: np.ndarray) -> bool:
+    """Whether the blocks of a grid axis (``counts`` ``[H, n, 1]``: blocks each visits) hold
+    more work in its second half than in its first, as a causal mask's query blocks do. The
+    GPU starts programs in grid order, so such a grid is launched last-first: the longest
+    programs start first and the shortest fill the end, where in order the longest would run
+    last with the chip around them idle (FlashAttention-3 schedules causal attention
+    longest-first)."""
+    per_block = counts.sum(axis=(0, 2))
+    n = per_block.shape[0]
+    return bool(per_block[(n + 1) // 2 :].sum() > per_block[: n // 2].sum())
+
+
+def _grid_block(plan_reverse: bool, blocks: int):
+    """The block a program works on from its id on the grid's first axis (see _heavy_last)."""
+    i = pl.program_id(0)
+    return blocks - 1 - i if plan_reverse else i
 
 
 def _layout_arrays(layout: BlockLayout) -> dict:
@@ -767,7 +799,7 @@ def _forward_softmax_kernel(scale_ref, len_ref, q_ref, k_ref, v_ref, bias_ref, k
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
-    q_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
+    q_block, kv_length = _grid_block(plan.reverse_q, plan.nq), len_ref[0]  # (outside the loops)
 
     def body(j, carry):
         kv_block = idx_ref[j]
@@ -790,7 +822,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     q = q_ref[...]
     scale = scale_ref[0]
     bq = q.shape[0]
-    q_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
+    q_block, kv_length = _grid_block(plan.reverse_q, plan.nq), len_ref[0]  # (outside the loops)
     count = cnt_ref[0]
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
 
@@ -975,7 +1007,7 @@ def _dq_kernel(*refs, plan: _Plan):
     dq_ref, dalpha_ref, dscale_ref, dbias_ref = refs[17 + len(names) :]
     q, do = q_ref[...], do_ref[...]
     bq = q.shape[0]
-    q_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
+    q_block, kv_length = _grid_block(plan.reverse_q, plan.nq), len_ref[0]  # (outside the loops)
     scale = scale_ref[0]
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
     rows = {name: ref[...][:, None] for name, ref in row_refs.items()}
@@ -1028,7 +1060,7 @@ def _dkv_kernel(*refs, plan: _Plan):
         jax.lax.fori_loop(0, plan.nq, clear, 0)
     k, v = k_ref[...], v_ref[...]
     scale = scale_ref[0]
-    kv_block, kv_length = pl.program_id(0), len_ref[0]  # (read outside the loops)
+    kv_block, kv_length = _grid_block(plan.reverse_kv, plan.nk), len_ref[0]  # (outside loops)
     eps, sigma = _eps_sigma(plan, eps_ref, bq)
 
     def body(t, carry):
@@ -1083,8 +1115,21 @@ def _dkv_kernel(*refs, plan: _Plan):
 # pallas_call wrappers.
 
 
-def _call(kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name: str, aliases=None):
+def _call(
+    kernel, plan: _Plan, grid, in_specs, out_specs, out_shape, name: str, aliases=None,
+    reverse: bool = False,
+):  # fmt: skip
+    """``pl.pallas_call`` of ``kernel`` over ``grid``; ``reverse``: its first axis launched
+    last-first (the specs' index maps given the block, not the program id: _grid_block)."""
     kwargs = {"input_output_aliases": aliases} if aliases else {}
+    if reverse:
+        last = grid[0] - 1
+
+        def reorder(spec):
+            index_map = spec.index_map
+            return dataclasses.replace(spec, index_map=lambda i, *rest: index_map(last - i, *rest))
+
+        in_specs, out_specs = [reorder(x) for x in in_specs], [reorder(x) for x in out_specs]
     if not plan.interpret:
         # Imported here, not at the top: it adds ~80 ms to `import sparse_jax` (measured with
         # python -X importtime), paid on CPU where the kernels only ever run interpreted.
@@ -1165,6 +1210,7 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv
             [_scalar_spec(), _length_spec(), q_spec, k_spec, v_spec, bias_spec, key_nan_spec,
              *seg_specs, *layout_specs],
             [o_spec, stat_spec], [o_shape, stat_shape], "sparse_jax_pallas_softmax_fwd",
+            reverse=plan.reverse_q,
         )(scale, lengths, q, k, v, bias, key_nan, q_ids, kv_ids, *layout_in)  # fmt: skip
         return o, {"lse": lse, "ubar": o.astype(_F32), "live": None}
     live_shape = jax.ShapeDtypeStruct((b, n, nq, kp), jnp.int32)
@@ -1176,7 +1222,7 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv
          key_nan_spec, *seg_specs, *layout_specs],
         [o_spec, o_spec, stat_spec, stat_spec, stat_spec, live_spec],
         [o_shape, ubar_shape, stat_shape, stat_shape, stat_shape, live_shape],
-        f"sparse_jax_pallas_{plan.kind}_fwd",
+        f"sparse_jax_pallas_{plan.kind}_fwd", reverse=plan.reverse_q,
     )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, *layout_in)  # fmt: skip
     return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
 
@@ -1217,7 +1263,7 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, k
              pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
             [q_blk, stat_blk, stat_blk, stat_blk],
             [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
-            f"sparse_jax_pallas_{plan.kind}_dq",
+            f"sparse_jax_pallas_{plan.kind}_dq", reverse=plan.reverse_q,
         )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values, *layout_in,
           live)  # fmt: skip
 
@@ -1270,7 +1316,7 @@ def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, k
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0)),
          *(sum_specs if plan.atomic_dq else [])],
-        out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv", aliases,
+        out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv", aliases, plan.reverse_kv,
     )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values,
       *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
       live, *sums)  # fmt: skip
