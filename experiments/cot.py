@@ -374,7 +374,10 @@ def study() -> AllCommand:
         # A window of 256 keeps a step line and the one before it (up to 261 tokens at these
         # sizes). Unmeasured; at the default's small sizes 64 measured better than 128 and than
         # causal (docs/results.md). The sparse model's logit scale starts at the default's 0.125,
-        # also measured at the default's sizes only.
+        # also measured at the default's sizes only. Blocks of 64 (the default's 16 suit the
+        # CPU's block-sparse kernel at its window of 64): on a GPU the window goes to the fused
+        # Triton kernels, which run on tiles of at most the blocks, and tiles of 64 measured the
+        # fastest there, 32 up to 2.4x slower (docs/benchmarks.md, third GPU pass).
         model=Model(
             d_model=256,
             num_heads=8,
@@ -383,6 +386,7 @@ def study() -> AllCommand:
             decoder_layers=3,
             cot_steps=2,
             decoder_window=256,
+            decoder_block=64,
         ),
         train=Train(steps=20_000, batch_size=64, lr=1e-3, warmup=500),
         run=Run(checkpoint_every=1000),

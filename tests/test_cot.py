@@ -557,6 +557,7 @@ def test_the_default_command_and_the_study_preset():
     study = experiment.parse(["--preset", "study", "--train.steps", "7"])
     assert isinstance(study, experiment.AllCommand) and study.data.kinds == lc.KINDS
     assert study.train.steps == 7 and study.model.d_model == 256
+    assert study.model.config(0).decoder_block == 64  # the fused kernels' fastest GPU tiles
     assert experiment.parse(["train", "--preset", "study"]).data.sizes == "default"
 
 
