@@ -400,6 +400,11 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
         files = [arg for arg in args if arg.split("/")[0] == "tests"]
         assert files and all((root / f).exists() for f in files), files
     assert "--session-timeout" in pytests[1]  # a cut run still writes its failures
+    from experiments import cot as cot_experiment
+
+    (cot_line,) = re.findall(r"python3 -m experiments\.cot (.*)", text)
+    cot_run = cot_experiment.parse(shlex.split(cot_line))
+    assert cot_run.train.steps == 40 and cot_run.model.d_model == 256  # the study preset
 
     # the device tool returns at most 8 files from $OUT: each part writes the common files
     # (outside the part's branch) and its own
@@ -411,7 +416,7 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     end = text.index("\nfi\n", start)
     branches = re.split(r"\nelif |\nelse\n", text[start:end])
     common = outputs(text[:start] + text[end:])
-    assert len(branches) == 4 and {"env.txt", "gpu-check.log"} <= common
+    assert len(branches) == 5 and {"env.txt", "gpu-check.log"} <= common
     for branch in branches:
         assert len(common | outputs(branch)) <= 8, sorted(common | outputs(branch))
     assert "forward-passes.md" in outputs(branches[0])
