@@ -360,10 +360,10 @@ def _heavy_last(counts: np.ndarray) -> bool:
     return bool(per_block[(n + 1) // 2 :].sum() > per_block[: n // 2].sum())
 
 
-def _grid_block(plan_reverse: bool, blocks: int):
+def _grid_block(reverse: bool, blocks: int):
     """The block a program works on from its id on the grid's first axis (see _heavy_last)."""
     i = pl.program_id(0)
-    return blocks - 1 - i if plan_reverse else i
+    return blocks - 1 - i if reverse else i
 
 
 def _layout_arrays(layout: BlockLayout) -> dict:
