@@ -789,6 +789,11 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
                         capped.append((cap, cell))
                         rows.append([label, str(n), norm, str(cap), timing.format_ms(cell), step])
                     rows.append([label, str(n), norm, "to the end", timing.format_ms(whole), "–"])
+                    if norm == "sparsemax":  # its passes accumulate the output: without that
+                        fwd = functools.partial(capped_of, search_passes=None, speculate=False)
+                        cell = timing.time_fn(fwd, q, k, v, **limits)
+                        rows.append([label, str(n), norm, "to the end, output pass",
+                                     timing.format_ms(cell), "–"])  # fmt: skip
                     for top in config.start_values:
                         started = functools.partial(capped_of, search_passes=None,
                                                     start_values=top)  # fmt: skip
@@ -823,7 +828,10 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
         f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; layouts of blocks {config.block}, the "
         "kernels' default tiles; forward only (kernels.flash.capped_forward: the search stopped "
         "after that many passes, the thresholds then inexact; 'to the end': pallas_attention; "
-        "'start k': capped_forward to the end, its start from k of the row's largest values); "
+        "'start k': capped_forward to the end, its start from k of the row's largest values; "
+        "'output pass': sparsemax to the end with an output pass in every tile, not only where "
+        "the last search pass did not confirm the thresholds (capped_forward(speculate=False), "
+        "as every capped row above); "
         f"median of {config.repeats} calls after compilation and a warm-up call; ms per pass: "
         "the step from the row above." + ("" if accel else " CPU: interpret mode: not a timing."),
         *findings,

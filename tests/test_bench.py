@@ -332,19 +332,21 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
 def test_the_forward_passes_benchmark_times_each_cap_and_derives_the_cost_per_pass(capsys):
     bench.main(["forward_passes", "--lengths", "64", "--block", "16", "--window", "8",
                 "--batch", "1", "--heads", "1", "--head-dim", "16", "--masks", "local",
-                "--normalizers", "entmax15", "--passes", "0", "2", "--repeats", "1",
+                "--normalizers", "entmax15", "sparsemax", "--passes", "0", "2", "--repeats", "1",
                 "--start-values", "4"])  # fmt: skip
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
     assert [row[2:4] for row in rows] == [
         ["softmax", "–"], ["entmax15", "0"], ["entmax15", "2"], ["entmax15", "to the end"],
-        ["entmax15", "to the end, start 4"],
+        ["entmax15", "to the end, start 4"], ["sparsemax", "0"], ["sparsemax", "2"],
+        ["sparsemax", "to the end"], ["sparsemax", "to the end, output pass"],
+        ["sparsemax", "to the end, start 4"],
     ]  # fmt: skip
     ms = [float(row[4].split("†")[0]) for row in rows]
     per_pass = (ms[2] - ms[1]) / 2  # the figure recomputed from the table
     assert float(rows[2][5]) == pytest.approx(per_pass, abs=0.011)
-    (finding,) = re.findall(r"(-?[\d.]+) ms per search pass \(0-2\)", printed)
+    finding = re.findall(r"(-?[\d.]+) ms per search pass \(0-2\)", printed)[0]
     assert float(finding) == pytest.approx(per_pass, abs=0.011)  # from unrounded medians
     assert "CPU: interpret mode: not a timing" in printed
     for flag, message in [(["--passes", "2", "1"], "passes must increase"),

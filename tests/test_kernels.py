@@ -503,6 +503,53 @@ def test_ties_at_the_threshold_match_the_reference():
         np.testing.assert_allclose(out, ref, atol=1e-6)
 
 
+def test_sparsemax_takes_an_output_pass_only_where_its_search_did_not_confirm_every_row(
+    monkeypatch,
+):
+    """Sparsemax's search passes accumulate the output: a tile whose last pass confirms every
+    row's threshold takes no output pass (counted at run time: the output pass is where the
+    forward forms weights), else one follows. Row 0..15 of the scores: 0, -0.5, -0.75 and -10
+    elsewhere, whose threshold -0.75 ties with an entry: from the kernels' start (τ* itself)
+    the pass confirms it; from a start on 1 value (τ0 = -1) the pass that finds it still has
+    the tied entry in its set, so the output pass follows; a capped search and
+    ``speculate=False`` take it too. Each forward is the reference's."""
+    calls = []
+    weights = pk._weights
+
+    def counted(*args):
+        jax.debug.callback(lambda: calls.append(1))
+        return weights(*args)
+
+    monkeypatch.setattr(pk, "_weights", counted)
+    x = np.full(32, -10.0, np.float32)
+    x[:3] = [0.0, -0.5, -0.75]
+    q = jnp.zeros((1, 16, 1, 16)).at[..., 0].set(1.0)
+    k = jnp.zeros((1, 32, 1, 16)).at[0, :, 0, 0].set(x)
+    v = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 1, 16))
+    mask = masks.local(32, 32)
+    ref = attention(q, k, v, mask=mask, normalizer="sparsemax", impl="xla", scale=1.0)
+    layout = mask.blocks(16, 32, 16, 16)
+    for options, output_pass in [
+        ({"search_passes": None}, False),
+        ({"search_passes": None, "start_values": 1}, True),
+        ({"search_passes": 1}, True),
+        ({"search_passes": None, "speculate": False}, True),
+    ]:
+        calls.clear()
+        out = pk.capped_forward(q, k, v, layout, normalizer="sparsemax", scale=1.0, **options)
+        jax.block_until_ready(out)
+        assert len(calls) == 2 * output_pass, options  # (a call per kept block)
+        np.testing.assert_allclose(out, ref, atol=1e-6, err_msg=str(options))
+    # Random scores (the reference grid checks their values): no tile takes the output pass.
+    q, k, v, _ = _inputs((2, 64, 64, 2, 2, 8), jnp.float32)
+    calls.clear()
+    layout = masks.causal().blocks(64, 64, 16, 16)
+    jax.block_until_ready(pallas_attention(q, k, v, layout, normalizer="sparsemax"))
+    assert not calls
+    with pytest.raises(TypeError, match="`speculate` must be None or a bool; got 1"):
+        pk.capped_forward(q, k, v, layout, normalizer="sparsemax", search_passes=1, speculate=1)
+
+
 def test_blocks_below_the_threshold_are_skipped():
     # Query rows that score key block 0 far above the rest: sparsemax gives the later blocks
     # zero weight, and the forward pass marks them dead (skipped there and in the backward).

@@ -17,7 +17,11 @@ Forward (one program per query block, batch element and head):
   pass of a search sums its terms block by block over the kept key blocks. A first pass finds
   the row maximum and large values of the row (each block's 2 largest, the 8 or 16 largest
   of those), whose closed form starts the search from a lower bound of τ; the search passes
-  follow, then one pass accumulates ``p @ v``. That pass
+  follow, then one pass accumulates ``p @ v``. Sparsemax's search passes accumulate it as they
+  go (``(z - τ_k)_+ @ v`` and ``1_S @ v``, from which the output at the threshold the pass
+  finds follows exactly when the pass confirms it): a tile whose last search pass confirms
+  every row's threshold, most of them since the start is mostly τ itself, needs no output
+  pass. The output pass (or that last search pass)
   records which key blocks hold any nonzero weight: a block whose scores all fall below τ
   skips its ``p @ v`` products there and its work in the backward pass (with
   ``prefetch=True`` its operands are still loaded, before the test), so the sparsity the
@@ -332,6 +336,7 @@ class _Plan:
     start_top: int | None = None  # capped_forward's diagnostics: values the start uses
     atomic_dq: bool = False  # dq added by the dk/dv kernel (dq_accumulation="atomic")
     prefetch: bool = False  # sparse normalizers: blocks loaded before the live test
+    speculate: bool = True  # sparsemax: search passes accumulate the output (capped_forward)
 
     @property
     def row_length(self) -> int:
@@ -867,41 +872,127 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     def row_sums(terms_of, n_terms, minima=0):
         return _row_pass(count, lambda j: terms_of(z_of(j)), n_terms, bq, minima)
 
-    tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, tau0=tau0)
+    def load_v(j):
+        return _key_block(v_ref, plan, idx_ref[j])
 
-    live_ref[...] = jnp.zeros(live_ref.shape, live_ref.dtype)
+    def output_pass(tau):
+        """(Σ p v, Σ g v, Σ p, Σ g) ``[bq, Dv]``/``[bq, 1]`` of the rows at their thresholds
+        ``tau``, and each block's live flag (some row gives it weight, or is a NaN row, whose
+        derivatives are NaN: the backward must visit it) written to ``live_ref``."""
+        live_ref[...] = jnp.zeros(live_ref.shape, live_ref.dtype)
 
-    def out_pass(j, carry):
-        acc, acc_u, mass, s_sum = carry
-        p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
-        block_mass = jnp.sum(p, axis=-1, keepdims=True)
-        # Live: some row gives the block weight (its sum of p >= 0 is > 0: a max over the
-        # rows' sums, not over the tile), or is a NaN row (whose derivatives are NaN: the
-        # backward pass must visit it). A max over 0/1, not over p: NaN must not hide rows.
-        live = jnp.max(jnp.where((block_mass > 0.0) | nan_row, 1, 0)) > 0
-        live_ref[j] = live.astype(live_ref.dtype)
+        def body(j, carry):
+            acc, acc_u, mass, s_sum = carry
+            p, s = _weights(plan.kind, z_of(j), tau, eps, sigma)
+            block_mass = jnp.sum(p, axis=-1, keepdims=True)
+            # A max over the rows' sums of p >= 0, as 0/1 (NaN must not hide rows).
+            live = jnp.max(jnp.where((block_mass > 0.0) | nan_row, 1, 0)) > 0
+            live_ref[j] = live.astype(live_ref.dtype)
 
-        def products(accs, v):
-            return (
-                accs[0] + _dot(plan, p.astype(v.dtype), v, 1, 0),
-                accs[1] + _dot(plan, s.astype(v.dtype), v, 1, 0),
-            )
+            def products(accs, v):
+                return (
+                    accs[0] + _dot(plan, p.astype(v.dtype), v, 1, 0),
+                    accs[1] + _dot(plan, s.astype(v.dtype), v, 1, 0),
+                )
 
-        load = functools.partial(_key_block, v_ref, plan, idx_ref[j])
-        acc, acc_u = _visit_if_live(plan, live, products, load, (acc, acc_u))
-        return acc, acc_u, mass + block_mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
+            acc, acc_u = _visit_if_live(plan, live, products, functools.partial(load_v, j),
+                                        (acc, acc_u))  # fmt: skip
+            return acc, acc_u, mass + block_mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
 
-    zeros_v = jnp.zeros((bq, plan.dv), _F32)
-    zeros_r = jnp.zeros((bq, 1), _F32)
-    acc, acc_u, mass, s_sum = jax.lax.fori_loop(
-        0, count, out_pass, (zeros_v, zeros_v, zeros_r, zeros_r)
-    )
+        zeros_v, zeros_r = jnp.zeros((bq, plan.dv), _F32), jnp.zeros((bq, 1), _F32)
+        return jax.lax.fori_loop(0, count, body, (zeros_v, zeros_v, zeros_r, zeros_r))
+
+    if plan.kind == "sparsemax" and plan.speculate:
+        search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, tau0=tau0)
+        tau, confirmed, sums = _sparsemax_speculating(plan, search, z_of, load_v, live_ref,
+                                                      nan_row, count)  # fmt: skip
+        acc, acc_u, mass, s_sum = jax.lax.cond(confirmed, lambda: sums, lambda: output_pass(tau))
+    else:
+        tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, tau0=tau0)
+        acc, acc_u, mass, s_sum = output_pass(tau)
     out = jnp.where(nan_row, jnp.nan, acc / jnp.where(mass > 0.0, mass, 1.0))
     o_ref[...] = out.astype(o_ref.dtype)
     ubar_ref[...] = acc_u / jnp.where(s_sum > 0.0, s_sum, 1.0)
     max_ref[...] = shift[:, 0]
     tau_ref[...] = tau[:, 0]
     mass_ref[...] = jnp.where(nan_row, jnp.nan, mass)[:, 0]
+
+
+def _sparsemax_speculating(plan: _Plan, search, z_of, load_v, live_ref, nan_row, count):
+    """Sparsemax's threshold search whose passes also accumulate the output, so that the tile
+    needs no output pass when its last search pass confirms every row's threshold.
+
+    A pass at τ_k sums, beside the search's terms over S = {z > τ_k}, the products
+    ``P = (z - τ_k)_+ @ v`` and ``B = 1_S @ v`` (and writes each block's live flag: some row
+    has entries in S, or is a NaN row). Where the pass ends a row's search at τ' with every
+    entry of S above τ' (its smallest, which the search takes, > τ': S is then the support
+    at τ', the entries outside it being <= τ_k <= τ'), the row's outputs are exact sums of
+    the pass: ``Σ p v = P - (τ' - τ_k) B``, ``Σ g v = B`` (g = 1 on the support), ``Σ p =
+    Σ_S z - τ' |S|``, ``Σ g = |S|``. Rows done in earlier passes are evaluated at their own
+    τ (``τ' = τ_k``). The kernels' start is τ* itself for most rows (sparsemax_start), so a
+    tile's first search pass mostly confirms it and the forward is two passes, not three.
+
+    ``z_of(j)``: the search variables of kept block ``j`` ``[bq, bkv]``; ``load_v(j)``: its
+    values. Returns ``(τ [bq, 1], confirmed, (Σ p v, Σ g v, Σ p, Σ g))``: ``confirmed`` (a
+    scalar bool) says every row of the tile took its threshold in a pass that confirmed it;
+    else the sums are not the output (and an output pass must follow: a tie at τ', a capped
+    search, or a tile without search passes).
+    """
+    rows = nan_row.shape[0]
+    max_iter = search.max_iter if plan.search_cap is None else min(search.max_iter, plan.search_cap)
+    zeros_v = jnp.zeros((rows, plan.dv), _F32)
+    tile = jax.ShapeDtypeStruct((rows, plan.bkv), _F32)
+    n_terms = len(jax.eval_shape(search.terms, tile, search.init))  # (|S|, Σ_S z, min S)
+
+    def one_pass(state):
+        tau = state[0]
+
+        def body(j, carry):
+            sums, acc_p, acc_b = carry
+            z = z_of(j)
+            terms = search.terms(z, state)
+            inside = terms[0]  # 1 on S, else 0
+            size_before = sums[0]
+            sums = _reduce_block(sums, terms, search.minima)
+            # The block's entries in S: what |S| gained (exact: counts); as 0/1 (see output_pass).
+            live = jnp.max(jnp.where((sums[0] > size_before) | nan_row, 1, 0)) > 0
+            live_ref[j] = live.astype(live_ref.dtype)
+            u = jnp.where(inside > 0.0, z - tau, 0.0)
+
+            def products(accs, v):
+                return (
+                    accs[0] + _dot(plan, u.astype(v.dtype), v, 1, 0),
+                    accs[1] + _dot(plan, inside.astype(v.dtype), v, 1, 0),
+                )
+
+            acc_p, acc_b = _visit_if_live(plan, live, products, functools.partial(load_v, j),
+                                          (acc_p, acc_b))  # fmt: skip
+            return sums, acc_p, acc_b
+
+        init = (_reductions_init(n_terms, search.minima, rows), zeros_v, zeros_v)
+        return jax.lax.fori_loop(0, count, body, init)
+
+    def running(carry):
+        it, state = carry[0], carry[1]
+        # (Triton lowers no boolean reductions: "all rows done" as a max over 0/1.)
+        left = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
+        return jnp.logical_and(it < max_iter, left)
+
+    def step(carry):
+        it, state = carry[0], carry[1]
+        sums, acc_p, acc_b = one_pass(state)
+        return it + 1, search.update(state, sums), state[0], sums, acc_p, acc_b
+
+    init = (jnp.int32(0), search.init, search.init[0],
+            _reductions_init(n_terms, search.minima, rows), zeros_v, zeros_v)  # fmt: skip
+    it, state, tau_k, (size, total, smallest), acc_p, acc_b = jax.lax.while_loop(
+        running, step, init
+    )
+    tau = state[0]
+    exact = state[-1] & ((smallest > tau) | (size == 0.0))
+    confirmed = (it > 0) & (jnp.max(jnp.where(exact, 0, 1).astype(jnp.int32)) == 0)
+    sums = (acc_p - (tau - tau_k) * acc_b, acc_b, total - tau * size, size)
+    return tau, confirmed, sums
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1624,6 +1715,7 @@ def capped_forward(
     *,
     search_passes: int | None,
     start_values: int | None = None,
+    speculate: bool | None = None,
     **options,
 ) -> jax.Array:
     """Diagnostics: the forward kernel of :func:`pallas_attention` (same arguments, ``options``
@@ -1639,6 +1731,11 @@ def capped_forward(
       start_values: how many of the row's large values the first pass keeps for the start of
         sparsemax's and 1.5-entmax's searches (the largest of each block's 2 largest); default
         the kernels' (8 and 16): timing others shows what more values cost and save.
+      speculate: sparsemax: the search passes also accumulate the output, and a tile whose
+        last pass confirms every row's threshold takes no output pass (the kernels' way;
+        see ``_sparsemax_speculating``); False: always an output pass. Default: the kernels'
+        way when the search runs to the end; False when it is capped, so that each capped
+        timing holds one output pass.
 
     Returns:
       ``[B, Tq, N, Dv]``, the forward's output (not differentiable).
@@ -1656,6 +1753,10 @@ def capped_forward(
         search_passes = check_int(search_passes, "search_passes", caller, low=0)
     if start_values is not None:
         start_values = check_int(start_values, "start_values", caller, low=1)
+    if speculate is None:
+        speculate = search_passes is None
+    if not isinstance(speculate, (bool, np.bool_)):
+        raise TypeError(f"{caller}: `speculate` must be None or a bool; got {speculate!r}")
     params = inspect.signature(pallas_attention).parameters.values()
     defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
     unknown = sorted(set(options) - set(defaults))
@@ -1665,6 +1766,8 @@ def capped_forward(
     if plan.kind == "softmax" or plan.target != "triton":
         raise ValueError(f"{caller}: a sparse normalizer on the Triton kernels only; got "
                          f"{plan.kind!r} on {plan.target!r}")  # fmt: skip
-    capped = dataclasses.replace(plan, search_cap=search_passes, start_top=start_values)
+    capped = dataclasses.replace(
+        plan, search_cap=search_passes, start_top=start_values, speculate=bool(speculate)
+    )
     out, _ = _forward(capped, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]
