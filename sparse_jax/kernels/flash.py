@@ -887,16 +887,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
             block_mass = jnp.sum(p, axis=-1, keepdims=True)
             # A max over the rows' sums of p >= 0, as 0/1 (NaN must not hide rows).
             live = jnp.max(jnp.where((block_mass > 0.0) | nan_row, 1, 0)) > 0
-            live_ref[j] = live.astype(live_ref.dtype)
-
-            def products(accs, v):
-                return (
-                    accs[0] + _dot(plan, p.astype(v.dtype), v, 1, 0),
-                    accs[1] + _dot(plan, s.astype(v.dtype), v, 1, 0),
-                )
-
-            acc, acc_u = _visit_if_live(plan, live, products, functools.partial(load_v, j),
-                                        (acc, acc_u))  # fmt: skip
+            acc, acc_u = _live_products(plan, live_ref, j, live, (p, s), load_v, (acc, acc_u))
             return acc, acc_u, mass + block_mass, s_sum + jnp.sum(s, axis=-1, keepdims=True)
 
         zeros_v, zeros_r = jnp.zeros((bq, plan.dv), _F32), jnp.zeros((bq, 1), _F32)
@@ -916,6 +907,20 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     max_ref[...] = shift[:, 0]
     tau_ref[...] = tau[:, 0]
     mass_ref[...] = jnp.where(nan_row, jnp.nan, mass)[:, 0]
+
+
+def _live_products(plan: _Plan, live_ref, j, live, weights, load_v, accs):
+    """Writes kept block ``j``'s live flag and, where it is live, adds each of ``weights``
+    (``[bq, bkv]`` tiles) times the block's values (``load_v(j)``) to ``accs`` ``[bq, Dv]``."""
+    live_ref[j] = live.astype(live_ref.dtype)
+
+    def products(accs, v):
+        return tuple(
+            acc + _dot(plan, w.astype(v.dtype), v, 1, 0)
+            for acc, w in zip(accs, weights, strict=True)
+        )
+
+    return _visit_if_live(plan, live, products, functools.partial(load_v, j), accs)
 
 
 def _sparsemax_speculating(plan: _Plan, search, z_of, load_v, live_ref, nan_row, count):
@@ -956,16 +961,8 @@ def _sparsemax_speculating(plan: _Plan, search, z_of, load_v, live_ref, nan_row,
             sums = _reduce_block(sums, terms, search.minima)
             # The block's entries in S: what |S| gained (exact: counts); as 0/1 (see output_pass).
             live = jnp.max(jnp.where((sums[0] > size_before) | nan_row, 1, 0)) > 0
-            live_ref[j] = live.astype(live_ref.dtype)
             u = jnp.where(inside > 0.0, z - tau, 0.0)
-
-            def products(accs, v):
-                return (
-                    accs[0] + _dot(plan, u.astype(v.dtype), v, 1, 0),
-                    accs[1] + _dot(plan, inside.astype(v.dtype), v, 1, 0),
-                )
-
-            acc_p, acc_b = _visit_if_live(plan, live, products, functools.partial(load_v, j),
+            acc_p, acc_b = _live_products(plan, live_ref, j, live, (u, inside), load_v,
                                           (acc_p, acc_b))  # fmt: skip
             return sums, acc_p, acc_b
 
