@@ -789,7 +789,8 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
                         capped.append((cap, cell))
                         rows.append([label, str(n), norm, str(cap), timing.format_ms(cell), step])
                     rows.append([label, str(n), norm, "to the end", timing.format_ms(whole), "–"])
-                    if norm == "sparsemax":  # its passes accumulate the output: without that
+                    # Their search passes accumulate the output: the forward without that.
+                    if norm in ("sparsemax", "entmax15"):
                         fwd = functools.partial(capped_of, search_passes=None, speculate=False)
                         cell = timing.time_fn(fwd, q, k, v, **limits)
                         rows.append([label, str(n), norm, "to the end, output pass",
@@ -829,7 +830,7 @@ def run_forward_passes(config: ForwardPassesConfig, command: str) -> str:
         "kernels' default tiles; forward only (kernels.flash.capped_forward: the search stopped "
         "after that many passes, the thresholds then inexact; 'to the end': pallas_attention; "
         "'start k': capped_forward to the end, its start from k of the row's largest values; "
-        "'output pass': sparsemax to the end with an output pass in every tile, not only where "
+        "'output pass': to the end with an output pass in every tile, not only where "
         "the last search pass did not confirm the thresholds (capped_forward(speculate=False), "
         "as every capped row above); "
         f"median of {config.repeats} calls after compilation and a warm-up call; ms per pass: "

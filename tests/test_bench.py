@@ -339,7 +339,8 @@ def test_the_forward_passes_benchmark_times_each_cap_and_derives_the_cost_per_pa
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
     assert [row[2:4] for row in rows] == [
         ["softmax", "–"], ["entmax15", "0"], ["entmax15", "2"], ["entmax15", "to the end"],
-        ["entmax15", "to the end, start 4"], ["sparsemax", "0"], ["sparsemax", "2"],
+        ["entmax15", "to the end, output pass"], ["entmax15", "to the end, start 4"],
+        ["sparsemax", "0"], ["sparsemax", "2"],
         ["sparsemax", "to the end"], ["sparsemax", "to the end, output pass"],
         ["sparsemax", "to the end, start 4"],
     ]  # fmt: skip

@@ -180,9 +180,10 @@ def test_atomic_dq_accumulation_runs_in_the_dkv_kernel(normalizer, adds):
 
 
 def _operand_loads_in_branches(fn, *args) -> dict[str, int]:
-    """Per Pallas kernel of ``fn``'s program: the loads inside a ``cond`` branch of a whole
-    operand's tile (a ref of shape ``[128, 64]``: every key's keys or values, every query's
-    rows or output gradients, in the tests' calls below)."""
+    """Per Pallas kernel of ``fn``'s program: the loads of a whole operand's tile (a ref of
+    shape ``[128, 64]``: every key's keys or values, every query's rows or output gradients,
+    in the tests' calls below) whose innermost enclosing construct is a ``cond`` branch (a
+    loop inside a branch, like the output pass a tile may skip, starts afresh)."""
     from jax.extend import core as jcore
 
     counts = {}
@@ -199,7 +200,9 @@ def _operand_loads_in_branches(fn, *args) -> dict[str, int]:
                     if isinstance(sub, jcore.ClosedJaxpr):
                         sub = sub.jaxpr
                     if isinstance(sub, jcore.Jaxpr):
-                        walk(sub, in_branch or eqn.primitive.name == "cond", kernel)
+                        name = eqn.primitive.name
+                        inner = name == "cond" or (in_branch and name not in ("while", "scan"))
+                        walk(sub, inner, kernel)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr, False, None)
     return counts
@@ -207,7 +210,8 @@ def _operand_loads_in_branches(fn, *args) -> dict[str, int]:
 
 def test_prefetch_moves_the_operand_loads_before_the_live_test():
     """The sparse kernels skip blocks without weight by a ``cond``: by default the skipped
-    blocks' operands are loaded inside it (output pass: v; dq: k and v; dk/dv: q and do), with
+    blocks' operands are loaded inside it (forward: v, in the search pass that accumulates the
+    output and in the output pass; dq: k and v; dk/dv: q and do), with
     ``prefetch=True`` before it, in the loop's body where Triton pipelines loads."""
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     layout = masks.causal().blocks(128, 128, 64, 64)
@@ -220,7 +224,8 @@ def test_prefetch_moves_the_operand_loads_before_the_live_test():
         return jax.grad(loss)
 
     name = "sparse_jax_pallas_entmax15_"
-    assert _operand_loads_in_branches(grad(False), q) == {name + "fwd": 1, name + "dq": 2,
+    # (the forward: the accumulating search pass' values and the output pass')
+    assert _operand_loads_in_branches(grad(False), q) == {name + "fwd": 2, name + "dq": 2,
                                                           name + "dkv": 2}  # fmt: skip
     assert _operand_loads_in_branches(grad(True), q) == {name + "fwd": 0, name + "dq": 0,
                                                          name + "dkv": 0}  # fmt: skip
@@ -503,6 +508,20 @@ def test_ties_at_the_threshold_match_the_reference():
         np.testing.assert_allclose(out, ref, atol=1e-6)
 
 
+def _count_weight_tiles(monkeypatch) -> list:
+    """A list that grows by one, at run time, for each tile whose weights a kernel forms from
+    its thresholds (kernels.flash._weights): in a forward, the output pass' blocks."""
+    calls = []
+    weights = pk._weights
+
+    def counted(*args):
+        jax.debug.callback(lambda: calls.append(1))
+        return weights(*args)
+
+    monkeypatch.setattr(pk, "_weights", counted)
+    return calls
+
+
 def test_sparsemax_takes_an_output_pass_only_where_its_search_did_not_confirm_every_row(
     monkeypatch,
 ):
@@ -513,14 +532,7 @@ def test_sparsemax_takes_an_output_pass_only_where_its_search_did_not_confirm_ev
     the pass confirms it; from a start on 1 value (τ0 = -1) the pass that finds it still has
     the tied entry in its set, so the output pass follows; a capped search and
     ``speculate=False`` take it too. Each forward is the reference's."""
-    calls = []
-    weights = pk._weights
-
-    def counted(*args):
-        jax.debug.callback(lambda: calls.append(1))
-        return weights(*args)
-
-    monkeypatch.setattr(pk, "_weights", counted)
+    calls = _count_weight_tiles(monkeypatch)
     x = np.full(32, -10.0, np.float32)
     x[:3] = [0.0, -0.5, -0.75]
     q = jnp.zeros((1, 16, 1, 16)).at[..., 0].set(1.0)
@@ -548,6 +560,34 @@ def test_sparsemax_takes_an_output_pass_only_where_its_search_did_not_confirm_ev
     assert not calls
     with pytest.raises(TypeError, match="`speculate` must be None or a bool; got 1"):
         pk.capped_forward(q, k, v, layout, normalizer="sparsemax", search_passes=1, speculate=1)
+
+
+def test_entmax15_accumulates_the_output_from_its_second_search_pass(monkeypatch):
+    """1.5-entmax's passes accumulate the output from the second search pass on: tiles whose
+    search the start leaves to two passes or more take no output pass (here all, from a start
+    on 1 value), those done in one pass take it (some, from the kernels' start), and every
+    tile with ``speculate=False`` (40 kept blocks: 10 per batch element and head). The output
+    is the reference's either way, in float32 and (against the float32 reference, whose
+    error the two ways share) bfloat16."""
+    calls = _count_weight_tiles(monkeypatch)
+    layout = masks.causal().blocks(128, 128, 32, 32)
+    for dtype, tol in [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)]:
+        q, k, v, _ = _inputs((2, 128, 128, 2, 2, 16), dtype)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        ref = attention(*f32, mask=masks.causal(), normalizer="entmax15", impl="xla")
+        errors = {}
+        for options, visits in [({"start_values": 1}, [0]), ({}, range(1, 40)),
+                                ({"speculate": False}, [40])]:  # fmt: skip
+            calls.clear()
+            out = pk.capped_forward(q, k, v, layout, normalizer="entmax15", search_passes=None,
+                                    **options)  # fmt: skip
+            jax.block_until_ready(out)
+            assert len(calls) in visits, (dtype, options, len(calls))
+            error = np.abs(np.float32(out) - np.float32(ref))
+            np.testing.assert_allclose(np.float32(out), ref, atol=tol, err_msg=str(options))
+            errors[tuple(options)] = float(error.mean())
+        # accumulating keeps the output pass' accuracy (bfloat16: within a tenth)
+        assert errors[("start_values",)] <= 1.1 * errors[("speculate",)] + 1e-7, errors
 
 
 def test_blocks_below_the_threshold_are_skipped():

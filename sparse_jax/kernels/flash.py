@@ -17,11 +17,12 @@ Forward (one program per query block, batch element and head):
   pass of a search sums its terms block by block over the kept key blocks. A first pass finds
   the row maximum and large values of the row (each block's 2 largest, the 8 or 16 largest
   of those), whose closed form starts the search from a lower bound of τ; the search passes
-  follow, then one pass accumulates ``p @ v``. Sparsemax's search passes accumulate it as they
-  go (``(z - τ_k)_+ @ v`` and ``1_S @ v``, from which the output at the threshold the pass
-  finds follows exactly when the pass confirms it): a tile whose last search pass confirms
-  every row's threshold, most of them since the start is mostly τ itself, needs no output
-  pass. The output pass (or that last search pass)
+  follow, then one pass accumulates ``p @ v``. Sparsemax's and 1.5-entmax's search passes
+  (1.5-entmax's from the second) accumulate it as they go (the values times ``(z - τ_k)_+``,
+  its square and ``1_S``, from which the output at the threshold the pass finds follows
+  exactly when the pass confirms it): a tile whose last search pass confirms every row's
+  threshold needs no output pass (most sparsemax tiles: their start is mostly τ itself). The
+  output pass (or that last search pass)
   records which key blocks hold any nonzero weight: a block whose scores all fall below τ
   skips its ``p @ v`` products there and its work in the backward pass (with
   ``prefetch=True`` its operands are still loaded, before the test), so the sparsity the
@@ -336,7 +337,7 @@ class _Plan:
     start_top: int | None = None  # capped_forward's diagnostics: values the start uses
     atomic_dq: bool = False  # dq added by the dk/dv kernel (dq_accumulation="atomic")
     prefetch: bool = False  # sparse normalizers: blocks loaded before the live test
-    speculate: bool = True  # sparsemax: search passes accumulate the output (capped_forward)
+    speculate: bool = True  # sparsemax, 1.5-entmax: search passes accumulate the output
 
     @property
     def row_length(self) -> int:
@@ -893,10 +894,10 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
         zeros_v, zeros_r = jnp.zeros((bq, plan.dv), _F32), jnp.zeros((bq, 1), _F32)
         return jax.lax.fori_loop(0, count, body, (zeros_v, zeros_v, zeros_r, zeros_r))
 
-    if plan.kind == "sparsemax" and plan.speculate:
+    if plan.kind in _ACCUMULATE_FROM and plan.speculate:
         search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, tau0=tau0)
-        tau, confirmed, sums = _sparsemax_speculating(plan, search, z_of, load_v, live_ref,
-                                                      nan_row, count)  # fmt: skip
+        tau, confirmed, sums = _accumulating_search(plan, search, z_of, load_v, live_ref,
+                                                    nan_row, count)  # fmt: skip
         acc, acc_u, mass, s_sum = jax.lax.cond(confirmed, lambda: sums, lambda: output_pass(tau))
     else:
         tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, tau0=tau0)
@@ -909,9 +910,10 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
     mass_ref[...] = jnp.where(nan_row, jnp.nan, mass)[:, 0]
 
 
-def _live_products(plan: _Plan, live_ref, j, live, weights, load_v, accs):
-    """Writes kept block ``j``'s live flag and, where it is live, adds each of ``weights``
-    (``[bq, bkv]`` tiles) times the block's values (``load_v(j)``) to ``accs`` ``[bq, Dv]``."""
+def _live_products(plan: _Plan, live_ref, j, live, weights, load_v, accs, gate=True):
+    """Writes kept block ``j``'s live flag and, where it is live (and ``gate``), adds each of
+    ``weights`` (``[bq, bkv]`` tiles) times the block's values (``load_v(j)``) to ``accs``
+    ``[bq, Dv]``."""
     live_ref[j] = live.astype(live_ref.dtype)
 
     def products(accs, v):
@@ -920,40 +922,55 @@ def _live_products(plan: _Plan, live_ref, j, live, weights, load_v, accs):
             for acc, w in zip(accs, weights, strict=True)
         )
 
-    return _visit_if_live(plan, live, products, functools.partial(load_v, j), accs)
+    return _visit_if_live(plan, live & gate, products, functools.partial(load_v, j), accs)
 
 
-def _sparsemax_speculating(plan: _Plan, search, z_of, load_v, live_ref, nan_row, count):
-    """Sparsemax's threshold search whose passes also accumulate the output, so that the tile
-    needs no output pass when its last search pass confirms every row's threshold.
+# The search pass from which a normalizer's passes accumulate the output (_accumulating_search):
+# sparsemax's start is mostly τ* (its first search pass confirms it); 1.5-entmax takes 1-3
+# passes from its start, and the first accumulating one would mostly be wasted products.
+_ACCUMULATE_FROM = {"sparsemax": 0, "entmax15": 1}
 
-    A pass at τ_k sums, beside the search's terms over S = {z > τ_k}, the products
-    ``P = (z - τ_k)_+ @ v`` and ``B = 1_S @ v`` (and writes each block's live flag: some row
-    has entries in S, or is a NaN row). Where the pass ends a row's search at τ' with every
-    entry of S above τ' (its smallest, which the search takes, > τ': S is then the support
-    at τ', the entries outside it being <= τ_k <= τ'), the row's outputs are exact sums of
-    the pass: ``Σ p v = P - (τ' - τ_k) B``, ``Σ g v = B`` (g = 1 on the support), ``Σ p =
-    Σ_S z - τ' |S|``, ``Σ g = |S|``. Rows done in earlier passes are evaluated at their own
-    τ (``τ' = τ_k``). The kernels' start is τ* itself for most rows (sparsemax_start), so a
-    tile's first search pass mostly confirms it and the forward is two passes, not three.
+
+def _accumulating_search(plan: _Plan, search, z_of, load_v, live_ref, nan_row, count):
+    """Sparsemax's and 1.5-entmax's threshold searches whose passes also accumulate the
+    output, so that a tile needs no output pass when its last search pass confirms every
+    row's threshold.
+
+    A pass at τ_k (from pass :data:`_ACCUMULATE_FROM` on) sums, beside the search's terms over
+    S = {z > τ_k} (|S|, Σ u, and 1.5-entmax's Σ u², u = z - τ_k on S), the products of the
+    values with ``u`` and ``1_S`` (and ``u²``). Where the pass ends a row's search at τ' with
+    every entry of S above τ' (its smallest, which the search takes, > τ': S is then the
+    support at τ', the entries outside it being <= τ_k <= τ'), the row's outputs follow
+    exactly from the pass with δ = τ' - τ_k, the weights being ``u - δ`` (sparsemax, g = 1) or
+    ``(u - δ)²`` (1.5-entmax, g = u - δ) on S:
+    sparsemax ``Σ p v = u@v - δ 1@v``, ``Σ g v = 1@v``, ``Σ p = Σu - δ|S|``, ``Σ g = |S|``;
+    1.5-entmax ``Σ p v = u²@v - 2δ u@v + δ² 1@v``, ``Σ g v = u@v - δ 1@v``, ``Σ p = Σu² -
+    2δ Σu + δ²|S|``, ``Σ g = Σu - δ|S|`` (δ is the last Newton step, small beside the weights
+    that count: the bfloat16 products' rounding of ``u²`` and ``u`` weighs about twice that of
+    ``p``). Rows done in earlier passes are evaluated at their own τ (δ = 0). Each pass writes
+    the blocks' live flags (some row has entries in S, or is a NaN row).
 
     ``z_of(j)``: the search variables of kept block ``j`` ``[bq, bkv]``; ``load_v(j)``: its
     values. Returns ``(τ [bq, 1], confirmed, (Σ p v, Σ g v, Σ p, Σ g))``: ``confirmed`` (a
-    scalar bool) says every row of the tile took its threshold in a pass that confirmed it;
-    else the sums are not the output (and an output pass must follow: a tie at τ', a capped
-    search, or a tile without search passes).
+    scalar bool) says every row of the tile took its threshold in an accumulating pass that
+    confirmed it; else the sums are not the output and an output pass must follow (a tie at
+    τ', a capped search, a tile done before its first accumulating pass).
     """
     rows = nan_row.shape[0]
+    entmax15 = plan.kind == "entmax15"
     max_iter = search.max_iter if plan.search_cap is None else min(search.max_iter, plan.search_cap)
     zeros_v = jnp.zeros((rows, plan.dv), _F32)
+    accs0 = (zeros_v,) * (3 if entmax15 else 2)
     tile = jax.ShapeDtypeStruct((rows, plan.bkv), _F32)
-    n_terms = len(jax.eval_shape(search.terms, tile, search.init))  # (|S|, Σ_S z, min S)
+    # sparsemax (|S|, Σ_S z, min S); 1.5-entmax (|S|, Σ u, Σ u², min S)
+    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
+    first = _ACCUMULATE_FROM[plan.kind]
 
-    def one_pass(state):
+    def one_pass(state, accumulate):
         tau = state[0]
 
         def body(j, carry):
-            sums, acc_p, acc_b = carry
+            sums, accs = carry
             z = z_of(j)
             terms = search.terms(z, state)
             inside = terms[0]  # 1 on S, else 0
@@ -962,11 +979,11 @@ def _sparsemax_speculating(plan: _Plan, search, z_of, load_v, live_ref, nan_row,
             # The block's entries in S: what |S| gained (exact: counts); as 0/1 (see output_pass).
             live = jnp.max(jnp.where((sums[0] > size_before) | nan_row, 1, 0)) > 0
             u = jnp.where(inside > 0.0, z - tau, 0.0)
-            acc_p, acc_b = _live_products(plan, live_ref, j, live, (u, inside), load_v,
-                                          (acc_p, acc_b))  # fmt: skip
-            return sums, acc_p, acc_b
+            weights = (u * u, u, inside) if entmax15 else (u, inside)
+            accs = _live_products(plan, live_ref, j, live, weights, load_v, accs, accumulate)
+            return sums, accs
 
-        init = (_reductions_init(n_terms, search.minima, rows), zeros_v, zeros_v)
+        init = (_reductions_init(n_terms, search.minima, rows), accs0)
         return jax.lax.fori_loop(0, count, body, init)
 
     def running(carry):
@@ -977,19 +994,24 @@ def _sparsemax_speculating(plan: _Plan, search, z_of, load_v, live_ref, nan_row,
 
     def step(carry):
         it, state = carry[0], carry[1]
-        sums, acc_p, acc_b = one_pass(state)
-        return it + 1, search.update(state, sums), state[0], sums, acc_p, acc_b
+        sums, accs = one_pass(state, it >= first)
+        return it + 1, search.update(state, sums), state[0], sums, accs
 
     init = (jnp.int32(0), search.init, search.init[0],
-            _reductions_init(n_terms, search.minima, rows), zeros_v, zeros_v)  # fmt: skip
-    it, state, tau_k, (size, total, smallest), acc_p, acc_b = jax.lax.while_loop(
-        running, step, init
-    )
-    tau = state[0]
+            _reductions_init(n_terms, search.minima, rows), accs0)  # fmt: skip
+    it, state, tau_k, sums, accs = jax.lax.while_loop(running, step, init)
+    tau, size, smallest = state[0], sums[0], sums[-1]
     exact = state[-1] & ((smallest > tau) | (size == 0.0))
-    confirmed = (it > 0) & (jnp.max(jnp.where(exact, 0, 1).astype(jnp.int32)) == 0)
-    sums = (acc_p - (tau - tau_k) * acc_b, acc_b, total - tau * size, size)
-    return tau, confirmed, sums
+    confirmed = (it > first) & (jnp.max(jnp.where(exact, 0, 1).astype(jnp.int32)) == 0)
+    delta = tau - tau_k
+    if entmax15:
+        (u2_v, u_v, ones_v), (s1, s2) = accs, sums[1:3]
+        out = (u2_v - 2.0 * delta * u_v + delta * delta * ones_v, u_v - delta * ones_v,
+               s2 - 2.0 * delta * s1 + delta * delta * size, s1 - delta * size)  # fmt: skip
+    else:
+        (u_v, ones_v), total = accs, sums[1]
+        out = (u_v - delta * ones_v, ones_v, total - tau * size, size)
+    return tau, confirmed, out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1728,9 +1750,10 @@ def capped_forward(
       start_values: how many of the row's large values the first pass keeps for the start of
         sparsemax's and 1.5-entmax's searches (the largest of each block's 2 largest); default
         the kernels' (8 and 16): timing others shows what more values cost and save.
-      speculate: sparsemax: the search passes also accumulate the output, and a tile whose
+      speculate: sparsemax, 1.5-entmax: the search passes also accumulate the output (1.5-
+        entmax's from the second on), and a tile whose
         last pass confirms every row's threshold takes no output pass (the kernels' way;
-        see ``_sparsemax_speculating``); False: always an output pass. Default: the kernels'
+        see ``_accumulating_search``); False: always an output pass. Default: the kernels'
         way when the search runs to the end; False when it is capped, so that each capped
         timing holds one output pass.
 
