@@ -716,7 +716,11 @@ class ForwardPassesConfig(_KernelCells):
     forward on the same layout. The step from k to k + 1 passes is what one search pass costs;
     at 0 passes, the first pass (maximum and largest values) and the output pass (two products
     with the values); 1.5-entmax's polishing, where a row needs it, is one of its search
-    passes. On CPU the kernels run interpreted: a check that it runs, not a timing."""
+    passes. The capped forwards take an output pass in every tile; the full forward only in
+    the tiles whose last search pass did not accumulate and confirm the output (sparsemax,
+    1.5-entmax), and the row "to the end, output pass" is the full forward taking it in every
+    tile, as before the passes accumulated. On CPU the kernels run interpreted: a check that
+    it runs, not a timing."""
 
     lengths: tuple[int, ...] | None = None
     """Sequence lengths; default 16384 on an accelerator, 256 on CPU."""
