@@ -141,8 +141,9 @@ def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -
     )
 
 
-def check_bool(value: Any, name: str, caller: str) -> bool:
-    """``value`` as a python bool (numpy bools accepted, ints refused).
+def check_bool(value: Any, name: str, caller: str, *, optional: bool = False) -> bool | None:
+    """``value`` as a python bool (numpy bools accepted, ints refused); with ``optional``,
+    None passes through.
 
     Example:
       >>> check_bool(np.True_, "return_weights", "my_kernel")  # a numpy bool: a python bool
@@ -151,9 +152,14 @@ def check_bool(value: Any, name: str, caller: str) -> bool:
       Traceback (most recent call last):
       ...
       TypeError: my_kernel: `return_weights` must be a bool; got 1
+      >>> check_bool(None, "interpret", "my_kernel", optional=True) is None
+      True
     """
+    if optional and value is None:
+        return None
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{caller}: `{name}` must be a bool; got {value!r}")
+        allowed = "None or a bool" if optional else "a bool"
+        raise TypeError(f"{caller}: `{name}` must be {allowed}; got {value!r}")
     return bool(value)
 
 

@@ -108,6 +108,7 @@ from sparse_jax.normalizers import (
 )
 from sparse_jax.validation import (
     check_bias,
+    check_bool,
     check_int,
     check_normalizer,
     check_qkv,
@@ -1623,8 +1624,7 @@ def _prepare(
     normalizer = check_normalizer(normalizer, n, caller)
     scale = check_scale(scale, d, caller)
     bias = check_bias(bias, (b, n, tq, tk), caller)
-    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
-        raise TypeError(f"{caller}: `interpret` must be None or a bool; got {interpret!r}")
+    interpret = check_bool(interpret, "interpret", caller, optional=True)
     _check_tuning(num_warps, num_stages, caller)
     if target is None:
         target = "mosaic" if jax.default_backend() == "tpu" else "triton"
@@ -1641,8 +1641,7 @@ def _prepare(
     if dq_accumulation == "atomic" and target != "triton":
         raise ValueError(f"{caller}: `dq_accumulation`='atomic' is for the Triton kernels "
                          f"(target='triton'); got target={target!r}")  # fmt: skip
-    if prefetch is not None and not isinstance(prefetch, (bool, np.bool_)):
-        raise TypeError(f"{caller}: `prefetch` must be None or a bool; got {prefetch!r}")
+    prefetch = check_bool(prefetch, "prefetch", caller, optional=True)
     if prefetch and target != "triton":
         raise ValueError(f"{caller}: `prefetch` is for the Triton kernels (target='triton'); "
                          f"got target={target!r}")  # fmt: skip
@@ -1773,10 +1772,9 @@ def capped_forward(
         search_passes = check_int(search_passes, "search_passes", caller, low=0)
     if start_values is not None:
         start_values = check_int(start_values, "start_values", caller, low=1)
+    speculate = check_bool(speculate, "speculate", caller, optional=True)
     if speculate is None:
         speculate = search_passes is None
-    if not isinstance(speculate, (bool, np.bool_)):
-        raise TypeError(f"{caller}: `speculate` must be None or a bool; got {speculate!r}")
     params = inspect.signature(pallas_attention).parameters.values()
     defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
     unknown = sorted(set(options) - set(defaults))
@@ -1787,7 +1785,7 @@ def capped_forward(
         raise ValueError(f"{caller}: a sparse normalizer on the Triton kernels only; got "
                          f"{plan.kind!r} on {plan.target!r}")  # fmt: skip
     capped = dataclasses.replace(
-        plan, search_cap=search_passes, start_top=start_values, speculate=bool(speculate)
+        plan, search_cap=search_passes, start_top=start_values, speculate=speculate
     )
     out, _ = _forward(capped, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]
