@@ -650,6 +650,23 @@ def _search(kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.
     return entmax_search(eps, sigma, n_valid, done0, expm1)
 
 
+def _term_count(plan: _Plan, search, rows: int) -> int:
+    """How many row reductions a pass of ``search`` takes (its terms of a tile)."""
+    tile = jax.ShapeDtypeStruct((rows, plan.bkv), _F32)
+    return len(jax.eval_shape(search.terms, tile, search.init))
+
+
+def _pass_limit(plan: _Plan, search) -> int:
+    """The search's passes at most: its own bound, or capped_forward's cap below it."""
+    return search.max_iter if plan.search_cap is None else min(search.max_iter, plan.search_cap)
+
+
+def _every_row(flags):
+    """Whether every row's flag ``[rows, 1]`` is set, a scalar bool (Triton lowers no boolean
+    reductions: as a max over 0/1)."""
+    return jnp.max(jnp.where(flags, 0, 1).astype(jnp.int32)) == 0
+
+
 def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.expm1, tau0=None):
     """Each row's threshold τ ``[rows, 1]`` by the normalizer's search, pass after pass until
     every row of the tile is done. ``row_sums(terms_of, n_terms)`` sums ``terms_of(z)`` (a tuple
@@ -657,16 +674,12 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
     kernel family walks its blocks its own way. ``expm1``: for compilers without one. ``tau0``:
     a start (sparsemax; see :func:`_search`)."""
     search = _search(plan.kind, row_max, n_valid, eps, sigma, plan.row_length, expm1, tau0)
-    tile = jax.ShapeDtypeStruct((row_max.shape[0], plan.bkv), _F32)
-    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
-
-    max_iter = search.max_iter if plan.search_cap is None else min(search.max_iter, plan.search_cap)
+    n_terms = _term_count(plan, search, row_max.shape[0])
+    max_iter = _pass_limit(plan, search)
 
     def cond(carry):
         it, state = carry
-        # (Triton lowers no boolean reductions: "all rows done" as a max over 0/1.)
-        running = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
-        return jnp.logical_and(it < max_iter, running)
+        return jnp.logical_and(it < max_iter, jnp.logical_not(_every_row(state[-1])))
 
     def step(carry):
         it, state = carry
@@ -959,12 +972,11 @@ def _accumulating_search(plan: _Plan, search, z_of, load_v, live_ref, nan_row, c
     """
     rows = nan_row.shape[0]
     entmax15 = plan.kind == "entmax15"
-    max_iter = search.max_iter if plan.search_cap is None else min(search.max_iter, plan.search_cap)
+    max_iter = _pass_limit(plan, search)
     zeros_v = jnp.zeros((rows, plan.dv), _F32)
     accs0 = (zeros_v,) * (3 if entmax15 else 2)
-    tile = jax.ShapeDtypeStruct((rows, plan.bkv), _F32)
     # sparsemax (|S|, Σ_S z, min S); 1.5-entmax (|S|, Σ u, Σ u², min S)
-    n_terms = len(jax.eval_shape(search.terms, tile, search.init))
+    n_terms = _term_count(plan, search, rows)
     first = _ACCUMULATE_FROM[plan.kind]
 
     def one_pass(state, accumulate):
@@ -989,9 +1001,7 @@ def _accumulating_search(plan: _Plan, search, z_of, load_v, live_ref, nan_row, c
 
     def running(carry):
         it, state = carry[0], carry[1]
-        # (Triton lowers no boolean reductions: "all rows done" as a max over 0/1.)
-        left = jnp.max(jnp.where(state[-1], 0, 1).astype(jnp.int32)) > 0
-        return jnp.logical_and(it < max_iter, left)
+        return jnp.logical_and(it < max_iter, jnp.logical_not(_every_row(state[-1])))
 
     def step(carry):
         it, state = carry[0], carry[1]
@@ -1003,7 +1013,7 @@ def _accumulating_search(plan: _Plan, search, z_of, load_v, live_ref, nan_row, c
     it, state, tau_k, sums, accs = jax.lax.while_loop(running, step, init)
     tau, size, smallest = state[0], sums[0], sums[-1]
     exact = state[-1] & ((smallest > tau) | (size == 0.0))
-    confirmed = (it > first) & (jnp.max(jnp.where(exact, 0, 1).astype(jnp.int32)) == 0)
+    confirmed = (it > first) & _every_row(exact)
     delta = tau - tau_k
     if entmax15:
         (u2_v, u_v, ones_v), (s1, s2) = accs, sums[1:3]
