@@ -550,13 +550,7 @@ def entmax15_search(tau0, done0, *, smallest: bool = False) -> RowSearch:
     def update(state, sums):
         tau, candidate, candidate_size, done = state
         size, s1, s2, count = sums
-        excess = s2 - 1.0  # >= 0 left of the root
-        # Smaller root δ of Σ_S (u - δ)² = 1, written without cancellation.
-        disc = s1 * s1 - size * excess
-        root = tau + excess / (s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
-        # Newton on ||u||_2 - 1, which is nearly linear, rather than on s2 - 1.
-        norm = jnp.sqrt(s2)
-        newton = tau + (norm - 1.0) * norm / s1
+        _, disc, root, newton = _entmax15_steps(tau, size, s1, s2)
         finished = count >= candidate_size
         new_tau = jnp.where(finished, candidate, newton)
         return (
@@ -577,6 +571,18 @@ def entmax15_search(tau0, done0, *, smallest: bool = False) -> RowSearch:
 POLISH_FREE_EXCESS = 0.5
 
 
+def _entmax15_steps(tau, size, s1, s2):
+    """From a pass' sums over S = {z > τ} (|S|, Σ u, Σ u², u = z - τ): ``(excess, disc, root,
+    newton)``: ``Σ u² - 1`` (>= 0 left of the threshold), the discriminant of the quadratic on
+    S, its smaller root (τ plus the δ of ``Σ_S (u - δ)² = 1``, written without cancellation)
+    and the Newton step on ``||u||_2 - 1``, which is nearly linear, rather than on ``Σ u² - 1``."""
+    excess = s2 - 1.0
+    disc = s1 * s1 - size * excess
+    root = tau + excess / (s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
+    norm = jnp.sqrt(s2)
+    return excess, disc, root, tau + (norm - 1.0) * norm / s1
+
+
 def _entmax15_search_smallest(tau0, done0) -> RowSearch:
     """:func:`entmax15_search` with ``smallest``: state (τ, root found, done)."""
 
@@ -588,18 +594,14 @@ def _entmax15_search_smallest(tau0, done0) -> RowSearch:
     def update(state, sums):
         tau, found, done = state
         size, s1, s2, smallest = sums
-        excess = s2 - 1.0
-        disc = s1 * s1 - size * excess
-        root = tau + excess / (s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
-        norm = jnp.sqrt(s2)
-        newton = tau + (norm - 1.0) * norm / s1
+        excess, disc, root, newton = _entmax15_steps(tau, size, s1, s2)
         exact = (disc >= 0.0) & (smallest >= root)
         close = (excess <= POLISH_FREE_EXCESS) & (4.0 * disc >= s1 * s1)
-        # A found row's sums are centred on its root: polished. (A done row's NaN step, s1 = 0,
-        # is never taken: its τ is kept.)
-        polished = entmax15_polish(tau, (size, s1, s2))
+        # A found row's sums are centred on its root: the same closed form is then its polish
+        # (entmax15_polish's, whose guards matter only for rows with S empty, all done). (A
+        # done row's NaN step, s1 = 0, is never taken: its τ is kept.)
         step = jnp.where(newton > smallest, newton, smallest)
-        new_tau = jnp.where(found, polished, jnp.where(exact, root, step))
+        new_tau = jnp.where(found | exact, root, step)
         return (
             jnp.where(done, tau, new_tau),
             found | exact,
