@@ -184,28 +184,19 @@ def _operand_loads_in_branches(fn, *args) -> dict[str, int]:
     shape ``[128, 64]``: every key's keys or values, every query's rows or output gradients,
     in the tests' calls below) whose innermost enclosing construct is a ``cond`` branch (a
     loop inside a branch, like the output pass a tile may skip, starts afresh)."""
-    from jax.extend import core as jcore
 
-    counts = {}
-
-    def walk(jaxpr, in_branch, kernel):
+    def loads(jaxpr, in_branch):
+        count = 0
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                kernel = str(eqn.params["name"])
-                counts.setdefault(kernel, 0)
-            if eqn.primitive.name == "get" and in_branch:
-                counts[kernel] += tuple(eqn.invars[0].aval.shape) == (128, 64)
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else [param]:
-                    if isinstance(sub, jcore.ClosedJaxpr):
-                        sub = sub.jaxpr
-                    if isinstance(sub, jcore.Jaxpr):
-                        name = eqn.primitive.name
-                        inner = name == "cond" or (in_branch and name not in ("while", "scan"))
-                        walk(sub, inner, kernel)
+            name = eqn.primitive.name
+            if name == "get" and in_branch:
+                count += tuple(eqn.invars[0].aval.shape) == (128, 64)
+            inner = name == "cond" or (in_branch and name not in ("while", "scan"))
+            count += sum(loads(sub, inner) for sub in _sub_jaxprs(eqn))
+        return count
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr, False, None)
-    return counts
+    calls = _pallas_calls(fn, *args)
+    return {name: loads(eqn.params["jaxpr"], False) for name, eqn in calls.items()}
 
 
 def test_prefetch_moves_the_operand_loads_before_the_live_test():
@@ -250,23 +241,11 @@ def _first_programs_blocks(fn, *args) -> dict[str, int]:
     from jax.extend import core as jcore
 
     blocks = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                name = str(eqn.params["name"])
-                mapping = eqn.params["grid_mapping"].block_mappings[4 if "dkv" in name else 3]
-                closed = mapping.index_map_jaxpr
-                ids = [jnp.int32(0)] * len(eqn.params["grid_mapping"].grid)
-                blocks[name] = int(jcore.jaxpr_as_fun(closed)(*ids)[1])
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else [param]:
-                    if isinstance(sub, jcore.ClosedJaxpr):
-                        sub = sub.jaxpr
-                    if isinstance(sub, jcore.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for name, eqn in _pallas_calls(fn, *args).items():
+        grid_mapping = eqn.params["grid_mapping"]
+        mapping = grid_mapping.block_mappings[4 if "dkv" in name else 3]
+        ids = [jnp.int32(0)] * len(grid_mapping.grid)
+        blocks[name] = int(jcore.jaxpr_as_fun(mapping.index_map_jaxpr)(*ids)[1])
     return blocks
 
 
@@ -927,23 +906,29 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
             pallas_attention(q, q, q, layout, **options)
 
 
-def _pallas_calls(fn, *args) -> dict:
-    """{kernel name: its pallas_call equation} of the Pallas calls ``fn`` traces."""
+def _sub_jaxprs(eqn):
+    """The jaxprs an equation holds in its parameters (branches, loop bodies, kernels)."""
     from jax.extend import core as jcore
 
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+            if isinstance(sub, jcore.ClosedJaxpr):
+                yield sub.jaxpr
+            elif isinstance(sub, jcore.Jaxpr):
+                yield sub
+
+
+def _pallas_calls(fn, *args) -> dict:
+    """{kernel name: its pallas_call equation} of the Pallas calls ``fn`` traces."""
     found = {}
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
                 info = eqn.params.get("name_and_src_info")
-                found[getattr(info, "name", None) or eqn.params.get("name")] = eqn
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (list, tuple)) else [param]:
-                    if isinstance(sub, jcore.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jcore.Jaxpr):
-                        walk(sub)
+                found[getattr(info, "name", None) or str(eqn.params.get("name"))] = eqn
+            for sub in _sub_jaxprs(eqn):
+                walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
@@ -1019,11 +1004,8 @@ def test_the_sparse_forward_sums_only_what_its_passes_need(normalizer, sums):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name.startswith("reduce_") and len(eqn.params["axes"]) == 2:
                 yield eqn.invars[0].aval.shape
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (list, tuple)) else [param]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from whole_tile_reductions(inner)
+            for sub in _sub_jaxprs(eqn):
+                yield from whole_tile_reductions(sub)
 
     shapes = set(whole_tile_reductions(body))
     assert shapes and shapes <= {(16, 1)}, shapes
