@@ -156,6 +156,10 @@ class Model:
     decoder_block: int = 16
     """With --model.decoder-window: the block size of the decoder self-attention's mask, with
     which `impl="auto"` chooses the block-sparse kernel or the dense one (docs/results.md)."""
+    cross_queries: Literal["input", "self"] = "input"
+    """Both models' decoder cross-attention queries: the layer's input, in parallel with its
+    self-attention ('input', the study's form), or what the self-attention found ('self':
+    EncDecConfig.cross_queries)."""
     literals: bool = True
     """Both models: learned embeddings of where each token sits in a matrix or vector
     literal (depth, row, column: EncDecConfig.literal_tokens), in the question and the

@@ -172,7 +172,11 @@ def test_output_switch_changes_only_the_loss():
     assert float(jnp.mean(sparsemax(logits, axis=-1) == 0)) > 0
 
 
-@pytest.mark.parametrize("cfg", [SPARSE, DENSE], ids=["sparse", "dense"])
+@pytest.mark.parametrize(
+    "cfg",
+    [SPARSE, DENSE, dataclasses.replace(SPARSE, cross_queries="self")],
+    ids=["sparse", "dense", "sparse-cross-queries-self"],
+)
 def test_cached_greedy_decoding_equals_the_full_forward_pass(cfg):
     model = _model(cfg)
     src, lengths, _ = _batch(1)
@@ -266,6 +270,32 @@ def test_literal_embeddings_are_in_both_models_and_fed_token_by_token_when_decod
         np.testing.assert_allclose(model(src, lengths, target_in), plain, atol=1e-6)
 
 
+def test_cross_queries_from_what_the_self_attention_found_in_both_models():
+    cfg = dataclasses.replace(SPARSE, cross_queries="self")
+    assert "cross_queries" not in describe(cfg)  # not a sparsity switch: the baseline has it
+    assert cfg.dense().cross_queries == "self"
+    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
+    assert shapes(_model(cfg)) == shapes(_model(cfg.dense()))
+    assert "ln_query" in shapes(_model(cfg))["decoder"][0]
+    assert "ln_query" not in shapes(_model(SPARSE))["decoder"][0]
+    layer = _model(cfg.dense()).decoder[0]
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.normal(size=(2, 6, 16)), jnp.float32)  # [B, T, D] decoder input
+    memory = jnp.asarray(rng.normal(size=(2, 7, 16)), jnp.float32)  # [B, S, D] context
+    self_mask, cross_mask = jnp.tril(jnp.ones((6, 6), bool)), jnp.ones((2, 1, 1, 7), bool)
+    self_kv = layer.self_attn.keys_values(y)
+    cross_kv = layer.cross_attn.keys_values(memory)
+    a = layer.self_attn(y, *self_kv, self_mask)
+    c = layer.cross_attn(layer.ln_query(y + a), *cross_kv, cross_mask)
+    h = layer.ln1(y + a + c)  # H_d = FFN(A_self V + A_cross C), Add & Norm
+    got = layer(y, self_kv, self_mask, cross_kv, cross_mask)
+    np.testing.assert_allclose(got, layer.ln2(h + layer.ffn(h)), atol=1e-5)
+    # The same weights with the study's queries (the layer's input) give another output.
+    c_input = layer.cross_attn(y, *cross_kv, cross_mask)
+    h_input = layer.ln1(y + a + c_input)
+    assert not np.allclose(got, layer.ln2(h_input + layer.ffn(h_input)), atol=1e-3)
+
+
 @pytest.mark.parametrize("sinks", [0, 1, 3])
 def test_a_windowed_decoder_caches_only_the_sinks_and_a_ring_of_the_window(sinks):
     # 19 positions through a ring of 3 slots (+ sinks): the logits of every position equal the
@@ -350,6 +380,7 @@ def test_flops_by_hand():
         ({"decoder_sinks": 2}, "`decoder_sinks`=2 needs a `decoder_window`"),
         ({"output": "entmax"}, "unknown `output`='entmax'"),
         ({"embed_mask": "top"}, "unknown `embed_mask`='top'"),
+        ({"cross_queries": "output"}, r"unknown `cross_queries`='output'; allowed: \('input'"),
         ({"decoder_block": 0}, "decoder_block"),
         ({"logit_scale": 0}, r"`logit_scale` must be a finite number > 0 or None; got 0"),
         ({"logit_scale": float("inf")}, "`logit_scale` must be a finite number > 0"),

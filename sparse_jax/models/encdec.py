@@ -31,7 +31,11 @@ softmax encoder–decoder of the same size, the baseline):
   tokens plus the first ``decoder_sinks``: the mask algebra's ``causal() & (local(w - 1, 0) |
   sink(s))``) and cross-attention to the reasoning context, combined as in the study,
   ``H_d = FFN(A_self·V + A_cross·C) ⊙ M_d`` (``M_d``: each position's ``round(decoder_keep·D)``
-  largest FFN outputs), with Add & Norm around the attention sum and the FFN.
+  largest FFN outputs), with Add & Norm around the attention sum and the FFN. The
+  cross-attention's queries are the layer's input, in parallel with the self-attention
+  (``cross_queries="input"``, the study's form), or ``LN(y + A_self·V)``, what the
+  self-attention found (``"self"``: a one-layer decoder can then look up in the question what
+  its recent tokens ask for, e.g. the entry after ``m = ``; the baseline has the same).
 * A final linear layer and the output distribution: ``output="sparsemax"`` trains with the
   sparsemax Fenchel–Young loss (:func:`sparse_jax.sparsemax_loss`), ``"softmax"`` with cross
   entropy. Greedy decoding takes the argmax either way.
@@ -80,6 +84,7 @@ __all__ = [
 NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 OUTPUTS = ("softmax", "sparsemax")
 EMBED_MASKS = ("random", "magnitude")
+CROSS_QUERIES = ("input", "self")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +126,10 @@ class EncDecConfig:
     decoder_window: int | None = None  # decoder self-attention: recent keys kept (None: causal)
     decoder_sinks: int = 0  # with decoder_window: the first tokens every query also sees
     decoder_block: int = 16  # blocks of a windowed decoder's mask (see decoder_mask)
+    # What a decoder layer's cross-attention queries are formed from: the layer's input, in
+    # parallel with its self-attention (the study's form), or "self", LN(y + A_self(y)), what
+    # the self-attention found (not a sparsity switch: the baseline has the same).
+    cross_queries: Literal["input", "self"] = "input"
     # Token ids (open, close, separator) of bracketed literals such as [[1, 2], [3, 4]]: when
     # set, every token also gets learned embeddings of where it sits in one (literal_coordinates).
     literal_tokens: tuple[int, int, int] | None = None
@@ -156,6 +165,11 @@ class EncDecConfig:
             )
         if self.output not in OUTPUTS:
             raise ValueError(f"{caller}: unknown `output`={self.output!r}; allowed: {OUTPUTS}")
+        if self.cross_queries not in CROSS_QUERIES:
+            raise ValueError(
+                f"{caller}: unknown `cross_queries`={self.cross_queries!r}; allowed: "
+                f"{CROSS_QUERIES}"
+            )
         if self.embed_mask not in EMBED_MASKS:
             raise ValueError(
                 f"{caller}: unknown `embed_mask`={self.embed_mask!r}; allowed: {EMBED_MASKS}"
@@ -383,12 +397,17 @@ class SelfAttentionLayer(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """``h = LN(y + A_self(y) + A_cross(y, C)); out = LN(h + FFN(h) ⊙ M_d)``."""
+    """``h = LN(y + A_self(y) + A_cross(u, C)); out = LN(h + FFN(h) ⊙ M_d)``, the
+    cross-attention's queries from ``u = y`` (``cross_queries="input"``) or ``u = LN(y +
+    A_self(y))`` (``"self"``)."""
 
     def __init__(self, cfg: EncDecConfig, rngs: nnx.Rngs):
         self.keep, self.block = cfg.decoder_keep, cfg.decoder_block
         self.self_attn = Attention(cfg, rngs)
         self.cross_attn = Attention(cfg, rngs)
+        self.ln_query = (
+            nnx.LayerNorm(cfg.d_model, rngs=rngs) if cfg.cross_queries == "self" else None
+        )
         self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.ffn = FeedForward(cfg, rngs)
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
@@ -398,9 +417,12 @@ class DecoderLayer(nnx.Module):
         decoder (see :meth:`EncDecConfig.decoder_mask`)."""
         want = stats is not None
         a = self.self_attn(y, *self_kv, self_mask, weights=want, block=self.block)
-        c = self.cross_attn(y, *cross_kv, cross_mask, weights=want)
         if want:
-            (a, wa), (c, wc) = a, c
+            a, wa = a
+        u = y if self.ln_query is None else self.ln_query(y + a)
+        c = self.cross_attn(u, *cross_kv, cross_mask, weights=want)
+        if want:
+            c, wc = c
             if isinstance(self_mask, masks_lib.Mask):
                 self_mask = jnp.asarray(self_mask.dense(*wa.shape[-2:]))
             stats += [("decoder_self", wa, self_mask), ("decoder_cross", wc, cross_mask)]
