@@ -160,6 +160,9 @@ class Model:
     """Both models' decoder cross-attention queries: the layer's input, in parallel with its
     self-attention ('input', the study's form), or what the self-attention found ('self':
     EncDecConfig.cross_queries)."""
+    positions: Literal["sinusoid", "rotary"] = "sinusoid"
+    """Both models' positions: sinusoids added to the embeddings, or 'rotary' (RoPE) in every
+    self-attention (EncDecConfig.positions)."""
     literals: bool = True
     """Both models: learned embeddings of where each token sits in a matrix or vector
     literal (depth, row, column: EncDecConfig.literal_tokens), in the question and the

@@ -20,6 +20,7 @@ from sparse_jax.models.encdec import (
     describe,
     greedy_decode,
     literal_coordinates,
+    rotate,
     sequence_loss,
 )
 from tests.engines import engines_used
@@ -174,8 +175,14 @@ def test_output_switch_changes_only_the_loss():
 
 @pytest.mark.parametrize(
     "cfg",
-    [SPARSE, DENSE, dataclasses.replace(SPARSE, cross_queries="self")],
-    ids=["sparse", "dense", "sparse-cross-queries-self"],
+    [
+        SPARSE,
+        DENSE,
+        dataclasses.replace(SPARSE, cross_queries="self"),
+        dataclasses.replace(SPARSE, positions="rotary"),  # keys rotated into a ring of slots
+        dataclasses.replace(DENSE, positions="rotary"),
+    ],
+    ids=["sparse", "dense", "sparse-cross-queries-self", "sparse-rotary", "dense-rotary"],
 )
 def test_cached_greedy_decoding_equals_the_full_forward_pass(cfg):
     model = _model(cfg)
@@ -296,6 +303,39 @@ def test_cross_queries_from_what_the_self_attention_found_in_both_models():
     assert not np.allclose(got, layer.ln2(h_input + layer.ffn(h_input)), atol=1e-3)
 
 
+def test_rotary_positions_make_self_attention_depend_on_distances_only():
+    rng = np.random.default_rng(4)
+    q, k = (jnp.asarray(rng.normal(size=(2, 5, 3, 8)), jnp.float32) for _ in range(2))
+    pos = jnp.arange(5)
+    scores = lambda qp, kp: jnp.einsum("blnh,bmnh->bnlm", rotate(q, qp), rotate(k, kp))
+    np.testing.assert_allclose(scores(pos, pos), scores(pos + 11, pos + 11), atol=1e-4)
+    assert not np.allclose(scores(pos, pos), scores(pos, pos + 1), atol=1e-2)
+    np.testing.assert_allclose(  # a rotation: every pair keeps its length
+        jnp.linalg.norm(rotate(q, pos + 3), axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5
+    )
+    cfg = dataclasses.replace(SPARSE, positions="rotary")
+    assert "positions" not in describe(cfg) and cfg.dense().positions == "rotary"
+    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
+    assert shapes(_model(cfg)) == shapes(_model(SPARSE))  # no parameters of its own
+    model = _model(cfg)
+    src, lengths, tgt = _batch()
+    assert not np.asarray(model.placement(src, jnp.arange(7))).any()  # no sinusoids added
+    # A self-attention layer of the model, fed the same tokens at positions shifted by 9, gives
+    # the same output; with its queries rotated at other positions than its keys, another.
+    x = model.sparse_embed(src)
+    layer, mask = model.encoder[0], jnp.ones((7, 7), bool)
+    np.testing.assert_allclose(
+        layer(x, mask, positions=jnp.arange(7)), layer(x, mask, positions=jnp.arange(7) + 9),
+        atol=1e-5,
+    )  # fmt: skip
+    kv = layer.attn.keys_values(x, jnp.arange(7))
+    same = layer.attn(x, *kv, mask, positions=jnp.arange(7))
+    assert not np.allclose(same, layer.attn(x, *kv, mask, positions=jnp.arange(7) + 2), atol=1e-3)
+    # The model passes them: with rotary positions the logits differ from sinusoids' (same
+    # weights) and from the same model with the rotations removed.
+    assert not np.allclose(model(src, lengths, tgt), _model(SPARSE)(src, lengths, tgt), atol=1e-3)
+
+
 @pytest.mark.parametrize("sinks", [0, 1, 3])
 def test_a_windowed_decoder_caches_only_the_sinks_and_a_ring_of_the_window(sinks):
     # 19 positions through a ring of 3 slots (+ sinks): the logits of every position equal the
@@ -380,6 +420,8 @@ def test_flops_by_hand():
         ({"decoder_sinks": 2}, "`decoder_sinks`=2 needs a `decoder_window`"),
         ({"output": "entmax"}, "unknown `output`='entmax'"),
         ({"embed_mask": "top"}, "unknown `embed_mask`='top'"),
+        ({"positions": "learned"}, r"unknown `positions`='learned'; allowed: \('sinusoid'"),
+        ({"positions": "rotary", "d_model": 18, "num_heads": 2}, "head size .* = 9 must be even"),
         ({"cross_queries": "output"}, r"unknown `cross_queries`='output'; allowed: \('input'"),
         ({"decoder_block": 0}, "decoder_block"),
         ({"logit_scale": 0}, r"`logit_scale` must be a finite number > 0 or None; got 0"),

@@ -16,6 +16,9 @@ softmax encoder–decoder of the same size, the baseline):
   embeddings of each token's depth, row and column in bracketed literals such as
   ``[[1, 2], [3, 4]]`` (:func:`literal_coordinates`), in the question and in the decoder's
   input, so that an entry of a matrix can be found by where it sits, whatever text precedes it.
+  With ``positions="rotary"`` no sinusoids are added: every self-attention rotates its queries
+  and keys by their positions instead (:func:`rotate`), so that a head can look a fixed
+  distance back wherever it is (e.g. from a number to the ``m =`` before it).
 * Encoder layers (post-norm, "Add & Norm"): self-attention ``normalizer(QKᵀ/√d + M) V``
   (``normalizer="sparsemax"``; ``M`` is ``-inf`` outside the source's padding and, with
   ``encoder_window``, outside a window of that many keys either side), then an FFN. With
@@ -78,6 +81,7 @@ __all__ = [
     "greedy_decode",
     "literal_coordinates",
     "literal_step",
+    "rotate",
     "sequence_loss",
 ]
 
@@ -85,6 +89,7 @@ NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 OUTPUTS = ("softmax", "sparsemax")
 EMBED_MASKS = ("random", "magnitude")
 CROSS_QUERIES = ("input", "self")
+POSITIONS = ("sinusoid", "rotary")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,12 @@ class EncDecConfig:
     # parallel with its self-attention (the study's form), or "self", LN(y + A_self(y)), what
     # the self-attention found (not a sparsity switch: the baseline has the same).
     cross_queries: Literal["input", "self"] = "input"
+    # How positions enter: sinusoids added to the embeddings, or "rotary": every
+    # self-attention's queries and keys rotated by their positions (RoPE), so that a score
+    # depends on the distance between two tokens, not on where they are (the cross-attention
+    # has none: a question's and a solution's positions are not comparable). Not a sparsity
+    # switch: the baseline has the same.
+    positions: Literal["sinusoid", "rotary"] = "sinusoid"
     # Token ids (open, close, separator) of bracketed literals such as [[1, 2], [3, 4]]: when
     # set, every token also gets learned embeddings of where it sits in one (literal_coordinates).
     literal_tokens: tuple[int, int, int] | None = None
@@ -169,6 +180,15 @@ class EncDecConfig:
             raise ValueError(
                 f"{caller}: unknown `cross_queries`={self.cross_queries!r}; allowed: "
                 f"{CROSS_QUERIES}"
+            )
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"{caller}: unknown `positions`={self.positions!r}; allowed: {POSITIONS}"
+            )
+        if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
+            raise ValueError(
+                f"{caller}: `positions`='rotary' rotates pairs of features: the head size "
+                f"`d_model` / `num_heads` = {self.d_model // self.num_heads} must be even"
             )
         if self.embed_mask not in EMBED_MASKS:
             raise ValueError(
@@ -249,6 +269,27 @@ def sinusoid(positions: jax.Array, d_model: int) -> jax.Array:
     angle = positions.astype(jnp.float32)[..., None] * freq
     enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
     return jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, d_model - 2 * half)])
+
+
+def rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position encoding (RoPE) of queries or keys ``x [B, L, N, H]`` (``H`` even) at
+    integer ``positions [L]``: each pair of features ``(x_i, x_{i+H/2})`` turned by the angle
+    ``position · 10000^(-2i/H)``, so that the score of a rotated query and key depends on
+    their positions only through their difference.
+
+    Example:
+      >>> q, k = jnp.ones((1, 1, 1, 4)), jnp.arange(4.0).reshape(1, 1, 1, 4)
+      >>> def score(i, j):  # a query at i against a key at j
+      ...     return float((rotate(q, jnp.array([i])) * rotate(k, jnp.array([j]))).sum())
+      >>> round(score(5, 3), 4) == round(score(9, 7), 4)  # the same distance, the same score
+      True
+    """
+    half = x.shape[-1] // 2
+    freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[:, None] * freq  # [L, H/2]
+    cos, sin = (f(angle)[:, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))  # [L, 1, H/2]
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
 LITERAL_SLOTS = 16  # rows and columns of a literal told apart (later ones share the last)
@@ -341,15 +382,22 @@ class Attention(nnx.Module):
     def heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
 
-    def keys_values(self, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``k, v [B, Tk, N, H]`` of ``memory [B, Tk, D]``."""
-        return self.heads(self.k(memory)), self.heads(self.v(memory))
+    def keys_values(self, memory: jax.Array, positions=None) -> tuple[jax.Array, jax.Array]:
+        """``k, v [B, Tk, N, H]`` of ``memory [B, Tk, D]``, the keys rotated (:func:`rotate`)
+        by ``positions [Tk]`` when given."""
+        k = self.heads(self.k(memory))
+        if positions is not None:
+            k = rotate(k, positions)
+        return k, self.heads(self.v(memory))
 
-    def __call__(self, x, k, v, mask, *, weights: bool = False, block: int = 128):
-        """``x [B, Tq, D]`` queries against precomputed ``k, v [B, Tk, N, H]``; with
-        ``weights``, also the attention weights ``[B, N, Tq, Tk]``. ``mask``: a bool array or
-        a :class:`sparse_jax.masks.Mask`, whose blocks are ``block`` x ``block``."""
+    def __call__(self, x, k, v, mask, *, positions=None, weights: bool = False, block: int = 128):
+        """``x [B, Tq, D]`` queries (rotated by ``positions [Tq]`` when given) against
+        precomputed ``k, v [B, Tk, N, H]``; with ``weights``, also the attention weights ``[B,
+        N, Tq, Tk]``. ``mask``: a bool array or a :class:`sparse_jax.masks.Mask`, whose blocks
+        are ``block`` x ``block``."""
         q = self.heads(self.q(x))
+        if positions is not None:
+            q = rotate(q, positions)
         if self.log_scale is not None:  # the logits' per-head factor, learned
             q = q * jnp.exp(self.log_scale[...])[:, None].astype(q.dtype)
         out = attention(
@@ -386,9 +434,10 @@ class SelfAttentionLayer(nnx.Module):
         self.ffn = FeedForward(cfg, rngs)
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
 
-    def __call__(self, x, mask, stats: list | None = None):
-        k, v = self.attn.keys_values(x)
-        a = self.attn(x, k, v, mask, weights=stats is not None)
+    def __call__(self, x, mask, stats: list | None = None, positions=None):
+        """``x [B, S, D]``; ``positions [S]`` rotate the queries and keys (rotary positions)."""
+        k, v = self.attn.keys_values(x, positions)
+        a = self.attn(x, k, v, mask, positions=positions, weights=stats is not None)
         if stats is not None:
             a, w = a
             stats.append(("encoder", w, mask))
@@ -412,11 +461,14 @@ class DecoderLayer(nnx.Module):
         self.ffn = FeedForward(cfg, rngs)
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
 
-    def __call__(self, y, self_kv, self_mask, cross_kv, cross_mask, stats=None):
+    def __call__(self, y, self_kv, self_mask, cross_kv, cross_mask, stats=None, positions=None):
         """``self_mask``: a bool array ``[.., T, P]`` or the static :class:`Mask` of the
-        decoder (see :meth:`EncDecConfig.decoder_mask`)."""
+        decoder (see :meth:`EncDecConfig.decoder_mask`); ``positions [T]`` rotate the
+        self-attention's queries (rotary positions: ``self_kv``'s keys come rotated)."""
         want = stats is not None
-        a = self.self_attn(y, *self_kv, self_mask, weights=want, block=self.block)
+        a = self.self_attn(
+            y, *self_kv, self_mask, positions=positions, weights=want, block=self.block
+        )
         if want:
             a, wa = a
         u = y if self.ln_query is None else self.ln_query(y + a)
@@ -480,9 +532,13 @@ class EncoderDecoder(nnx.Module):
 
     def placement(self, ids: jax.Array, positions: jax.Array, coordinates=None) -> jax.Array:
         """What is added to the embedded ``ids [B, L]``, ``[B, L, D]``: sinusoids of their
-        ``positions [L]`` and, with ``literal_tokens``, the learned embeddings of their
-        :func:`literal_coordinates` (given as ``coordinates [B, L, 3]`` when decoding)."""
-        enc = sinusoid(positions, self.config.d_model)[None]
+        ``positions [L]`` (none with rotary positions) and, with ``literal_tokens``, the learned
+        embeddings of their :func:`literal_coordinates` (given as ``coordinates [B, L, 3]``
+        when decoding)."""
+        if self.config.positions == "sinusoid":
+            enc = sinusoid(positions, self.config.d_model)[None]
+        else:  # rotary: positions enter the self-attentions (self.rotary)
+            enc = jnp.zeros((1, positions.shape[0], self.config.d_model))
         literal_tokens = self.config.literal_tokens
         if literal_tokens is None:
             return enc
@@ -492,6 +548,10 @@ class EncoderDecoder(nnx.Module):
         row, col = (jnp.minimum(coordinates[..., i], LITERAL_SLOTS - 1) for i in (1, 2))
         e = self.literal_embed
         return enc + e(depth) + e(LITERAL_DEPTHS + row) + e(LITERAL_DEPTHS + LITERAL_SLOTS + col)
+
+    def rotary(self, positions: jax.Array) -> jax.Array | None:
+        """``positions [L]`` for the self-attentions to rotate by, or None (sinusoids)."""
+        return positions if self.config.positions == "rotary" else None
 
     def _source_masks(self, source_lengths, s: int):
         """(self-attention mask ``[B, 1, S, S]``: real positions among real positions, under
@@ -509,10 +569,11 @@ class EncoderDecoder(nnx.Module):
         self_mask, _ = self._source_masks(source_lengths, s)
         emb = self.sparse_embed(source)
         x = emb + self.placement(source, jnp.arange(s))
+        positions = self.rotary(jnp.arange(s))
         for layer in self.encoder:
-            x = layer(x, self_mask, stats)
+            x = layer(x, self_mask, stats, positions)
         for step in self.cot:
-            x = keep_largest(step(x + emb, self_mask, stats), self.config.cot_keep)
+            x = keep_largest(step(x + emb, self_mask, stats, positions), self.config.cot_keep)
         return x
 
     def _check(self, source, source_lengths, target=None):
@@ -550,10 +611,11 @@ class EncoderDecoder(nnx.Module):
         if self.config.decoder_window is None:
             self_mask = jnp.asarray(self_mask.dense(t, t))
         _, cross_mask = self._source_masks(source_lengths, source.shape[1])
+        positions = self.rotary(jnp.arange(t))
         for layer in self.decoder:
-            self_kv = layer.self_attn.keys_values(y)
+            self_kv = layer.self_attn.keys_values(y, positions)
             cross_kv = layer.cross_attn.keys_values(memory)
-            y = layer(y, self_kv, self_mask, cross_kv, cross_mask, stats)
+            y = layer(y, self_kv, self_mask, cross_kv, cross_mask, stats, positions)
         logits = self.head(y)
         if not return_stats:
             return logits
@@ -622,10 +684,17 @@ class EncoderDecoder(nnx.Module):
         self_mask = allowed & (positions >= 0)[None, :]  # [1, P]
         new_layers = []
         for layer, c in zip(self.decoder, cache["layers"], strict=True):
-            k, v = layer.self_attn.keys_values(y)
+            k, v = layer.self_attn.keys_values(y, self.rotary(index[None]))
             k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, slot, 0, 0))
             v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, slot, 0, 0))
-            y = layer(y, (k_all, v_all), self_mask, (c["ck"], c["cv"]), cache["cross_mask"])
+            y = layer(
+                y,
+                (k_all, v_all),
+                self_mask,
+                (c["ck"], c["cv"]),
+                cache["cross_mask"],
+                positions=self.rotary(index[None]),
+            )
             new_layers.append({**c, "k": k_all, "v": v_all})
         logits = self.head(y)[:, 0]
         new_cache = {**cache, "layers": new_layers, "positions": positions, "index": index + 1}
