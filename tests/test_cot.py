@@ -363,6 +363,9 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
         assert em[name] == pytest.approx(np.mean(graded))
     assert saved["models"]["dense"]["switches"] == {}
     assert "normalizer" in saved["models"]["sparse"]["switches"]
+    assert "both models: rotary positions, cross-attention queries from the self-attention's" in (
+        report
+    )
     # Answering the most frequent training answer, recomputed from the training split.
     answers = collections.Counter(p.answer for p in run["train"])
     prior = np.mean([lc.grade(answers.most_common(1)[0][0], p.answer) for p in run["test"]])
@@ -554,6 +557,15 @@ def test_the_default_command_and_the_study_preset():
     config = default.model.config(0)  # both models embed the literals' coordinates
     assert config.literal_tokens == cot.LITERAL_TOKENS == config.dense().literal_tokens
     assert experiment.parse(["--model.no-literals"]).model.config(0).literal_tokens is None
+    # Both models: rotary positions, cross-attention queries from the self-attention.
+    assert (config.positions, config.cross_queries) == ("rotary", "self")
+    assert (config.dense().positions, config.dense().cross_queries) == ("rotary", "self")
+    assert experiment.study().model.config(0).positions == "rotary"  # the preset's too
+    old = experiment.parse(["--model.positions", "sinusoid", "--model.cross-queries", "input"])
+    assert (old.model.config(0).positions, old.model.config(0).cross_queries) == (
+        "sinusoid",
+        "input",
+    )
     study = experiment.parse(["--preset", "study", "--train.steps", "7"])
     assert isinstance(study, experiment.AllCommand) and study.data.kinds == lc.KINDS
     assert study.train.steps == 7 and study.model.d_model == 256
@@ -581,6 +593,8 @@ def test_the_default_command_and_the_study_preset():
         (["--run.max-minutes", "0"], "--run.max-minutes must be a number of minutes > 0"),
         (["train", "--run.max-minutes", "nan"], "--run.max-minutes must be a number of min"),
         (["--preset", "huge"], "--preset"),
+        (["--model.positions", "learned"], "--model.positions"),
+        (["--model.cross-queries", "output"], "--model.cross-queries"),
         (["eval"], "--run.dir is required"),
         (["eval", "--run.dir", "/nonexistent/run"], "is not a chain-of-thought run folder"),
         (["ask", "What is rref(A)?"], "--run.dir is required"),
