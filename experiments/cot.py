@@ -371,7 +371,8 @@ class AskCommand:
 def study() -> AllCommand:
     """``python -m experiments.cot --preset study``: all six kinds at linalg_cot's default sizes
     (matrices up to 4 x 5, solutions up to ~1,100 bytes), 100,000 training problems, a model of
-    width 256 with 3 + 3 layers and 2 chain-of-thought steps, 20,000 updates of 64 problems
+    width 256 with 3 + 3 layers and 2 chain-of-thought steps (the default's rotary positions
+    and cross-attention queries from the self-attention), 20,000 updates of 64 problems
     each, for each model: hours per model on one H200 (its update time is in docs/results.md),
     days on a 2-core CPU. The problems are many so that each is seen ~13 times: at the
     default's size the dense model overfit 3,000 problems seen ~38 times, and ten times the
