@@ -683,18 +683,13 @@ class EncoderDecoder(nnx.Module):
         allowed = self.config.decoder_mask().predicate(index[None, None], positions[None, :])
         self_mask = allowed & (positions >= 0)[None, :]  # [1, P]
         new_layers = []
+        rotation = self.rotary(index[None])
         for layer, c in zip(self.decoder, cache["layers"], strict=True):
-            k, v = layer.self_attn.keys_values(y, self.rotary(index[None]))
+            k, v = layer.self_attn.keys_values(y, rotation)
             k_all = jax.lax.dynamic_update_slice(c["k"], k.astype(c["k"].dtype), (0, slot, 0, 0))
             v_all = jax.lax.dynamic_update_slice(c["v"], v.astype(c["v"].dtype), (0, slot, 0, 0))
-            y = layer(
-                y,
-                (k_all, v_all),
-                self_mask,
-                (c["ck"], c["cv"]),
-                cache["cross_mask"],
-                positions=self.rotary(index[None]),
-            )
+            self_kv, cross_kv = (k_all, v_all), (c["ck"], c["cv"])
+            y = layer(y, self_kv, self_mask, cross_kv, cache["cross_mask"], positions=rotation)
             new_layers.append({**c, "k": k_all, "v": v_all})
         logits = self.head(y)[:, 0]
         new_cache = {**cache, "layers": new_layers, "positions": positions, "index": index + 1}
