@@ -802,18 +802,14 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         else f"{models['sparse']['parameters']:,} parameters sparse, "
         f"{models['dense']['parameters']:,} dense"
     )
-    config = models["sparse"]["config"]
-    # Both models' (not sparsity switches); a record written before them has the old forms.
-    positions = config.get("positions", "sinusoid")
-    queries = {"input": "the layer's input", "self": "the self-attention's output"}[
-        config.get("cross_queries", "input")
-    ]
+    config = EncDecConfig(**models["sparse"]["config"])  # an older record: defaults fill in
+    queries = {"input": "the layer's input", "self": "the self-attention's output"}
     lines += [
         "",
         f"Sparse switches: {models['sparse']['switches']}; {parameters} (d_model "
-        f"{config['d_model']}, {config['encoder_layers']} + {config['decoder_layers']} layers, "
-        f"{config['cot_steps']} CoT steps; both models: {positions} positions, cross-attention "
-        f"queries from {queries}), trained "
+        f"{config.d_model}, {config.encoder_layers} + {config.decoder_layers} layers, "
+        f"{config.cot_steps} CoT steps; both models: {config.positions} positions, "
+        f"cross-attention queries from {queries[config.cross_queries]}), trained "
         f"{models['sparse']['trained_steps']} / {models['dense']['trained_steps']} updates. "
         "FLOPs: model.flops(question bytes, decoded tokens), a teacher-forced pass counting every "
         "entry the masks allow (sparsemax's zero weights are not subtracted). Device "

@@ -34,6 +34,11 @@ def _model(cfg):
     return EncoderDecoder(cfg, rngs=nnx.Rngs(0))
 
 
+def _shapes(model):
+    """The shapes of ``model``'s parameters, as a tree."""
+    return jax.tree.map(jnp.shape, nnx.state(model, nnx.Param))
+
+
 def _batch(seed=0, b=2, s=7, t=6):
     rng = np.random.default_rng(seed)
     src = jnp.asarray(rng.integers(3, 13, (b, s)), jnp.int32)
@@ -47,8 +52,7 @@ def test_dense_baseline_has_every_switch_off_and_the_same_parameters():
         "normalizer", "output", "embed_keep", "embed_mask", "cot_keep", "decoder_keep",
         "decoder_window", "decoder_sinks",
     }  # fmt: skip
-    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
-    assert shapes(_model(SPARSE)) == shapes(_model(DENSE))
+    assert _shapes(_model(SPARSE)) == _shapes(_model(DENSE))
     # The dense baseline is a plain encoder-decoder: softmax attention everywhere (no zero
     # weight in any allowed entry), full causal decoder attention.
     src, lengths, tgt = _batch()
@@ -252,9 +256,8 @@ def test_literal_embeddings_are_in_both_models_and_fed_token_by_token_when_decod
     cfg = dataclasses.replace(SPARSE, literal_tokens=[3, 4, 5])  # a list, as read from JSON
     assert cfg.literal_tokens == (3, 4, 5) and cfg.dense().literal_tokens == (3, 4, 5)
     assert "literal_tokens" not in describe(cfg)  # not a sparsity switch: the baseline has it
-    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
-    assert shapes(_model(cfg)) == shapes(_model(cfg.dense()))
-    assert shapes(_model(cfg))["literal_embed"]["embedding"] == (36, 16)
+    assert _shapes(_model(cfg)) == _shapes(_model(cfg.dense()))
+    assert _shapes(_model(cfg))["literal_embed"]["embedding"] == (36, 16)
     src, lengths, _ = _batch(2)
     # A target that opens and closes literals ([[a, b], [c]], [d, e]) fed one token at a time
     # through the cache gives the full pass' logits; without the coordinates they differ.
@@ -281,10 +284,9 @@ def test_cross_queries_from_what_the_self_attention_found_in_both_models():
     cfg = dataclasses.replace(SPARSE, cross_queries="self")
     assert "cross_queries" not in describe(cfg)  # not a sparsity switch: the baseline has it
     assert cfg.dense().cross_queries == "self"
-    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
-    assert shapes(_model(cfg)) == shapes(_model(cfg.dense()))
-    assert "ln_query" in shapes(_model(cfg))["decoder"][0]
-    assert "ln_query" not in shapes(_model(SPARSE))["decoder"][0]
+    assert _shapes(_model(cfg)) == _shapes(_model(cfg.dense()))
+    assert "ln_query" in _shapes(_model(cfg))["decoder"][0]
+    assert "ln_query" not in _shapes(_model(SPARSE))["decoder"][0]
     layer = _model(cfg.dense()).decoder[0]
     rng = np.random.default_rng(3)
     y = jnp.asarray(rng.normal(size=(2, 6, 16)), jnp.float32)  # [B, T, D] decoder input
@@ -315,8 +317,7 @@ def test_rotary_positions_make_self_attention_depend_on_distances_only():
     )
     cfg = dataclasses.replace(SPARSE, positions="rotary")
     assert "positions" not in describe(cfg) and cfg.dense().positions == "rotary"
-    shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))
-    assert shapes(_model(cfg)) == shapes(_model(SPARSE))  # no parameters of its own
+    assert _shapes(_model(cfg)) == _shapes(_model(SPARSE))  # no parameters of its own
     model = _model(cfg)
     src, lengths, tgt = _batch()
     assert not np.asarray(model.placement(src, jnp.arange(7))).any()  # no sinusoids added
