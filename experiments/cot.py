@@ -74,7 +74,9 @@ SIZES: dict[str, dict[str, Any]] = {
         elimination_ops=2,
         unknowns=2,
         complete_solution_rows=2,
-        solvability_dim=4,
+        # m, n up to 9 (as GeneratorConfig's): 855 distinct questions; the evaluation splits take
+        # 66 and 1,000 training problems hold 504 others (up to 4: 90 in all, 24 to train on).
+        solvability_dim=9,
         block_rate=0.0,
         fraction_rate=0.0,
         max_entry=3,
@@ -597,6 +599,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     summary = {
         "kinds": list(data_cfg.kinds),
         "most_frequent_answer": cot.most_frequent_answers(data.train, test),
+        "distinct_training_questions": linalg_cot.distinct_questions(data.train),
         "format": record["format"],
         "lengths": _lengths((data.train, data.validation, data.test)),
         "data": {
@@ -717,6 +720,11 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         + ". Every problem of these "
         f"kinds fits the models: questions up to {fmt['source_len']} bytes, solutions up to "
         f"{fmt['target_len']} tokens with EOS (nothing truncated or filtered).",
+        "",
+        "Distinct training questions (in content, whatever the phrasing; none is a test "
+        "question): "
+        + ", ".join(f"{k} {n}" for k, n in s["distinct_training_questions"].items())
+        + ".",
         "",
         "Correctness. Exact match: the decoded final answer equals the reference "
         "(linalg_cot.grade). Most frequent answer: the exact match of answering every question "

@@ -337,8 +337,8 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
         assert (folder / name).is_file(), name
     saved = json.loads((folder / "summary.json").read_text())
     assert set(saved) >= {
-        "kinds", "most_frequent_answer", "format", "lengths", "data", "models", "evaluation",
-        "comparison", "phase_seconds", "wall_time_s", "device",
+        "kinds", "most_frequent_answer", "distinct_training_questions", "format", "lengths",
+        "data", "models", "evaluation", "comparison", "phase_seconds", "wall_time_s", "device",
     }  # fmt: skip
     assert saved["kinds"] == ["rref"] and saved["evaluation"] == summary["evaluation"]
     assert set(saved["phase_seconds"]) == {
@@ -371,6 +371,10 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
     prior = np.mean([lc.grade(answers.most_common(1)[0][0], p.answer) for p in run["test"]])
     assert saved["most_frequent_answer"]["rref"]["exact_match"] == pytest.approx(prior)
     assert saved["most_frequent_answer"]["overall"]["exact_match"] == pytest.approx(prior)
+    # Distinct training questions, recomputed from the parsed training split.
+    distinct = len({lc.parse_question(p.question).key for p in run["train"]})
+    assert saved["distinct_training_questions"] == {"rref": distinct}
+    assert f"whatever the phrasing; none is a test question): rref {distinct}." in report
     chains = {}
     for name in ("sparse", "dense"):
         rows = [json.loads(line) for line in (folder / f"answers-{name}.jsonl").open()]
@@ -571,6 +575,19 @@ def test_the_default_command_and_the_study_preset():
     assert study.train.steps == 7 and study.model.d_model == 256
     assert study.model.config(0).decoder_block == 64  # the fused kernels' fastest GPU tiles
     assert experiment.parse(["train", "--preset", "study"]).data.sizes == "default"
+
+
+def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_tests():
+    # The small sizes once allowed 90 distinct solvability questions: the test and validation
+    # splits took 66 of them, and 3,000 training problems repeated the other 24.
+    from experiments import cot as experiment
+
+    data = experiment.Data()
+    splits = lc.make_splits(data.train, data.validation, data.test, config=data.generator())
+    train, test = (lc.distinct_questions(splits[s]) for s in ("train", "test"))
+    assert set(train) == set(test) == set(data.kinds)
+    for kind in data.kinds:
+        assert train[kind] >= 10 * test[kind], (kind, train[kind], test[kind])
 
 
 @pytest.mark.parametrize(

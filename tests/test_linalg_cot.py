@@ -804,6 +804,19 @@ def test_splits_are_disjoint_by_content():
     assert smaller["test"] == splits["test"] and smaller["validation"] == splits["validation"]
 
 
+def test_distinct_questions_counts_content_not_phrasing():
+    same = [lc.generate("solvability", 7, template=t) for t in range(3)]
+    assert len({p.question for p in same}) == 3 and len({p.answer for p in same}) == 1
+    other = [lc.generate("rref", seed) for seed in range(4)]
+    expected_rref = len({lc.parse_question(p.question).key for p in other})
+    assert lc.distinct_questions([*other, *same, *same]) == {
+        "rref": expected_rref, "solvability": 1}  # fmt: skip
+    assert list(lc.distinct_questions([*same, *other])) == ["rref", "solvability"]  # KINDS order
+    assert lc.distinct_questions([]) == {}
+    with pytest.raises(TypeError, match="`problems` must hold Problems; got str"):
+        lc.distinct_questions(["What is rref(A) for A = [[1]]?"])
+
+
 def test_splits_refuse_too_few_distinct_questions():
     cfg = lc.GeneratorConfig(kinds=("solvability",), solvability_dim=1)
     with pytest.raises(ValueError, match="too few distinct questions"):

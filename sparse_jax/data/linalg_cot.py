@@ -87,7 +87,7 @@ import numbers
 import os
 import random
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -111,6 +111,7 @@ __all__ = [
     "RowOp",
     "SparseJaxLinalgCot",  # noqa: F822 (defined on first use by __getattr__)
     "SparseJaxLinalgCotConfig",  # noqa: F822
+    "distinct_questions",
     "format_matrix",
     "format_number",
     "format_vector",
@@ -1657,6 +1658,28 @@ def make_splits(
         taken |= keys
         out[split] = tuple(problems)
     return {split: out[split] for split in SPLITS}
+
+
+def distinct_questions(problems: Iterable[Problem]) -> dict[str, int]:
+    """Per kind (in :data:`KINDS` order, kinds present only), how many of ``problems`` differ in
+    content (:attr:`ParsedQuestion.key`, whatever the phrasing): what a split teaches, where
+    a kind with few distinct questions repeats them (:func:`make_splits`).
+
+    Example:
+
+    >>> splits = make_splits(train=300, validation=3, test=10, seed=0,
+    ...                      config=GeneratorConfig(kinds=("solvability",), solvability_dim=2))
+    >>> distinct_questions(splits["test"]), distinct_questions(splits["train"])
+    ({'solvability': 10}, {'solvability': 2})
+    """
+    keys: dict[str, set[str]] = {}
+    for p in problems:
+        if not isinstance(p, Problem):
+            raise TypeError(
+                f"distinct_questions: `problems` must hold Problems; got {type(p).__name__}"
+            )
+        keys.setdefault(p.kind, set()).add(parse_question(p.question).key)
+    return {kind: len(keys[kind]) for kind in KINDS if kind in keys}
 
 
 # -------------------------------------------------------------------------------------------
