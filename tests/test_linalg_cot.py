@@ -252,7 +252,7 @@ def check_solvability(p: lc.Problem) -> None:
 def check_complete_solution(p: lc.Problem) -> None:
     vectors = literals(p.question)
     x_p, special = vectors[0], vectors[1:]
-    rows = re.search(r"(\d+) by \d+|(\d+) rows", p.question)
+    rows = re.search(r"(\d+) by \d+|(\d+) rows?\b", p.question)
     m = int(rows[1] or rows[2])
     r_text, d_text = p.answer.removeprefix("R = ").split("; d = ")
     r, d = literal(r_text), literal(d_text)
@@ -469,8 +469,8 @@ def test_solve_refuses_impossible_questions():
     )
     with pytest.raises(ValueError, match="independent"):
         lc.solve(lc.parse_question(dependent))
-    too_few_rows = "A has 1 rows and the complete solution of Ax = b is x = [1, 2, 3]."
-    with pytest.raises(ValueError, match="rows"):
+    too_few_rows = "A has 1 row and the complete solution of Ax = b is x = [1, 2, 3]."
+    with pytest.raises(ValueError, match="A has 1 row but the complete solution needs rank 3"):
         lc.solve(lc.parse_question(too_few_rows))
     with pytest.raises(TypeError, match="ParsedQuestion"):
         lc.solve("Find rref of [[1]]")
@@ -520,6 +520,7 @@ def _template_values(p: lc.ParsedQuestion) -> dict[str, str]:
         terms = [lc.format_vector(p.x_p)]
         terms += [f"c{k + 1} * {lc.format_vector(s)}" for k, s in enumerate(p.special)]
         values |= {"x": " + ".join(terms), "m": str(p.rows), "n": str(len(p.x_p))}
+        values["rows"] = f"{p.rows} row" + ("s" if p.rows != 1 else "")
     if p.solutions is not None:
         values |= {"m": p.rows, "n": p.cols, "r": p.rank}
         values["property"] = lc.PROPERTIES[p.solutions]
@@ -802,6 +803,17 @@ def test_splits_are_disjoint_by_content():
     # Changing the train size changes neither evaluation split.
     smaller = lc.make_splits(train=60, validation=240, test=240, seed=0)
     assert smaller["test"] == splits["test"] and smaller["validation"] == splits["validation"]
+
+
+def test_a_question_with_one_row_says_row():
+    cfg = lc.GeneratorConfig(complete_solution_rows=2, unknowns=2)
+    questions = {}
+    for seed in range(40):
+        p = lc.generate("complete_solution", seed, cfg, template=2)
+        questions[lc.parse_question(p.question).rows] = p.question
+    assert set(questions) == {1, 2}
+    assert questions[1].startswith("A has 1 row and every solution")
+    assert questions[2].startswith("A has 2 rows and every solution")
 
 
 def test_distinct_questions_counts_content_not_phrasing():

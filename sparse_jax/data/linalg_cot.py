@@ -140,7 +140,7 @@ ANSWER_PREFIX = "Answer: "
 BUILDER_NAME = "sparse_jax_linalg_cot"
 _BUILDER_VERSION = "1.0.0"
 # Bumped when the generator's output changes for the same seed (part of every dataset's hash).
-_FORMAT = 1
+_FORMAT = 2
 
 # -------------------------------------------------------------------------------------------
 # Numbers, vectors, matrices.
@@ -645,7 +645,8 @@ def _solve_complete_solution(p: ParsedQuestion) -> tuple[list[str], str]:
     pivots = [j for j in range(n) if j not in special_of]
     if m < len(pivots):
         raise ValueError(
-            f"solve: A has {m} rows but the complete solution needs rank {len(pivots)} "
+            f"solve: A has {m} row{'' if m == 1 else 's'} but the complete solution needs rank "
+            f"{len(pivots)} "
             f"({n} unknowns, {len(free)} special solutions): `rows` must be >= {len(pivots)}"
         )
     names = ", ".join(f"s{k + 1}" for k in range(len(free)))
@@ -785,7 +786,8 @@ def solve(parsed: ParsedQuestion) -> Problem:
 
 # -------------------------------------------------------------------------------------------
 # Phrasings. Fields: {A}, {b}, {R}, {d}, {x}, {block} (a block pattern such as [[A, A], [A, A]]),
-# {ops} (row operations joined by "; "), {m}, {n}, {r}, {property} (words of PROPERTIES).
+# {ops} (row operations joined by "; "), {m}, {n}, {r}, {rows} ("1 row", "3 rows"), {property}
+# (words of PROPERTIES).
 
 TEMPLATES: Mapping[str, tuple[str, ...]] = {
     "complete_solution": (
@@ -793,7 +795,7 @@ TEMPLATES: Mapping[str, tuple[str, ...]] = {
         "echelon form R of A and the vector d in Rx = d.",
         "Suppose the {m} by {n} matrix A has the complete solution x = {x} to Ax = b. What are "
         "R = rref(A) and d, where Ax = b reduces to Rx = d?",
-        "A has {m} rows and every solution of Ax = b is x = {x}. Give R and d for the reduced "
+        "A has {rows} and every solution of Ax = b is x = {x}. Give R and d for the reduced "
         "system Rx = d.",
     ),
     "elimination": (
@@ -1214,7 +1216,7 @@ def _parse(text: str) -> ParsedQuestion:
         if shape[1] != len(x_p):
             raise ValueError(f"A is {shape[0]} by {shape[1]} but x has {len(x_p)} entries")
     else:
-        rows = re.search(r"\b(\d+)\s+rows\b", text)
+        rows = re.search(r"\b(\d+)\s+rows?\b", text)
         if rows is None:
             raise ValueError(
                 "could not read how many rows A has (write e.g. 'A is 3 by 3' or 'A has 3 rows')"
@@ -1489,7 +1491,8 @@ def _draw(
         terms = " + ".join(
             [format_vector(x_p)] + [f"c{k + 1} * {format_vector(s)}" for k, s in enumerate(special)]
         )
-        question = phrasing.format(x=terms, m=m, n=n)
+        rows = f"{m} row" if m == 1 else f"{m} rows"
+        question = phrasing.format(x=terms, m=m, n=n, rows=rows)
         return ParsedQuestion(kind, question, x_p=x_p, special=tuple(special), rows=m)
     # elimination
     max_rows, max_cols = cfg.elimination_shape
