@@ -579,7 +579,7 @@ def test_the_default_command_and_the_study_preset():
 
 def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_tests():
     # The small sizes once allowed 90 distinct solvability questions: the test and validation
-    # splits took 66 of them, and 3,000 training problems repeated the other 24.
+    # splits took 66 of them, and the 1,000 training solvability problems repeated the other 24.
     from experiments import cot as experiment
 
     data = experiment.Data()

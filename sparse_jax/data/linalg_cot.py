@@ -646,8 +646,8 @@ def _solve_complete_solution(p: ParsedQuestion) -> tuple[list[str], str]:
     if m < len(pivots):
         raise ValueError(
             f"solve: A has {m} row{'' if m == 1 else 's'} but the complete solution needs rank "
-            f"{len(pivots)} "
-            f"({n} unknowns, {len(free)} special solutions): `rows` must be >= {len(pivots)}"
+            f"{len(pivots)} ({n} unknowns, {len(free)} special solutions): `rows` must be >= "
+            f"{len(pivots)}"
         )
     names = ", ".join(f"s{k + 1}" for k in range(len(free)))
     source = f" (the 1s of {names})" if free else ""
