@@ -29,8 +29,9 @@ the default's size one kind moves by up to 24 points between seeds (docs/results
 difference between two single runs says little.
 
 The default fits a 2-core CPU: three of the six kinds (rref, solvability, column space) at small
-sizes (matrices up to 2 x 3, entries up to 3), whose solutions are at most ~270 bytes, and a small
-model. The run folder holds ``config.json``, ``cot.json`` (what ``Solver.load`` reads),
+sizes (matrices up to 2 x 3, entries up to 3, solvability's m and n up to 9), whose solutions are
+at most ~270 bytes, and a small model; ``--data.kinds`` with all six trains the other three at the
+same sizes. The run folder holds ``config.json``, ``cot.json`` (what ``Solver.load`` reads),
 ``metrics.jsonl``, ``checkpoints/``, ``answers-<model>.jsonl``, ``summary.json``, ``report.md``
 and its plots.
 """
