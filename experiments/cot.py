@@ -569,7 +569,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     lap = time.perf_counter()
     data_cfg = _read_config(folder)
     data = _data(data_cfg, cache_dir)
-    test = list(data.test)
+    train, test = list(data.train), list(data.test)  # read once: three summaries below
     training_file = folder / "training.json"  # written when both models have trained
     training = json.loads(training_file.read_text()) if training_file.exists() else {}
     seconds = dict(training.get("phase_seconds", {}))
@@ -599,10 +599,10 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
         }
     summary = {
         "kinds": list(data_cfg.kinds),
-        "most_frequent_answer": cot.most_frequent_answers(data.train, test),
-        "distinct_training_questions": linalg_cot.distinct_questions(data.train),
+        "most_frequent_answer": cot.most_frequent_answers(train, test),
+        "distinct_training_questions": linalg_cot.distinct_questions(train),
         "format": record["format"],
-        "lengths": _lengths((data.train, data.validation, data.test)),
+        "lengths": _lengths((train, data.validation, test)),
         "data": {
             **dataclasses.asdict(data_cfg),
             "generator": dataclasses.asdict(data_cfg.generator()),

@@ -520,7 +520,7 @@ def _template_values(p: lc.ParsedQuestion) -> dict[str, str]:
         terms = [lc.format_vector(p.x_p)]
         terms += [f"c{k + 1} * {lc.format_vector(s)}" for k, s in enumerate(p.special)]
         values |= {"x": " + ".join(terms), "m": str(p.rows), "n": str(len(p.x_p))}
-        values["rows"] = f"{p.rows} row" + ("s" if p.rows != 1 else "")
+        values["rows"] = lc._counted(p.rows, "row")
     if p.solutions is not None:
         values |= {"m": p.rows, "n": p.cols, "r": p.rank}
         values["property"] = lc.PROPERTIES[p.solutions]

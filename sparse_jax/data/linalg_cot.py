@@ -146,6 +146,11 @@ _FORMAT = 2
 # Numbers, vectors, matrices.
 
 
+def _counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless the count is 1: ``1 row``, ``0 rows``, ``3 rows``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def format_number(value: Fraction | int) -> str:
     """An exact number as text: an integer, or ``p/q`` in lowest terms with the sign on p.
 
@@ -560,8 +565,7 @@ def _solve_nullspace(p: ParsedQuestion) -> tuple[list[str], str]:
         )
         solutions.append(f"s{k + 1} = {format_vector(s)}")
     words = _nullspace_words(len(free), n)
-    plural = "" if len(free) == 1 else "s"
-    steps.append(f"{len(free)} special solution{plural} -> N(A) is {words}")
+    steps.append(f"{_counted(len(free), 'special solution')} -> N(A) is {words}")
     listed = ", ".join(solutions) if solutions else "no special solutions"
     return steps, f"{listed}; N(A) is {words}"
 
@@ -610,8 +614,8 @@ def _solve_solvability(p: ParsedQuestion) -> tuple[list[str], str]:
     if r == n:
         second = f"r = n = {n}: no free variables, so a solution is unique"
     else:
-        plural = "" if n - r == 1 else "s"
-        second = f"r = {r} < n = {n}: {n - r} free variable{plural}, so a solution is never unique"
+        free_variables = _counted(n - r, "free variable")
+        second = f"r = {r} < n = {n}: {free_variables}, so a solution is never unique"
     answer = _solvability_answer(m, n, r, p.solutions)
     return [first, second, f"so Ax = b has {PROPERTIES[p.solutions]}: {answer}"], answer
 
@@ -645,7 +649,7 @@ def _solve_complete_solution(p: ParsedQuestion) -> tuple[list[str], str]:
     pivots = [j for j in range(n) if j not in special_of]
     if m < len(pivots):
         raise ValueError(
-            f"solve: A has {m} row{'' if m == 1 else 's'} but the complete solution needs rank "
+            f"solve: A has {_counted(m, 'row')} but the complete solution needs rank "
             f"{len(pivots)} ({n} unknowns, {len(free)} special solutions): `rows` must be >= "
             f"{len(pivots)}"
         )
@@ -1491,8 +1495,7 @@ def _draw(
         terms = " + ".join(
             [format_vector(x_p)] + [f"c{k + 1} * {format_vector(s)}" for k, s in enumerate(special)]
         )
-        rows = f"{m} row" if m == 1 else f"{m} rows"
-        question = phrasing.format(x=terms, m=m, n=n, rows=rows)
+        question = phrasing.format(x=terms, m=m, n=n, rows=_counted(m, "row"))
         return ParsedQuestion(kind, question, x_p=x_p, special=tuple(special), rows=m)
     # elimination
     max_rows, max_cols = cfg.elimination_shape
