@@ -38,6 +38,7 @@ and its plots.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -662,6 +663,39 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+_DIVERGENCES_TEXT = (
+    "Where the chains of thought first leave the reference's steps "
+    "(linalg_cot.first_divergence: the reference's step type, and whether the model did another "
+    "operation there, got the state or deduction after it wrong, or stopped), the three most "
+    "frequent per kind, with how many chains differ:"
+)
+
+
+def _divergence_table(results: dict[str, list[dict]], kinds: list[str], most: int = 3) -> list:
+    """Markdown lines: per kind, each model's most frequent first divergences from the reference
+    (``cot.evaluate``'s ``divergences``) summed over its ``results``; [] when none has them
+    (evaluations from before they were counted)."""
+    if not any(
+        "divergences" in _figures(r, k) for rs in results.values() for r in rs for k in kinds
+    ):
+        return []
+    lines = ["| kind | " + " | ".join(results) + " |", "|:--|" + ":--|" * len(results)]
+    for k in kinds:
+        cells = []
+        for rs in results.values():
+            total: collections.Counter = collections.Counter()
+            for r in rs:
+                total.update(_figures(r, k).get("divergences", {}))
+            questions = sum(_figures(r, k)["questions"] for r in rs)
+            top = sorted(total.items(), key=lambda item: (-item[1], item[0]))[:most]
+            cells.append(
+                f"{sum(total.values())} of {questions} differ"
+                + "".join(f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(top))
+            )
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _report(folder: pathlib.Path, s: dict) -> None:
     from matplotlib.figure import Figure
 
@@ -754,6 +788,9 @@ def _report(folder: pathlib.Path, s: dict) -> None:
             )
             + " |"
         )
+    divergences = _divergence_table({"sparse": [sp], "dense": [dn]}, list(kinds))
+    if divergences:
+        lines += ["", _DIVERGENCES_TEXT, "", *divergences]
     lines += [
         "",
         "Cost. Steps: the chain of thought's step lines (the answer line not counted). "
@@ -970,6 +1007,11 @@ def _seeds_table(s: dict) -> str:
             + ", ".join(f"seed {k} {v:+.1f}" for k, v in gap["per_seed"].items())
             + f"; mean {gap['mean']:+.1f} points.",
         ]
+    by_model = {name: [r for r in s["runs"] if r["model"] == name] for name in s["models"]}
+    divergences = _divergence_table(by_model, s["kinds"])
+    if divergences:
+        lines += ["", _DIVERGENCES_TEXT.replace("per kind", "per kind over the seeds"), ""]
+        lines += divergences
     return "\n".join(lines) + "\n"
 
 

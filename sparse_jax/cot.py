@@ -685,8 +685,9 @@ def evaluate(
     """Decodes ``problems`` with ``solver`` (batches of one kind) and measures its answers.
 
     Returns a JSON-ready dict: ``records`` (per problem, in order: kind, question, reference
-    and predicted final answer, ``correct`` = :func:`~sparse_jax.data.linalg_cot.grade`, the
-    decoded text, steps and tokens and the reference's, finished, seconds, flops, error),
+    and predicted final answer, ``correct`` = :func:`~sparse_jax.data.linalg_cot.grade`,
+    ``first_divergence``, the decoded text, steps and tokens and the reference's, finished,
+    seconds, flops, error),
     ``kinds`` (per kind, in :data:`~sparse_jax.data.linalg_cot.KINDS` order) and ``overall``
     (all problems), each with:
 
@@ -697,6 +698,9 @@ def evaluate(
       question read right) and ``steps_matched`` (mean fraction of the reference's step lines
       written before the first that differs): whether the model reasons, beside whether its
       final answer is right (an answer can be right after wrong steps, or guessed);
+    * ``divergences``: where the chains that differ from the reference first leave it, the
+      number of chains per :func:`~sparse_jax.data.linalg_cot.first_divergence` (such as
+      ``"row combination: result"``), most frequent first;
     * ``steps`` / ``reference_steps``, ``tokens`` / ``reference_tokens``: mean chain-of-thought
       length in step lines (the ``Answer:`` line not counted) and in tokens (EOS included);
     * ``seconds_per_question``: the decoding's wall time over the questions (each batch's time
@@ -753,6 +757,7 @@ def evaluate(
                     "correct": correct,
                     "chain_correct": correct and tuple(answer.steps) == tuple(p.steps),
                     "steps_matched": matched,
+                    "first_divergence": linalg_cot.first_divergence(answer.steps, p.steps),
                     "text": answer.text,
                     "steps": len(answer.steps),
                     "reference_steps": len(p.steps),
@@ -807,6 +812,11 @@ def evaluate(
                     else float(r["steps"] == 0)
                     for r in rows
                 ]
+            ),
+            "divergences": dict(
+                collections.Counter(
+                    r["first_divergence"] for r in rows if r["first_divergence"] is not None
+                ).most_common()
             ),
             "answered": _mean([float(r["final"] is not None) for r in rows]),
             "finished": _mean([float(r["finished"]) for r in rows]),

@@ -269,8 +269,10 @@ def test_evaluate_figures_recomputed_independently(run):
     for p, ok, r in zip(problems, fits, records, strict=True):
         if not ok:
             assert r["error"].startswith("the question is") and not r["correct"]
+            assert r["first_divergence"] == f"{lc.step_type(p.steps[0])}: missing"
             mine.append(dict(kind=p.kind, correct=False, tokens=0, steps=0, flops=None,
-                             chain=False, first=False, fraction=0.0))  # fmt: skip
+                             chain=False, first=False, fraction=0.0,
+                             divergence=r["first_divergence"]))  # fmt: skip
             continue
         text, tokens = next(decoded)
         steps, final = lc.split_solution(text)
@@ -285,9 +287,11 @@ def test_evaluate_figures_recomputed_independently(run):
         assert (r["text"], r["tokens"], r["steps"], r["final"]) == (text, tokens, len(steps), final)
         assert (r["correct"], r["flops"], r["error"]) == (correct, flops, None)
         assert (r["chain_correct"], r["steps_matched"]) == (chain, matched)
+        assert r["first_divergence"] == lc.first_divergence(steps, p.steps)
         mine.append(
             dict(kind=p.kind, correct=correct, tokens=tokens, steps=len(steps), flops=flops,
-                 chain=chain, first=matched >= 1, fraction=matched / len(p.steps))
+                 chain=chain, first=matched >= 1, fraction=matched / len(p.steps),
+                 divergence=r["first_divergence"])
         )  # fmt: skip
     for kind in {p.kind for p in problems}:
         rows = [m for m in mine if m["kind"] == kind]
@@ -303,6 +307,9 @@ def test_evaluate_figures_recomputed_independently(run):
         for name, key in (("chain_match", "chain"), ("first_step", "first"),
                           ("steps_matched", "fraction")):  # fmt: skip
             assert got[name] == pytest.approx(np.mean([m[key] for m in rows])), name
+        divergences = collections.Counter(m["divergence"] for m in rows if m["divergence"])
+        assert got["divergences"] == dict(divergences)
+        assert list(got["divergences"].values()) == sorted(divergences.values(), reverse=True)
         flops = [m["flops"] for m in rows if m["flops"] is not None]
         if flops:
             assert got["flops_per_question"] == pytest.approx(np.mean(flops))
@@ -387,6 +394,17 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
         f"| rref | {100 * em['sparse']:.1f}% | {100 * em['dense']:.1f}% | {100 * prior:.1f}% | "
         f"{100 * chains['sparse']:.1f}% | {100 * chains['dense']:.1f}% |"
     ) in report
+    # Where the chains leave the reference, recounted from the answers files.
+    cells = []
+    for name in ("sparse", "dense"):
+        rows = [json.loads(line) for line in (folder / f"answers-{name}.jsonl").open()]
+        counts = collections.Counter(
+            d for r, p in zip(rows, run["test"], strict=True)
+            if (d := lc.first_divergence(lc.split_solution(r["text"])[0], p.steps)))  # fmt: skip
+        top = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:3]
+        cells.append(f"{sum(counts.values())} of {len(rows)} differ" + "".join(
+            f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(top)))  # fmt: skip
+    assert f"| rref | {cells[0]} | {cells[1]} |" in report
     # Sparsemax leaves most allowed keys at zero weight (softmax none: see above).
     sparse = saved["evaluation"]["sparse"]["overall"]["attention"]
     for part in ("encoder", "decoder_self", "decoder_cross"):
@@ -435,6 +453,7 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
     assert [(r["seed"], r["model"]) for r in summary["runs"]] == [
         (3, "sparse"), (3, "dense"), (0, "sparse"), (0, "dense")]  # fmt: skip
     exact, chains = {}, {"sparse": [], "dense": []}
+    divergences = {"sparse": collections.Counter(), "dense": collections.Counter()}
     for r in summary["runs"]:
         folder = top / f"seed-{r['seed']}"
         config = json.loads((folder / "config.json").read_text())
@@ -455,6 +474,15 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
             right and lc.split_solution(row["text"])[0] == p.steps
             for right, row, p in zip(graded, rows, test, strict=True)]))  # fmt: skip
         assert r["overall"]["chain_match"] == pytest.approx(chains[r["model"]][-1])
+        divergences[r["model"]].update(
+            d for row, p in zip(rows, test, strict=True)
+            if (d := lc.first_divergence(lc.split_solution(row["text"])[0], p.steps)))  # fmt: skip
+    cells = []  # where the chains leave the reference, summed over the seeds
+    for counts in divergences.values():
+        most = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:3]
+        cells.append(f"{sum(counts.values())} of {2 * len(test)} differ" + "".join(
+            f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(most)))  # fmt: skip
+    assert f"| rref | {cells[0]} | {cells[1]} |" in (top / "seeds.md").read_text()
     for name, values in chains.items():  # the mean row: exact match per kind, chains right
         mean = f"{100 * np.mean([exact[s, name] for s in (3, 0)]):.1f}%"
         assert f"| mean | {name} | {mean} | {mean} | {100 * np.mean(values):.1f}% | | |" in printed

@@ -6,6 +6,7 @@ splits and the TFDS builder.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -759,6 +760,88 @@ def test_grade():
         lc.grade(None, "yes")
     with pytest.raises(TypeError, match="reference_answer"):
         lc.grade("yes", 1)
+
+
+# Step types each kind's solutions are made of (at the default sizes and the issue's maxima).
+STEP_TYPES_OF = {
+    "complete_solution": {"row scaling", "free and pivot variables", "pivot row", "R", "d"},
+    "elimination": {"augmented matrix", "row exchange", "row scaling", "row combination"},
+    "nullspace": {"row exchange", "row scaling", "row combination", "pivot columns",
+                  "special solution", "nullspace"},
+    "rref": {"block matrix", "row exchange", "row scaling", "row combination"},
+    "solvability": {"rank and m", "rank and n", "conclusion"},
+    "column_space": {"augmented matrix", "row exchange", "row scaling", "row combination",
+                     "consistency", "solution x"},
+}  # fmt: skip
+
+
+def test_every_step_the_solver_writes_has_a_type():
+    big = lc.GeneratorConfig(
+        rref_shape=(6, 8), nullspace_shape=(4, 6), block_rate=0.5, fraction_rate=0.5
+    )
+    seen = collections.defaultdict(set)
+    for config in (lc.GeneratorConfig(), big):
+        for kind in lc.KINDS:
+            for seed in range(150):
+                for step in lc.generate(kind, seed, config).steps:
+                    seen[kind].add(lc.step_type(step))
+    assert dict(seen) == STEP_TYPES_OF  # none is "other"; each kind's types all occur
+    assert set().union(*STEP_TYPES_OF.values()) | {"already reduced"} == set(lc.STEP_TYPES)
+    identity = lc.parse_question("Find the reduced row echelon form R of A = [[1, 0], [0, 1]].")
+    assert [lc.step_type(s) for s in lc.solve(identity).steps] == ["already reduced"]
+    examples = {
+        "s1 = s1 - 1/2*s2 -> [[1, 0, 2]]": "row combination",
+        "s2 <-> s1 -> [[1, 0, 2]]": "row exchange",
+        "undo R1 <-> R2: R1 <-> R2 -> [[0, 1]]": "row exchange",
+        "row 2 reads 0 = 1 -> b is not in C(A)": "consistency",
+        "free x2 = 0: x = [1, 0]": "solution x",
+        "rows 2 to 3 of R are zero -> R = [[1, 0], [0, 0], [0, 0]]": "R",
+        "no pivot columns; free columns 1, 2": "pivot columns",
+        "R2 = R2 - 2*R1": "other",  # no state after it
+        "R2 = R1 - 2*R1 -> [[1]]": "other",  # not an elementary operation on R2
+        "x = 3": "other",
+        "": "other",
+    }
+    assert {step: lc.step_type(step) for step in examples} == examples
+    with pytest.raises(TypeError, match="`step` must be a str; got int"):
+        lc.step_type(3)
+
+
+def test_first_divergence_names_where_and_how_a_chain_leaves_the_reference():
+    rref = lc.generate("rref", 2).steps
+    assert [lc.step_type(s) for s in rref] == ["row scaling", "row scaling", "row combination"]
+    operation, state = rref[2].rsplit(" -> ", 1)
+    solvability = lc.generate("solvability", 0, lc.GeneratorConfig(kinds=("solvability",))).steps
+    assert solvability[1] == "r = n = 1: no free variables, so a solution is unique"
+    column = lc.generate("column_space", 4).steps
+    assert lc.step_type(column[-1]) == "solution x"
+    cases = [
+        (rref, rref, None),
+        ([f"  {rref[0]} ", *rref[1:]], rref, None),  # whitespace at the ends
+        ([*rref[:2], f"{operation} -> [[1, 0], [0, 2]]"], rref, "row combination: result"),
+        ([*rref[:2], f"R1 = R1 + 2*R2 -> {state}"], rref, "row combination: operation"),
+        ([rref[0], "the matrix is already in reduced row echelon form"], rref,
+         "row scaling: operation"),
+        (rref[:2], rref, "row combination: missing"),
+        ([], rref, "row scaling: missing"),
+        ([*rref, "R1 <-> R2 -> [[0, 1], [1, 0]]"], rref, "extra steps"),
+        ([solvability[0], "r = n = 1: 1 free variable, so a solution is never unique"],
+         solvability, "rank and n: result"),
+        ([solvability[0], "r = 1 < n = 2: 1 free variable, so a solution is never unique"],
+         solvability, "rank and n: operation"),
+        ([*solvability[:2], "so Ax = b has no solution: always"], solvability,
+         "conclusion: result"),
+        ([*column[:-1], "x = [4, 12]"], column, "solution x: result"),
+        ([*column[:-1], "free x2 = 0: x = [4, 0]"], column, "solution x: operation"),
+    ]  # fmt: skip
+    for written, reference, want in cases:
+        assert lc.first_divergence(written, reference) == want, written
+        assert lc.first_divergence(tuple(written), tuple(reference)) == want
+    for bad in ("R1 <-> R2", [1], None):
+        with pytest.raises(TypeError, match="`written` must be a sequence of str"):
+            lc.first_divergence(bad, rref)
+    with pytest.raises(TypeError, match="`reference` must be a sequence of str"):
+        lc.first_divergence(rref, "x")
 
 
 # ------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ __all__ = [
     "KINDS",
     "PROPERTIES",
     "SPLITS",
+    "STEP_TYPES",
     "TEMPLATES",
     "GeneratorConfig",
     "LinalgCotData",
@@ -112,6 +113,7 @@ __all__ = [
     "SparseJaxLinalgCot",  # noqa: F822 (defined on first use by __getattr__)
     "SparseJaxLinalgCotConfig",  # noqa: F822
     "distinct_questions",
+    "first_divergence",
     "format_matrix",
     "format_number",
     "format_vector",
@@ -122,6 +124,7 @@ __all__ = [
     "prepare",
     "solve",
     "split_solution",
+    "step_type",
 ]
 
 Matrix = tuple[tuple[Fraction, ...], ...]
@@ -136,6 +139,7 @@ PROPERTIES = {
 }
 FREQUENCIES = ("always", "sometimes but not always", "never")
 ANSWER_PREFIX = "Answer: "
+_ALREADY_REDUCED = "the matrix is already in reduced row echelon form"
 
 BUILDER_NAME = "sparse_jax_linalg_cot"
 _BUILDER_VERSION = "1.0.0"
@@ -415,6 +419,109 @@ def split_solution(text: str) -> tuple[tuple[str, ...], str | None]:
     return tuple(line for line in lines[:last] if line), answer
 
 
+# What each step of a worked solution does (step_type), tried in order on the step with an
+# elimination's "undo <operation>: " taken off. [Rs]: rows of a matrix or of the special
+# solutions (complete_solution puts those in special form with row operations on s1, s2, ...).
+_STEP_PATTERNS = (
+    ("row exchange", r"([Rs]\d+) <-> [Rs]\d+ ->"),
+    ("row scaling", r"([Rs]\d+) = \(-?\d+(?:/\d+)?\)\*\1 ->"),
+    ("row combination", r"([Rs]\d+) = \1 [-+] \d+(?:/\d+)?\*[Rs]\d+ ->"),
+    ("augmented matrix", r"(\[A \| b\]|start from \[I \| R \| d\]) = \["),
+    ("block matrix", r"B = \["),
+    ("already reduced", re.escape(_ALREADY_REDUCED)),
+    ("pivot columns", r"(no pivot columns|pivot columns \d)"),
+    ("special solution", r"x\d+ = [01](, x\d+ = [01])*(: .*)? -> s\d+ = \["),
+    ("nullspace", r"\d+ special solutions? -> N\(A\) is "),
+    ("rank and m", r"r = (m|\d+ < m) = \d+: "),
+    ("rank and n", r"r = (n|\d+ < n) = \d+: "),
+    ("conclusion", r"so Ax = b has "),
+    ("consistency", r"(no row|row \d+) reads 0 = "),
+    ("solution x", r"(free .* = 0: )?x = \["),
+    ("free and pivot variables", r"free variables "),
+    ("pivot row", r"pivot x\d+: row \d+ of R = \["),
+    ("R", r"((rows? \d+ (to \d+ )?of R (is|are) zero) -> )?R = \["),
+    ("d", r"d = R x_p = \["),
+)
+STEP_TYPES = tuple(name for name, _ in _STEP_PATTERNS)
+_UNDO = re.compile(r"undo [^:]*: ")
+
+
+def step_type(step: str) -> str:
+    """What one step of a worked solution does: a name of :data:`STEP_TYPES` (``row exchange``,
+    ``row scaling``, ``row combination`` for the row operations of every kind, elimination's
+    undone ones included; the other names for each kind's deductions, such as ``rank and n``
+    or ``consistency``), or ``other`` for a line no solver writes. Every step :func:`solve`
+    writes has a type (a test holds it to that), so a decoded chain can be told apart by
+    where it goes wrong.
+
+    Example:
+
+    >>> step_type("R2 = R2 - 2*R1 -> [[1, 2], [0, 1]]"), step_type("r = 1 < n = 8: 7 free")
+    ('row combination', 'rank and n')
+    >>> step_type("undo R1 = (1/2)*R1: R1 = (2)*R1 -> [[2, 0]]"), step_type("hello")
+    ('row scaling', 'other')
+    """
+    if not isinstance(step, str):
+        raise TypeError(f"step_type: `step` must be a str; got {type(step).__name__}")
+    text = step.strip()
+    if text.startswith("undo "):
+        text = _UNDO.sub("", text, count=1)
+    return next((name for name, pattern in _STEP_PATTERNS if re.match(pattern, text)), "other")
+
+
+def _operation_and_result(step: str) -> tuple[str, str]:
+    """A step's operation and the state or deduction after it: split at its last `` -> ``,
+    else at its first ``: `` (``r = 1 < n = 8: 7 free variables, ...``), else all result."""
+    step = step.strip()
+    if " -> " in step:
+        operation, result = step.rsplit(" -> ", 1)
+    elif ": " in step:
+        operation, result = step.split(": ", 1)
+    else:
+        operation, result = "", step
+    return operation.strip(), result.strip()
+
+
+def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | None:
+    """Where a written chain of thought first leaves the reference's steps, or None when every
+    step is the reference's (the final answer is not looked at).
+
+    ``"<step type>: operation"`` when the first differing step does something else (another
+    row operation, another comparison), ``"<step type>: result"`` when it does the same but
+    gets the state or deduction after it wrong (the text after `` -> `` or ``: ``),
+    ``"<step type>: missing"`` when the chain stops before the reference's step, and ``"extra
+    steps"`` when it goes on after the reference's last; the step type (:func:`step_type`)
+    is the reference's. Steps are compared whitespace aside at both ends.
+
+    Example:
+
+    >>> ref = ["R2 = R2 - 2*R1 -> [[1, 2], [0, 1]]", "R1 = R1 - 2*R2 -> [[1, 0], [0, 1]]"]
+    >>> first_divergence(["R2 = R2 - 2*R1 -> [[1, 2], [0, 3]]"], ref)
+    'row combination: result'
+    >>> first_divergence(ref[:1], ref), first_divergence(ref, ref)
+    ('row combination: missing', None)
+    """
+    for name, steps in (("written", written), ("reference", reference)):
+        if not isinstance(steps, Sequence) or isinstance(steps, str):
+            raise TypeError(f"first_divergence: `{name}` must be a sequence of str; got {steps!r}")
+        if not all(isinstance(x, str) for x in steps):
+            raise TypeError(f"first_divergence: `{name}` must be a sequence of str; got {steps!r}")
+    for mine, theirs in zip(written, reference, strict=False):
+        if mine.strip() == theirs.strip():
+            continue
+        part = (
+            "result"
+            if _operation_and_result(mine)[0] == _operation_and_result(theirs)[0]
+            else "operation"
+        )
+        return f"{step_type(theirs)}: {part}"
+    if len(written) > len(reference):
+        return "extra steps"
+    if len(written) < len(reference):
+        return f"{step_type(reference[len(written)])}: missing"
+    return None
+
+
 def _canonical_answer(answer: str) -> str:
     text = answer.strip()
     if text.startswith(ANSWER_PREFIX.strip()):
@@ -513,9 +620,6 @@ def _nullspace_words(dimension: int, n: int) -> str:
     if dimension == 2:
         return f"a plane in R^{n}"
     return f"a {dimension}-dimensional subspace of R^{n}"
-
-
-_ALREADY_REDUCED = "the matrix is already in reduced row echelon form"
 
 
 def _reduction_steps(reduction: _Reduction) -> list[str]:
