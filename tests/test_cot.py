@@ -480,8 +480,8 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
     cells = []  # where the chains leave the reference, summed over the seeds
     for counts in divergences.values():
         most = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:3]
-        cells.append(f"{sum(counts.values())} of {2 * len(test)} differ" + "".join(
-            f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(most)))  # fmt: skip
+        listed = "".join(f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(most))
+        cells.append(f"{sum(counts.values())} of {2 * len(test)} differ{listed}")
     assert f"| rref | {cells[0]} | {cells[1]} |" in (top / "seeds.md").read_text()
     for name, values in chains.items():  # the mean row: exact match per kind, chains right
         mean = f"{100 * np.mean([exact[s, name] for s in (3, 0)]):.1f}%"

@@ -422,25 +422,28 @@ def split_solution(text: str) -> tuple[tuple[str, ...], str | None]:
 # What each step of a worked solution does (step_type), tried in order on the step with an
 # elimination's "undo <operation>: " taken off. [Rs]: rows of a matrix or of the special
 # solutions (complete_solution puts those in special form with row operations on s1, s2, ...).
-_STEP_PATTERNS = (
-    ("row exchange", r"([Rs]\d+) <-> [Rs]\d+ ->"),
-    ("row scaling", r"([Rs]\d+) = \(-?\d+(?:/\d+)?\)\*\1 ->"),
-    ("row combination", r"([Rs]\d+) = \1 [-+] \d+(?:/\d+)?\*[Rs]\d+ ->"),
-    ("augmented matrix", r"(\[A \| b\]|start from \[I \| R \| d\]) = \["),
-    ("block matrix", r"B = \["),
-    ("already reduced", re.escape(_ALREADY_REDUCED)),
-    ("pivot columns", r"(no pivot columns|pivot columns \d)"),
-    ("special solution", r"x\d+ = [01](, x\d+ = [01])*(: .*)? -> s\d+ = \["),
-    ("nullspace", r"\d+ special solutions? -> N\(A\) is "),
-    ("rank and m", r"r = (m|\d+ < m) = \d+: "),
-    ("rank and n", r"r = (n|\d+ < n) = \d+: "),
-    ("conclusion", r"so Ax = b has "),
-    ("consistency", r"(no row|row \d+) reads 0 = "),
-    ("solution x", r"(free .* = 0: )?x = \["),
-    ("free and pivot variables", r"free variables "),
-    ("pivot row", r"pivot x\d+: row \d+ of R = \["),
-    ("R", r"((rows? \d+ (to \d+ )?of R (is|are) zero) -> )?R = \["),
-    ("d", r"d = R x_p = \["),
+_STEP_PATTERNS = tuple(
+    (name, re.compile(pattern))
+    for name, pattern in (
+        ("row exchange", r"([Rs]\d+) <-> [Rs]\d+ ->"),
+        ("row scaling", r"([Rs]\d+) = \(-?\d+(?:/\d+)?\)\*\1 ->"),
+        ("row combination", r"([Rs]\d+) = \1 [-+] \d+(?:/\d+)?\*[Rs]\d+ ->"),
+        ("augmented matrix", r"(\[A \| b\]|start from \[I \| R \| d\]) = \["),
+        ("block matrix", r"B = \["),
+        ("already reduced", re.escape(_ALREADY_REDUCED)),
+        ("pivot columns", r"(no pivot columns|pivot columns \d)"),
+        ("special solution", r"x\d+ = [01](, x\d+ = [01])*(: .*)? -> s\d+ = \["),
+        ("nullspace", r"\d+ special solutions? -> N\(A\) is "),
+        ("rank and m", r"r = (m|\d+ < m) = \d+: "),
+        ("rank and n", r"r = (n|\d+ < n) = \d+: "),
+        ("conclusion", r"so Ax = b has "),
+        ("consistency", r"(no row|row \d+) reads 0 = "),
+        ("solution x", r"(free .* = 0: )?x = \["),
+        ("free and pivot variables", r"free variables "),
+        ("pivot row", r"pivot x\d+: row \d+ of R = \["),
+        ("R", r"((rows? \d+ (to \d+ )?of R (is|are) zero) -> )?R = \["),
+        ("d", r"d = R x_p = \["),
+    )
 )
 STEP_TYPES = tuple(name for name, _ in _STEP_PATTERNS)
 _UNDO = re.compile(r"undo [^:]*: ")
@@ -466,7 +469,7 @@ def step_type(step: str) -> str:
     text = step.strip()
     if text.startswith("undo "):
         text = _UNDO.sub("", text, count=1)
-    return next((name for name, pattern in _STEP_PATTERNS if re.match(pattern, text)), "other")
+    return next((name for name, pattern in _STEP_PATTERNS if pattern.match(text)), "other")
 
 
 def _operation_and_result(step: str) -> tuple[str, str]:
@@ -502,9 +505,11 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
     ('row combination: missing', None)
     """
     for name, steps in (("written", written), ("reference", reference)):
-        if not isinstance(steps, Sequence) or isinstance(steps, str):
-            raise TypeError(f"first_divergence: `{name}` must be a sequence of str; got {steps!r}")
-        if not all(isinstance(x, str) for x in steps):
+        if (
+            not isinstance(steps, Sequence)
+            or isinstance(steps, str)
+            or not all(isinstance(x, str) for x in steps)
+        ):
             raise TypeError(f"first_divergence: `{name}` must be a sequence of str; got {steps!r}")
     for mine, theirs in zip(written, reference, strict=False):
         if mine.strip() == theirs.strip():
