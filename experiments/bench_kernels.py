@@ -397,12 +397,14 @@ class TuningConfig(_KernelCells):
     """causal; local = causal & local(window, 0); local_sink = that | sink(4)."""
     layout_block: int = 128
     """The layout's block size, query and key (``attention``'s ``block_size``)."""
-    forward_blocks: tuple[int, ...] = (128, 64)
-    """Tiles of both passes (``forward_block``, square) cut from the layout's blocks: powers
-    of two >= 16 dividing ``layout_block``."""
-    backward_blocks: tuple[int, ...] = (0,)
-    """Tiles of the backward kernels (``backward_block``, square); 0: the forward's tile.
-    Those larger than a forward tile are not combined with it."""
+    forward_blocks: tuple[str, ...] = ("128", "64")
+    """Tiles of the forward (``forward_block``) cut from the layout's blocks: ``"64"`` for
+    64 x 64, ``"64x128"`` for 64 query rows by 128 keys; powers of two >= 16, at most
+    ``layout_block``."""
+    backward_blocks: tuple[str, ...] = ("0",)
+    """Tiles of the backward kernels (``backward_block``), written the same way; ``"0"``: the
+    forward's tile. Each is combined with the forward tiles it divides (the kernels cut the
+    backward's tiles from the forward's)."""
     num_warps: tuple[int, ...] = (4, 8)
     num_stages: tuple[int, ...] = (2, 3)
     dq_accumulation: tuple[Literal["separate", "atomic"], ...] = ("separate",)
@@ -421,23 +423,49 @@ class TuningConfig(_KernelCells):
         ):
             raise ValueError(f"dq_accumulation must name 'separate' and/or 'atomic', got "
                              f"{self.dq_accumulation!r}")  # fmt: skip
-        timing.check_count_tuples(self, "forward_blocks", "num_warps", "num_stages")
+        timing.check_count_tuples(self, "num_warps", "num_stages")
         timing.check_counts(self, "layout_block")
-        for name in ("layout_block", "forward_blocks", "backward_blocks"):
-            value = getattr(self, name)
-            for block in value if isinstance(value, tuple) else (value,):
-                if name == "backward_blocks" and block == 0:
-                    continue
-                if isinstance(block, bool) or block < 16 or block & (block - 1):
-                    raise ValueError(f"{name}: {block} is not a power of two >= 16")
-                if name == "forward_blocks" and block > self.layout_block:
-                    raise ValueError(f"forward_blocks: {block} is larger than the layout's "
-                                     f"blocks ({self.layout_block})")  # fmt: skip
+        if self.layout_block < 16 or self.layout_block & (self.layout_block - 1):
+            raise ValueError(f"layout_block: {self.layout_block} is not a power of two >= 16")
+        if not self.forward_blocks:
+            raise ValueError("forward_blocks must name at least one tile")
+        for text in self.forward_blocks:
+            if max(parse_tile(text, "forward_blocks")) > self.layout_block:
+                raise ValueError(f"forward_blocks: {text} is larger than the layout's "
+                                 f"blocks ({self.layout_block})")  # fmt: skip
         if not self.backward_blocks:
-            raise ValueError("backward_blocks must name at least one tile size (0: the block)")
+            raise ValueError("backward_blocks must name at least one tile (0: the forward's)")
+        for text in self.backward_blocks:
+            parse_tile(text, "backward_blocks", zero=True)
         if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
             raise ValueError(f"num_warps must be among 1, 2, 4, 8, 16, got {self.num_warps!r}")
         _check_normalizer_names(self.normalizers)
+
+
+def parse_tile(text: str, name: str, *, zero: bool = False) -> tuple[int, int] | None:
+    """A tile of the tuning benchmark's flags as ``(bq, bkv)``: ``"64"`` is ``(64, 64)``,
+    ``"64x128"`` ``(64, 128)``; ``"0"`` (where ``zero``) is None, the forward's tile. Raises
+    ValueError naming the flag for anything else.
+
+    Example:
+      >>> parse_tile("64x128", "forward_blocks"), parse_tile("32", "forward_blocks")
+      ((64, 128), (32, 32))
+    """
+    if zero and text.strip() == "0":
+        return None
+    parts = text.lower().split("x")
+    if len(parts) not in (1, 2) or not all(part.strip().isdigit() for part in parts):
+        raise ValueError(f"{name}: {text!r} is not a tile: N for N x N or BQxBKV, e.g. 64x128"
+                         + (", or 0 for the forward's tile" if zero else ""))  # fmt: skip
+    sizes = [int(part) for part in parts]
+    if any(size < 16 or size & (size - 1) for size in sizes):
+        raise ValueError(f"{name}: {text} is not a power of two >= 16 (or two: BQxBKV)")
+    return (sizes[0], sizes[-1])
+
+
+def _tile_name(tile: tuple[int, int]) -> str:
+    """``(64, 64)`` -> ``"64"``, ``(64, 128)`` -> ``"64x128"``: as the flags write tiles."""
+    return str(tile[0]) if tile[0] == tile[1] else f"{tile[0]}x{tile[1]}"
 
 
 def _tuned_cells(q, k, v, g, layout, options: dict, limits: dict):
@@ -473,9 +501,12 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     try:
         for n in lengths:
             q, k, v, g = _work(config.seed, n, b, h, d, dtype_name)
-            tiles = [(block, bwd) for block in config.forward_blocks
-                     for bwd in dict.fromkeys(tile or block for tile in config.backward_blocks)
-                     if bwd <= block]  # fmt: skip
+            forward_tiles = [parse_tile(t, "forward_blocks") for t in config.forward_blocks]
+            backward_tiles = [parse_tile(t, "backward_blocks", zero=True)
+                              for t in config.backward_blocks]  # fmt: skip
+            tiles = [(block, bwd) for block in dict.fromkeys(forward_tiles)
+                     for bwd in dict.fromkeys(tile or block for tile in backward_tiles)
+                     if block[0] % bwd[0] == 0 and block[1] % bwd[1] == 0]  # fmt: skip
             knobs = (config.num_warps, config.num_stages, config.dq_accumulation, config.prefetch)
             choices = itertools.product(config.masks, config.normalizers, tiles, *knobs)
             layouts = {}  # mask -> (layout, label): built once per length
@@ -488,12 +519,12 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                     layouts[mask_name] = mask.blocks(n, n, size, size), label
                 layout, label = layouts[mask_name]
                 options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
-                           "num_stages": stages, "forward_block": (block, block),
-                           "backward_block": (bwd, bwd), "dq_accumulation": dq,
+                           "num_stages": stages, "forward_block": block,
+                           "backward_block": bwd, "dq_accumulation": dq,
                            "prefetch": prefetch}  # fmt: skip
                 cell = (label, n, norm_name)
-                row = [label, str(n), norm_name, str(block), str(bwd), str(warps), str(stages),
-                       dq, "yes" if prefetch else "no"]  # fmt: skip
+                row = [label, str(n), norm_name, _tile_name(block), _tile_name(bwd),
+                       str(warps), str(stages), dq, "yes" if prefetch else "no"]  # fmt: skip
                 try:
                     one, both = _tuned_cells(q, k, v, g, layout, options, limits)
                 except Exception as err:  # a tile too large for the chip: say so, go on
@@ -502,13 +533,15 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 ms = both.median_ms
                 rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
                 timing.log(
-                    f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} block "
-                    f"{block} backward {bwd} warps {warps} stages {stages} dq {dq} prefetch "
+                    f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} tile "
+                    f"{_tile_name(block)} backward {_tile_name(bwd)} warps {warps} stages "
+                    f"{stages} dq {dq} prefetch "
                     f"{prefetch}: {ms:.2f} ms fwd+bwd"
                 )
                 if cell not in best or ms < best[cell][0]:
                     best[cell] = (ms, block, bwd, warps, stages, dq, prefetch)
-                default = (default_tile, default_tile, default_warps, 2, "separate", False)
+                tile = (default_tile, default_tile)
+                default = (tile, tile, default_warps, 2, "separate", False)
                 if (block, bwd, warps, stages, dq, prefetch) == default:
                     defaults[cell] = ms
     except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
@@ -534,7 +567,8 @@ def run_tuning(config: TuningConfig, command: str) -> str:
         default = defaults.get((label, n, norm_name))
         versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
         notes.append(
-            f"fastest, {label} n={n} {norm_name}: tiles {block}, backward tiles {bwd}, {warps} "
+            f"fastest, {label} n={n} {norm_name}: tiles {_tile_name(block)}, backward tiles "
+            f"{_tile_name(bwd)}, {warps} "
             f"warps, {stages} stages, dq {dq}, prefetch {'yes' if pf else 'no'}, {ms:.2f} ms "
             f"fwd+bwd{versus}"
         )
@@ -731,7 +765,7 @@ class ForwardPassesConfig(_KernelCells):
     """Search passes at which the search is stopped (ints >= 0, increasing)."""
     start_values: tuple[int, ...] = ()
     """Also the whole forward with the search started from this many of the row's large values
-    (``capped_forward(start_values=...)``; the kernels' default: 8 for sparsemax, 16 for
+    (``capped_forward(start_values=...)``; the kernels' default: 16 for sparsemax, 32 for
     1.5-entmax): what more values cost in the first pass against the search passes they save
     (``bench search_passes --top`` counts those)."""
     block: int = 128

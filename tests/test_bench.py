@@ -196,7 +196,8 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
 def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_fastest(capsys):
     bench.main(
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
-         "--layout-block", "32", "--forward-blocks", "16", "32", "--backward-blocks", "0", "16",
+         "--layout-block", "32", "--forward-blocks", "16x32", "32", "--backward-blocks", "0",
+         "16x32",
          "--num-warps", "4", "--num-stages", "2", "--window", "8", "--masks", "local",
          "--normalizers", "entmax15", "softmax", "--repeats", "1", "--dq-accumulation",
          "separate", "atomic", "--prefetch", "True", "False"]
@@ -204,17 +205,18 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    # (forward tile, backward tile, dq, prefetch): tile 16's backward 16 once (0 is the
-    # forward's), tile 32's 32 and 16; softmax, which skips no block, without prefetching
-    tiles = [("16", "16"), ("32", "32"), ("32", "16")]
+    # (forward tile, backward tile, dq, prefetch): 16 rows by 32 keys' backward 16x32 once (0
+    # is the forward's), tile 32's 32 and 16x32; softmax, which skips no block, without
+    # prefetching
+    tiles = [("16x32", "16x32"), ("32", "32"), ("32", "16x32")]
     modes = [(dq, pf) for dq in ("separate", "atomic") for pf in ("yes", "no")]
     combos = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "entmax15")
     assert combos == sorted((*tile, *mode) for tile in tiles for mode in modes)
     softmax = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "softmax")
     assert softmax == sorted((*tile, dq, "no") for tile in tiles for dq in ("separate", "atomic"))
     times = {tuple(row[3:9]): float(row[10].split("†")[0]) for row in rows if row[2] == "entmax15"}
-    pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: tiles (\d+), "
-               r"backward tiles (\d+), (\d+) warps, (\d+) stages, dq (\w+), "
+    pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: tiles ([\dx]+), "
+               r"backward tiles ([\dx]+), (\d+) warps, (\d+) stages, dq (\w+), "
                r"prefetch (\w+)")  # fmt: skip
     (fastest,) = re.findall(pattern, printed)
     assert times[fastest] == min(times.values())  # the figure recomputed from the table
@@ -232,6 +234,15 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     with pytest.raises(SystemExit):
         bench.main(["pallas_tuning", "--backward-blocks", "8"])
     assert "backward_blocks: 8 is not a power of two >= 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--forward-blocks", "64x48"])
+    assert "forward_blocks: 64x48 is not a power of two >= 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--forward-blocks", "64by64"])
+    assert "forward_blocks: '64by64' is not a tile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["pallas_tuning", "--forward-blocks", "0"])  # 0 is the backward's only
+    assert "forward_blocks: 0 is not a power of two" in capsys.readouterr().err
     if jax.default_backend() == "cpu":
         bench.main(["pallas_tuning", "--lengths", "4096"])
         assert "n=4096: not run (interpret mode on CPU: too slow" in capsys.readouterr().out
@@ -312,15 +323,16 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     rng = np.random.default_rng(0)  # the benchmark's seed and draw
     x = rng.standard_normal((16, 256))
     z = np.float32(x - x.max(-1, keepdims=True))
-    # The kernels' start values, by numpy: each 32-key block's 2 largest, the 8 largest of those
+    # The kernels' start values, by numpy: each 32-key block's 2 largest, the 16 largest of
+    # those (here all of them)
     blocks = -np.sort(-z.reshape(16, 8, 32), axis=-1)[..., :2].reshape(16, 16)
-    kept = -np.sort(-blocks, axis=-1)[:, :8]
-    start = nz.sparsemax_start([jnp.asarray(kept[:, i : i + 1]) for i in range(8)])
+    kept = -np.sort(-blocks, axis=-1)[:, :16]
+    start = nz.sparsemax_start([jnp.asarray(kept[:, i : i + 1]) for i in range(16)])
     z, done = jnp.asarray(z), jnp.zeros((16, 1), bool)
     minus_one = jnp.full((16, 1), -1.0)
     base, base_rows, _ = count_passes(nz.sparsemax_search(minus_one, done, 256, smallest=True), z)
     ours, our_rows, _ = count_passes(nz.sparsemax_search(start, done, 256, smallest=True), z)
-    assert cells[:6] == ["sparsemax", "256", "1", "8", str(base), str(ours)]
+    assert cells[:6] == ["sparsemax", "256", "1", "16", str(base), str(ours)]
     assert cells[6:8] == [f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}"]
     assert ours < base
     assert "of each 32-key block's 2 largest values of a row" in printed
@@ -375,22 +387,20 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     text = script.read_text().replace("\\\n", " ")
     benches = re.findall(r"python3 -m experiments\.bench (.*)", text)
     pytests = re.findall(r"python3 -m pytest (.*)", text)
-    assert len(benches) == 6 and len(pytests) == 2
+    assert len(benches) == 5 and len(pytests) == 2
     configs = []
     for line in benches:
         args = shlex.split(line.replace('"$out', '"/tmp/gpu-check'))
         configs.append(bench.parse(args))
     assert configs[0].lengths == (16384,) and set(configs[0].engines) == {"pallas", "cudnn"}
     assert type(configs[0]).__name__ == "KernelsConfig" and configs[0].peers_timeout_s == 180
-    dq, passes, tuning = configs[1:4]
-    assert type(dq).__name__ == "TuningConfig" and dq.dq_accumulation == ("separate", "atomic")
-    assert dq.prefetch == (False, True)
-    assert dq.num_warps == (4,) and dq.num_stages == (2,) and dq.forward_blocks == (64,)
+    passes, tiles = configs[1:3]
     assert type(passes).__name__ == "ForwardPassesConfig" and passes.lengths == (16384,)
-    assert type(tuning).__name__ == "TuningConfig" and tuning.lengths == (16384,)
-    assert passes.start_values == (4, 16, 32)
-    assert tuning.forward_blocks == (64,) and tuning.backward_blocks == (0,)
-    assert tuning.num_warps == (4, 2) and tuning.num_stages == (2, 1, 3)
+    assert passes.start_values == (8, 16, 64)
+    assert type(tiles).__name__ == "TuningConfig" and tiles.lengths == (16384,)
+    assert tiles.forward_blocks == ("64", "64x128", "128x64")
+    assert tiles.backward_blocks == ("0", "32x64", "32x128", "64x32")
+    assert tiles.num_warps == (4,)
     assert "gpu-check suite" in text  # the second prepared call
     (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
     request = json.loads(request)

@@ -15,7 +15,7 @@ Forward (one program per query block, batch element and head):
   2-norm with its exact quadratic check, safeguarded Newton for any α) are written as
   per-entry terms and a per-row update (:class:`~sparse_jax.normalizers.RowSearch`), so each
   pass of a search sums its terms block by block over the kept key blocks. A first pass finds
-  the row maximum and large values of the row (each block's 2 largest, the 8 or 16 largest
+  the row maximum and large values of the row (each block's 2 largest, the 16 or 32 largest
   of those), whose closed form starts the search from a lower bound of τ; the search passes
   follow, then one pass accumulates ``p @ v``. Sparsemax's and 1.5-entmax's search passes
   (1.5-entmax's from the second) accumulate it as they go (the values times ``(z - τ_k)_+``,
@@ -696,9 +696,12 @@ def _threshold(plan: _Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.ex
 # `python -m experiments.bench search_passes` on 64-row tiles of random scores, 2 per block
 # into 8 gives sparsemax the passes of the row's true 8 largest (2: the start exact and a
 # confirming pass) for 2 row maxima per block, where the true 4 largest took 4 per block and
-# 1 to 2 passes more; 1.5-entmax, whose supports are wider, takes 16 (a pass fewer than 8 at
-# score std 1 for n <= 4096: the merge is on [rows, 1] values, cheap beside a tile's work).
-_START_TOP = {"sparsemax": 8, "entmax15": 16}
+# 1 to 2 passes more; 1.5-entmax's supports are wider. Timed on an H200 (causal, n = 16384,
+# bfloat16; docs/benchmarks.md, fourth GPU pass: `bench forward_passes --start-values`), the
+# forward from 16 values took sparsemax 14.1 ms against 15.3 from 8, and from 32 values
+# 1.5-entmax 22.3 ms against 28.4 from 16 (a search pass saved costs 3-4 ms there; the merge
+# is on [rows, 1] values, cheap beside a tile's work).
+_START_TOP = {"sparsemax": 16, "entmax15": 32}
 _BLOCK_TOP = 2
 
 
@@ -1758,7 +1761,7 @@ def capped_forward(
         and α-entmax only.
       start_values: how many of the row's large values the first pass keeps for the start of
         sparsemax's and 1.5-entmax's searches (the largest of each block's 2 largest); default
-        the kernels' (8 and 16): timing others shows what more values cost and save.
+        the kernels' (16 and 32): timing others shows what more values cost and save.
       speculate: sparsemax, 1.5-entmax: the search passes also accumulate the output (1.5-
         entmax's from the second on), and a tile whose
         last pass confirms every row's threshold takes no output pass (the kernels' way;
