@@ -381,7 +381,7 @@ def _findings(results, peer_rows, lengths, config) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class TuningConfig(_KernelCells):
     """The fused Pallas kernels' tiles and Triton options on the kernels benchmark's work:
-    every combination of forward tile, backward tile, warps per program and pipelining stages,
+    every combination of forward tile, backward tiles, warps per program and pipelining stages,
     on the layout of one block size, timed in one run, forward and forward+backward, and the
     fastest per cell against ``pallas_attention``'s defaults (tiles of
     ``kernels.flash.TRITON_TILE`` in both passes, its default warps, 2 stages). On CPU the
@@ -405,6 +405,10 @@ class TuningConfig(_KernelCells):
     """Tiles of the backward kernels (``backward_block``), written the same way; ``"0"``: the
     forward's tile. Each is combined with the forward tiles it divides (the kernels cut the
     backward's tiles from the forward's)."""
+    dq_blocks: tuple[str, ...] = ("0",)
+    """Tiles of the dq kernel alone (``dq_block``), written the same way; ``"0"``: the
+    backward's. Combined like ``backward_blocks``, and with ``dq_accumulation`` "separate"
+    only (atomic adds form dq on the dk/dv kernel's tiles)."""
     num_warps: tuple[int, ...] = (4, 8)
     num_stages: tuple[int, ...] = (2, 3)
     dq_accumulation: tuple[Literal["separate", "atomic"], ...] = ("separate",)
@@ -433,10 +437,11 @@ class TuningConfig(_KernelCells):
             if max(parse_tile(text, "forward_blocks")) > self.layout_block:
                 raise ValueError(f"forward_blocks: {text} is larger than the layout's "
                                  f"blocks ({self.layout_block})")  # fmt: skip
-        if not self.backward_blocks:
-            raise ValueError("backward_blocks must name at least one tile (0: the forward's)")
-        for text in self.backward_blocks:
-            parse_tile(text, "backward_blocks", zero=True)
+        for name in ("backward_blocks", "dq_blocks"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must name at least one tile (0: the default)")
+            for text in getattr(self, name):
+                parse_tile(text, name, zero=True)
         if any(w not in (1, 2, 4, 8, 16) for w in self.num_warps):
             raise ValueError(f"num_warps must be among 1, 2, 4, 8, 16, got {self.num_warps!r}")
         _check_normalizer_names(self.normalizers)
@@ -504,15 +509,24 @@ def run_tuning(config: TuningConfig, command: str) -> str:
             forward_tiles = [parse_tile(t, "forward_blocks") for t in config.forward_blocks]
             backward_tiles = [parse_tile(t, "backward_blocks", zero=True)
                               for t in config.backward_blocks]  # fmt: skip
-            tiles = [(block, bwd) for block in dict.fromkeys(forward_tiles)
+            dq_tiles = [parse_tile(t, "dq_blocks", zero=True) for t in config.dq_blocks]
+
+            def divides(tile, block):
+                return block[0] % tile[0] == 0 and block[1] % tile[1] == 0
+
+            tiles = [(block, bwd, dq) for block in dict.fromkeys(forward_tiles)
                      for bwd in dict.fromkeys(tile or block for tile in backward_tiles)
-                     if block[0] % bwd[0] == 0 and block[1] % bwd[1] == 0]  # fmt: skip
+                     if divides(bwd, block)
+                     for dq in dict.fromkeys(tile or bwd for tile in dq_tiles)
+                     if divides(dq, block)]  # fmt: skip
             knobs = (config.num_warps, config.num_stages, config.dq_accumulation, config.prefetch)
             choices = itertools.product(config.masks, config.normalizers, tiles, *knobs)
             layouts = {}  # mask -> (layout, label): built once per length
-            for mask_name, norm_name, (block, bwd), warps, stages, dq, prefetch in choices:
+            for mask_name, norm_name, (block, bwd, dq_tile), warps, stages, dq, prefetch in choices:
                 if prefetch and norm_name == "softmax":
                     continue  # (the same kernels)
+                if dq == "atomic" and dq_tile != bwd:
+                    continue  # (dq formed on the dk/dv kernel's tiles)
                 if mask_name not in layouts:
                     mask, label = _mask(mask_name, config.window)
                     size = config.layout_block
@@ -520,11 +534,14 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 layout, label = layouts[mask_name]
                 options = {"normalizer": _normalizer(norm_name), "num_warps": warps,
                            "num_stages": stages, "forward_block": block,
-                           "backward_block": bwd, "dq_accumulation": dq,
+                           "backward_block": bwd, "dq_block": dq_tile, "dq_accumulation": dq,
                            "prefetch": prefetch}  # fmt: skip
                 cell = (label, n, norm_name)
-                row = [label, str(n), norm_name, _tile_name(block), _tile_name(bwd),
-                       str(warps), str(stages), dq, "yes" if prefetch else "no"]  # fmt: skip
+                backward = _tile_name(bwd)
+                if dq_tile != bwd:
+                    backward += f", dq {_tile_name(dq_tile)}"
+                row = [label, str(n), norm_name, _tile_name(block), backward, str(warps),
+                       str(stages), dq, "yes" if prefetch else "no"]  # fmt: skip
                 try:
                     one, both = _tuned_cells(q, k, v, g, layout, options, limits)
                 except Exception as err:  # a tile too large for the chip: say so, go on
@@ -534,15 +551,15 @@ def run_tuning(config: TuningConfig, command: str) -> str:
                 rows.append([*row, timing.format_ms(one), timing.format_ms(both), ""])
                 timing.log(
                     f"[{time.perf_counter() - start:6.0f} s] n={n} {label} {norm_name} tile "
-                    f"{_tile_name(block)} backward {_tile_name(bwd)} warps {warps} stages "
+                    f"{_tile_name(block)} backward {backward} warps {warps} stages "
                     f"{stages} dq {dq} prefetch "
                     f"{prefetch}: {ms:.2f} ms fwd+bwd"
                 )
                 if cell not in best or ms < best[cell][0]:
-                    best[cell] = (ms, block, bwd, warps, stages, dq, prefetch)
+                    best[cell] = (ms, block, backward, warps, stages, dq, prefetch)
                 tile = (default_tile, default_tile)
-                default = (tile, tile, default_warps, 2, "separate", False)
-                if (block, bwd, warps, stages, dq, prefetch) == default:
+                default = (tile, tile, tile, default_warps, 2, "separate", False)
+                if (block, bwd, dq_tile, warps, stages, dq, prefetch) == default:
                     defaults[cell] = ms
     except KeyboardInterrupt:  # keep the table measured so far (see Interrupted)
         stopped = (
@@ -555,9 +572,9 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     notes = [
         f"q, k, v [{b}, n, {h}, {d}] {dtype_name}; pallas_attention on the layout of blocks "
         f"{config.layout_block}, the forward's tiles (forward_block) and the backward's "
-        f"(backward_block) cut from them; defaults: tiles {default_tile}, {default_warps} warps, "
-        f"2 stages, dq by its own kernel (separate; atomic: by the dk/dv kernel), no "
-        f"prefetch; "
+        f"(backward_block; 'dq': the dq kernel's, dq_block) cut from them; defaults: tiles "
+        f"{default_tile}, {default_warps} warps, 2 stages, dq by its own kernel (separate; "
+        f"atomic: by the dk/dv kernel), no prefetch; "
         f"fwd+bwd = gradient of sum(out * g) w.r.t. q, k, v; median of "
         f"{config.repeats} calls after compilation and a warm-up call."
         + ("" if accel else " CPU: interpret mode (warps and stages unused): not a timing."),
@@ -568,7 +585,7 @@ def run_tuning(config: TuningConfig, command: str) -> str:
         versus = f" (defaults {default:.2f} ms: {default / ms:.2f}x)" if default else ""
         notes.append(
             f"fastest, {label} n={n} {norm_name}: tiles {_tile_name(block)}, backward tiles "
-            f"{_tile_name(bwd)}, {warps} "
+            f"{bwd}, {warps} "
             f"warps, {stages} stages, dq {dq}, prefetch {'yes' if pf else 'no'}, {ms:.2f} ms "
             f"fwd+bwd{versus}"
         )

@@ -197,7 +197,7 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     bench.main(
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
          "--layout-block", "32", "--forward-blocks", "16x32", "32", "--backward-blocks", "0",
-         "16x32",
+         "16x32", "--dq-blocks", "0", "16x32",
          "--num-warps", "4", "--num-stages", "2", "--window", "8", "--masks", "local",
          "--normalizers", "entmax15", "softmax", "--repeats", "1", "--dq-accumulation",
          "separate", "atomic", "--prefetch", "True", "False"]
@@ -205,44 +205,40 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    # (forward tile, backward tile, dq, prefetch): 16 rows by 32 keys' backward 16x32 once (0
-    # is the forward's), tile 32's 32 and 16x32; softmax, which skips no block, without
-    # prefetching
+    # (forward tile, backward tiles, dq, prefetch): 16 rows by 32 keys' backward 16x32 once (0
+    # is the forward's, and the dq kernel's 0 the backward's), tile 32's 32 and 16x32, and 32
+    # with the dq kernel on 16x32, which atomic adds cannot take (they form dq on the dk/dv
+    # kernel's tiles); softmax, which skips no block, without prefetching
     tiles = [("16x32", "16x32"), ("32", "32"), ("32", "16x32")]
+    own_dq = ("32", "32, dq 16x32")
     modes = [(dq, pf) for dq in ("separate", "atomic") for pf in ("yes", "no")]
     combos = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "entmax15")
-    assert combos == sorted((*tile, *mode) for tile in tiles for mode in modes)
+    assert combos == sorted([(*tile, *mode) for tile in tiles for mode in modes]
+                            + [(*own_dq, "separate", pf) for pf in ("yes", "no")])  # fmt: skip
     softmax = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "softmax")
-    assert softmax == sorted((*tile, dq, "no") for tile in tiles for dq in ("separate", "atomic"))
+    assert softmax == sorted([(*tile, dq, "no") for tile in tiles for dq in ("separate", "atomic")]
+                             + [(*own_dq, "separate", "no")])  # fmt: skip
     times = {tuple(row[3:9]): float(row[10].split("†")[0]) for row in rows if row[2] == "entmax15"}
     pattern = (r"fastest, causal & local\(8, 0\) n=32 entmax15: tiles ([\dx]+), "
-               r"backward tiles ([\dx]+), (\d+) warps, (\d+) stages, dq (\w+), "
+               r"backward tiles ([\dx]+(?:, dq [\dx]+)?), (\d+) warps, (\d+) stages, dq (\w+), "
                r"prefetch (\w+)")  # fmt: skip
     (fastest,) = re.findall(pattern, printed)
     assert times[fastest] == min(times.values())  # the figure recomputed from the table
     assert "interpret mode (warps and stages unused): not a timing" in printed
     assert "on the layout of blocks 32" in printed and "defaults: tiles 32, 4 warps" in printed
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--dq-accumulation", "atomics"])
-    assert "atomics" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--forward-blocks", "48"])
-    assert "forward_blocks: 48 is not a power of two >= 16" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--forward-blocks", "256"])
-    assert "forward_blocks: 256 is larger than" in capsys.readouterr().err  # tyro wraps it
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--backward-blocks", "8"])
-    assert "backward_blocks: 8 is not a power of two >= 16" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--forward-blocks", "64x48"])
-    assert "forward_blocks: 64x48 is not a power of two >= 16" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--forward-blocks", "64by64"])
-    assert "forward_blocks: '64by64' is not a tile" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["pallas_tuning", "--forward-blocks", "0"])  # 0 is the backward's only
-    assert "forward_blocks: 0 is not a power of two" in capsys.readouterr().err
+    for flags, message in [
+        (["--dq-accumulation", "atomics"], "atomics"),
+        (["--forward-blocks", "48"], "forward_blocks: 48 is not a power of two >= 16"),
+        (["--forward-blocks", "256"], "forward_blocks: 256 is larger than"),  # tyro wraps it
+        (["--backward-blocks", "8"], "backward_blocks: 8 is not a power of two >= 16"),
+        (["--forward-blocks", "64x48"], "forward_blocks: 64x48 is not a power of two >= 16"),
+        (["--forward-blocks", "64by64"], "forward_blocks: '64by64' is not a tile"),
+        (["--forward-blocks", "0"], "forward_blocks: 0 is not a power of two"),  # backward's
+        (["--dq-blocks", "12"], "dq_blocks: 12 is not a power of two"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.main(["pallas_tuning", *flags])
+        assert message in capsys.readouterr().err, flags
     if jax.default_backend() == "cpu":
         bench.main(["pallas_tuning", "--lengths", "4096"])
         assert "n=4096: not run (interpret mode on CPU: too slow" in capsys.readouterr().out
@@ -398,9 +394,9 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     assert type(passes).__name__ == "ForwardPassesConfig" and passes.lengths == (16384,)
     assert passes.start_values == (8, 16, 64)
     assert type(tiles).__name__ == "TuningConfig" and tiles.lengths == (16384,)
-    assert tiles.forward_blocks == ("64", "64x128", "128x64")
-    assert tiles.backward_blocks == ("0", "32x64", "32x128", "64x32")
-    assert tiles.num_warps == (4,)
+    assert tiles.forward_blocks == ("64", "128", "64x128", "128x64")
+    assert tiles.backward_blocks == ("0", "32x128", "32x64")
+    assert tiles.dq_blocks == ("0", "128x32", "64x32") and tiles.num_warps == (4,)
     assert "gpu-check suite" in text  # the second prepared call
     (request,) = re.findall(r"request='(.*?)'", text, re.DOTALL)  # part "peers"
     request = json.loads(request)

@@ -104,8 +104,10 @@ def test_values_and_gradients_match_the_xla_reference(case):
 
 
 # Tiles cut from the layout's blocks: the backward's half the forward's (backward_block, the
-# forward pass' live flags mapped onto them), both passes' half the blocks (forward_block), and
-# the two cuts at once (blocks 4x the backward's tiles).
+# forward pass' live flags mapped onto them), both passes' half the blocks (forward_block), the
+# two cuts at once (blocks 4x the backward's tiles), and the two backward kernels on tiles of
+# their own, each rectangular (dq_block: twice as many rows as keys, the dk/dv kernel's the
+# reverse).
 _TILE_CASES = ["softmax-causal-row-bias", "sparsemax-per-head", "entmax15-cross-full-bias",
                "alpha-heads-gqa-key-bias", "entmax15-segments-padding-gqa",
                "sparsemax-prefix-lm-gqa"]  # fmt: skip
@@ -115,13 +117,18 @@ _TILE_CASES = ["softmax-causal-row-bias", "sparsemax-per-head", "entmax15-cross-
     ("cut", "case"),
     [("backward", case) for case in _TILE_CASES]
     + [("both passes", case) for case in _TILE_CASES]
-    + [("forward then backward", case) for case in _TILE_CASES[1:3]],
+    + [("forward then backward", case) for case in _TILE_CASES[1:3]]
+    + [("dq tiles", case) for case in _TILE_CASES[1:4]],
 )
 def test_tiles_cut_from_the_blocks_match_the_reference(cut, case):
     norm, mask, shape, dtype, block, bias_shape = CASES[case]
     layout_block, forward = {"backward": (2, 2), "both passes": (2, 1)}.get(cut, (4, 2))
+    if cut == "dq tiles":
+        layout_block = forward = 2
     layout = mask.blocks(shape[1], shape[2], layout_block * block, layout_block * block)
     tiles = {"forward_block": (forward * block,) * 2, "backward_block": (block, block)}
+    if cut == "dq tiles":
+        tiles.update(backward_block=(block, 2 * block), dq_block=(2 * block, block))
 
     def pallas(q, k, v, normalizer, scale, bias):
         return pallas_attention(q, k, v, layout, mask=mask, normalizer=normalizer, scale=scale,
@@ -308,6 +315,10 @@ def test_the_triton_kernels_run_on_64_tiles_unless_told_otherwise():
     assert grids(forward_block=(128, 128)) == (4, 4, 4)
     assert grids(forward_block=(128, 128), backward_block=(32, 64)) == (4, 16, 8)
     assert grids(backward_block=(16, 16)) == (8, 32, 32)
+    # the dq kernel on its own tiles: a program per 32 (64) query rows, dk/dv's per 128 keys
+    assert grids(forward_block=(128, 128), backward_block=(32, 128), dq_block=(32, 64)) == (
+        4, 16, 4)  # fmt: skip
+    assert grids(dq_block=(32, 64)) == (8, 16, 8)  # dk/dv on the forward's 64 x 64 tiles
     small = masks.causal().blocks(512, 512, 32, 32)  # blocks below the default tile: their own
     loss = lambda q: jnp.sum(pallas_attention(q, q, q, small))
     assert _kernel_grids(jax.grad(loss), q)["fwd"][0] == 16
@@ -877,6 +888,8 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
     assert text.count("num_warps = 8 : i32") == 3 and text.count("num_stages = 3 : i32") == 3
     text = lowered(backward_block=(32, 16))  # the backward kernels on tiles of the 64-blocks
     assert text.count("__gpu$xla.gpu.triton") == 3
+    text = lowered(backward_block=(16, 64), dq_block=(64, 16))  # each on its own tiles
+    assert text.count("__gpu$xla.gpu.triton") == 3
     text = lowered(prefetch=True, dq_accumulation="atomic")
     assert text.count("__gpu$xla.gpu.triton") == 2
     blocks = "must be powers of two >= 16 dividing \\(64, 64\\) \\(the layout's blocks"
@@ -887,6 +900,18 @@ def test_triton_tuning_options_reach_the_kernels_and_bad_ones_are_refused():
         ({"backward_block": (48, 16)}, ValueError, blocks),
         ({"backward_block": (128, 64)}, ValueError, blocks),
         ({"backward_block": (32,)}, TypeError, "`backward_block` must be None or \\(bq, bkv\\)"),
+        ({"dq_block": (48, 16)}, ValueError, "`dq_block`=\\(48, 16\\) must be powers of two"),
+        ({"dq_block": [32, 1.0]}, TypeError, "`dq_block` must be None or \\(bq, bkv\\)"),
+        (
+            {"dq_block": (32, 64), "dq_accumulation": "atomic"},
+            ValueError,
+            "`dq_block`=\\(32, 64\\) needs dq_accumulation='separate'",
+        ),
+        (
+            {"dq_block": (32, 32), "target": "mosaic", "interpret": True},
+            ValueError,
+            "`dq_block` is for the Triton kernels",
+        ),
         ({"forward_block": (128, 64)}, ValueError, "`forward_block`=\\(128, 64\\) must be"),
         (
             {"forward_block": (32, 32), "backward_block": (64, 64)},

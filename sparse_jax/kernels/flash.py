@@ -160,8 +160,8 @@ def _check_tile(tile, name: str, blocks: tuple[int, int], target, caller: str):
         if size < _MIN_BLOCK or size & (size - 1) or block % size:
             raise ValueError(
                 f"{caller}: `{name}`={tuple(tile)} must be powers of two >= {_MIN_BLOCK} "
-                f"dividing {blocks} (the layout's blocks, or for `backward_block` the forward's "
-                "tiles)"
+                f"dividing {blocks} (the layout's blocks, or for `backward_block` and "
+                "`dq_block` the forward's tiles)"
             )
     if target == "mosaic" and tuple(tile) != blocks:
         raise ValueError(f"{caller}: `{name}` is for the Triton kernels (target='triton')")
@@ -331,6 +331,7 @@ class _Plan:
     num_warps: int | None = None  # Triton's warps per program (None: by head dim)
     num_stages: int = 2  # Triton's software-pipelining depth
     backward: Any = None  # (plan of the backward tiles, parent slots, fq) or None: the same
+    backward_dq: Any = None  # the dq kernel's, the same way (dq_block); None: the forward's
     has_bias: bool = True  # False: no bias was given (nothing added, no bias gradient formed)
     dynamic: bool = False  # the layout bounds a run-time mask: full blocks are masked too
     scale_grad: bool = True  # False: a python float scale (its gradient is never asked for)
@@ -499,6 +500,30 @@ def _refine(layout: BlockLayout | _Tiles, bq: int, bkv: int) -> tuple[_Tiles, np
         num_kv_blocks=layout.num_kv_blocks * fk,
     )
     return tiles, np.where(kept, take(slots), 0).astype(np.int32)
+
+
+def _backward_tiles(plan: _Plan, source, forward_block, tile):
+    """``(plan of the tiles, parent slots, fq)`` of a backward kernel on ``tile`` ``(bq,
+    bkv)`` cut from the forward's tiles (``source``, of ``forward_block``), or None where
+    ``tile`` is the forward's own: see :func:`_refined_live` for ``parent`` and ``fq``."""
+    if tuple(tile) == tuple(forward_block):
+        return None
+    tiles, parent = _refine(source, *tile)
+    refined = _tiles_plan(plan, tiles)
+    width = refined.arrays["idx"].shape[-1]
+    parent = np.pad(parent, ((0, 0), (0, 0), (0, width - parent.shape[-1])))
+    return refined, parent, forward_block[0] // tile[0]
+
+
+def _on_tiles(plan: _Plan, refined, res: dict) -> tuple[_Plan, dict]:
+    """``(plan, forward residuals)`` of a backward kernel on ``refined`` tiles (see
+    :func:`_backward_tiles`; None: the forward's): the forward's live flags mapped to them."""
+    if refined is None:
+        return plan, res
+    tiles, parent, fq = refined
+    if res["live"] is not None:
+        res = {**res, "live": _refined_live(res["live"], parent, fq)}
+    return tiles, res
 
 
 def _tiles_plan(plan: _Plan, tiles: _Tiles) -> _Plan:
@@ -1351,45 +1376,67 @@ def _forward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv
     return o, {"max": row_max, "tau": tau, "mass": mass, "ubar": ubar, "live": live}
 
 
-def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do):
-    a = plan.arrays
-    b, n, g, bq, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bq, plan.bkv, plan.nq, plan.nk
-    tq, tk = q.shape[1], k.shape[1]
-    ph = plan.per_head
-    # δ = do · ū per row [B, N, Tq].
-    delta = jnp.einsum("bqnd,bqnd->bnq", do.astype(_F32), res["ubar"])
-    rows = {**{key: res[key] for key in _row_names(plan)[:-1]}, "delta": delta}
-    row_values = [rows[name] for name in _row_names(plan)]
-    live = res["live"] if res["live"] is not None else jnp.zeros((b, n, nq, 1), jnp.int32)
-    kp = a["idx"].shape[-1]
-    layout_in = [jnp.asarray(a[key]) for key in ("idx", "count", "full", "pmi", "masks")]
+def _live_flags(plan: _Plan, live):
+    """The forward's live flags ``[B, N, nq, K]`` on ``plan``'s tiles, or zeros ``[B, N, nq,
+    1]`` where there are none (softmax: every block is visited)."""
+    return live if live is not None else jnp.zeros((plan.b, plan.n, plan.nq, 1), jnp.int32)
 
-    # dq (and the per-row α and scale terms): one program per query block.
+
+def _dq_call(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do,
+             row_values, live):  # fmt: skip
+    """(dq, and the α, scale and bias row terms ``[B, N, Tq]``): the dq kernel, one program
+    per query block of ``plan``'s tiles, over its kept key blocks."""
+    a = plan.arrays
+    b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
+    tq, tk = q.shape[1], k.shape[1]
+    ph, kp, live_w = plan.per_head, a["idx"].shape[-1], live.shape[-1]
+    layout_in = [jnp.asarray(a[key]) for key in ("idx", "count", "full", "pmi", "masks")]
     q_blk = pl.BlockSpec((None, bq, None, plan.d), lambda i, bb, h: (bb, i, h, 0))
     do_blk = pl.BlockSpec((None, bq, None, plan.dv), lambda i, bb, h: (bb, i, h, 0))
     k_all = pl.BlockSpec((None, tk, None, plan.d), lambda i, bb, h: (bb, 0, h // g, 0))
     v_all = pl.BlockSpec((None, tk, None, plan.dv), lambda i, bb, h: (bb, 0, h // g, 0))
     stat_blk = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
     row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
-    live_w = live.shape[-1]
+    return _call(
+        _dq_kernel, plan, (nq, b, n),
+        [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
+         _bias_rows_spec(plan, bias.shape),
+         pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)),
+         *_row_segment_specs(plan, tk), do_blk,
+         *[stat_blk] * len(row_values),
+         row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
+         row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
+         pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
+        [q_blk, stat_blk, stat_blk, stat_blk],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
+        f"sparse_jax_pallas_{plan.kind}_dq", reverse=plan.reverse_q,
+    )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values, *layout_in,
+      live)  # fmt: skip
+
+
+def _backward(plan: _Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do,
+              dq_tiles=None):  # fmt: skip
+    """The Triton backward: the dq kernel (unless dq is added by atomic adds) and the dk/dv
+    kernel on ``plan``'s tiles; ``dq_tiles``: ``(plan, live flags)`` of the dq kernel where its
+    tiles differ (``dq_block``)."""
+    a = plan.arrays
+    b, n, g, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bkv, plan.nq, plan.nk
+    tq, tk = q.shape[1], k.shape[1]
+    ph = plan.per_head
+    # δ = do · ū per row [B, N, Tq].
+    delta = jnp.einsum("bqnd,bqnd->bnq", do.astype(_F32), res["ubar"])
+    rows = {**{key: res[key] for key in _row_names(plan)[:-1]}, "delta": delta}
+    row_values = [rows[name] for name in _row_names(plan)]
+    live = _live_flags(plan, res["live"])
+    kp, live_w = a["idx"].shape[-1], live.shape[-1]
     if plan.atomic_dq:  # the dk/dv kernel adds them
         dq = dalpha_rows = dscale_rows = dbias_rows = None
-    else:
-        dq, dalpha_rows, dscale_rows, dbias_rows = _call(
-            _dq_kernel, plan, (nq, b, n),
-            [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
-             _bias_rows_spec(plan, bias.shape),
-             pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)),
-             *_row_segment_specs(plan, tk), do_blk,
-             *[stat_blk] * len(row_values),
-             row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
-             row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
-             pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
-            [q_blk, stat_blk, stat_blk, stat_blk],
-            [jax.ShapeDtypeStruct(q.shape, q.dtype), *[jax.ShapeDtypeStruct((b, n, tq), _F32)] * 3],
-            f"sparse_jax_pallas_{plan.kind}_dq", reverse=plan.reverse_q,
-        )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values, *layout_in,
-          live)  # fmt: skip
+    else:  # one program per query block
+        dq_plan, dq_live = dq_tiles if dq_tiles is not None else (plan, res["live"])
+        dq, dalpha_rows, dscale_rows, dbias_rows = _dq_call(
+            dq_plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, row_values,
+            _live_flags(dq_plan, dq_live),
+        )  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
     mp = a["t_rows"].shape[-1]
@@ -1500,11 +1547,13 @@ def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids)
 def _fused_bwd(plan, residuals, do):
     inputs, res = residuals
     scale, lengths, eps, _, k, v, bias, key_nan, q_ids, kv_ids = inputs
-    if plan.backward is not None:  # smaller tiles than the forward's (backward_block)
-        tiles, parent, fq = plan.backward
-        if res["live"] is not None:
-            res = {**res, "live": _refined_live(res["live"], parent, fq)}
-        grads = _backward(tiles, *inputs, res, do)
+    if plan.backward is not None or plan.backward_dq is not None:  # (Triton: backward_block,
+        kv_plan, kv_res = _on_tiles(plan, plan.backward, res)  # dq_block)
+        dq_plan, dq_res = (
+            (kv_plan, kv_res) if plan.backward_dq is plan.backward
+            else _on_tiles(plan, plan.backward_dq, res)
+        )  # fmt: skip
+        grads = _backward(kv_plan, *inputs, kv_res, do, dq_tiles=(dq_plan, dq_res["live"]))
     else:
         grads = _kernels(plan)[1](plan, *inputs, res, do)
     dq, dk, dv, deps, dscale, dbias = _finish_gradients(plan, k, v, grads)
@@ -1545,6 +1594,7 @@ def pallas_attention(
     backward_block: tuple[int, int] | None = None,
     dq_accumulation: str | None = None,
     prefetch: bool | None = None,
+    dq_block: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Fused block-sparse attention over the blocks kept by ``layout`` (see the module docstring).
 
@@ -1587,6 +1637,11 @@ def pallas_attention(
       backward_block: ``(bq, bkv)`` tiles of the two backward kernels, dividing the forward's
         tiles (FlashAttention-2 and jax's Pallas ``mha`` use smaller tiles in the backward
         pass, whose tiles hold more live values); default: the forward's tiles.
+      dq_block: ``(bq, bkv)`` tiles of the dq kernel alone, dividing the forward's tiles:
+        its programs hold a query tile and walk key tiles, the dk/dv kernel's the reverse, so
+        each may take its own shape (FlashAttention-2's Triton backward: many keys by few
+        queries for dk/dv, the transpose for dq); default: ``backward_block``. Triton
+        kernels, ``dq_accumulation="separate"`` only.
       dq_accumulation: how the backward forms dq (and the α, scale and bias row terms):
         ``"separate"`` (the default), a kernel of its own that walks each query block's key
         blocks, recomputing their scores and ``do @ vᵀ`` (7 tile products in the backward);
@@ -1617,7 +1672,7 @@ def pallas_attention(
     """
     plan, inputs = _prepare(
         q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
-        num_stages, forward_block, backward_block, dq_accumulation, prefetch,
+        num_stages, forward_block, backward_block, dq_accumulation, prefetch, dq_block,
     )  # fmt: skip
     out = _fused(plan, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]
@@ -1626,7 +1681,7 @@ def pallas_attention(
 def _prepare(
     q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
     num_stages, forward_block, backward_block, dq_accumulation=None, prefetch=None,
-    caller: str = _NAME,
+    dq_block=None, caller: str = _NAME,
 ):  # fmt: skip
     """(plan, padded inputs of :func:`_fused`) of a :func:`pallas_attention` call, its
     arguments checked (ValueError/TypeError naming them)."""
@@ -1654,6 +1709,13 @@ def _prepare(
     if dq_accumulation == "atomic" and target != "triton":
         raise ValueError(f"{caller}: `dq_accumulation`='atomic' is for the Triton kernels "
                          f"(target='triton'); got target={target!r}")  # fmt: skip
+    if dq_block is None:
+        dq_block = backward_block
+    dq_block = _check_tile(dq_block, "dq_block", forward_block, target, caller)
+    if dq_accumulation == "atomic" and dq_block != backward_block:
+        raise ValueError(f"{caller}: `dq_block`={dq_block} needs dq_accumulation='separate' "
+                         f"(atomic adds form dq in the dk/dv kernel, on backward_block "
+                         f"{backward_block})")  # fmt: skip
     prefetch = check_bool(prefetch, "prefetch", caller, optional=True)
     if prefetch and target != "triton":
         raise ValueError(f"{caller}: `prefetch` is for the Triton kernels (target='triton'); "
@@ -1712,14 +1774,13 @@ def _prepare(
     if forward_block != blocks:  # both passes on tiles cut from the layout's blocks
         source, _ = _refine(layout, *forward_block)
         plan = _tiles_plan(plan, source)
-    if backward_block != forward_block:  # the backward on tiles cut from the forward's
-        tiles, parent = _refine(source, *backward_block)
-        backward = _tiles_plan(plan, tiles)
-        width = backward.arrays["idx"].shape[-1]
-        parent = np.pad(parent, ((0, 0), (0, 0), (0, width - parent.shape[-1])))
-        plan = dataclasses.replace(
-            plan, backward=(backward, parent, forward_block[0] // backward_block[0])
-        )
+    # The backward kernels on tiles cut from the forward's (the dq kernel's may differ).
+    backward = _backward_tiles(plan, source, forward_block, backward_block)
+    backward_dq = (
+        backward if dq_block == backward_block
+        else _backward_tiles(plan, source, forward_block, dq_block)
+    )  # fmt: skip
+    plan = dataclasses.replace(plan, backward=backward, backward_dq=backward_dq)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # A non-finite value vector enters as a NaN score of its key (the attention policy), so
     # that 0 * NaN in p @ v cannot reach rows whose mask excludes the key.
