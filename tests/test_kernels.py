@@ -315,7 +315,7 @@ def test_the_triton_kernels_run_on_64_tiles_unless_told_otherwise():
     assert grids(forward_block=(128, 128)) == (4, 4, 4)
     assert grids(forward_block=(128, 128), backward_block=(32, 64)) == (4, 16, 8)
     assert grids(backward_block=(16, 16)) == (8, 32, 32)
-    # the dq kernel on its own tiles: a program per 32 (64) query rows, dk/dv's per 128 keys
+    # the dq kernel on its own tiles, a program per 32 query rows; dk/dv's per 128 keys (64)
     assert grids(forward_block=(128, 128), backward_block=(32, 128), dq_block=(32, 64)) == (
         4, 16, 4)  # fmt: skip
     assert grids(dq_block=(32, 64)) == (8, 16, 8)  # dk/dv on the forward's 64 x 64 tiles
