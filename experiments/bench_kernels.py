@@ -503,22 +503,22 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     rows, best, defaults = [], {}, {}
     limits = {"repeats": config.repeats, "slow_s": config.slow_s, "budget_s": config.budget_s}
     stopped = ""
+    # (forward, backward, dq kernel) tiles: each backward tile with the forward tiles it divides
+    forward_tiles = [parse_tile(t, "forward_blocks") for t in config.forward_blocks]
+    backward_tiles = [parse_tile(t, "backward_blocks", zero=True) for t in config.backward_blocks]
+    dq_tiles = [parse_tile(t, "dq_blocks", zero=True) for t in config.dq_blocks]
+
+    def divides(tile, block):
+        return block[0] % tile[0] == 0 and block[1] % tile[1] == 0
+
+    tiles = [(block, bwd, dq) for block in dict.fromkeys(forward_tiles)
+             for bwd in dict.fromkeys(tile or block for tile in backward_tiles)
+             if divides(bwd, block)
+             for dq in dict.fromkeys(tile or bwd for tile in dq_tiles)
+             if divides(dq, block)]  # fmt: skip
     try:
         for n in lengths:
             q, k, v, g = _work(config.seed, n, b, h, d, dtype_name)
-            forward_tiles = [parse_tile(t, "forward_blocks") for t in config.forward_blocks]
-            backward_tiles = [parse_tile(t, "backward_blocks", zero=True)
-                              for t in config.backward_blocks]  # fmt: skip
-            dq_tiles = [parse_tile(t, "dq_blocks", zero=True) for t in config.dq_blocks]
-
-            def divides(tile, block):
-                return block[0] % tile[0] == 0 and block[1] % tile[1] == 0
-
-            tiles = [(block, bwd, dq) for block in dict.fromkeys(forward_tiles)
-                     for bwd in dict.fromkeys(tile or block for tile in backward_tiles)
-                     if divides(bwd, block)
-                     for dq in dict.fromkeys(tile or bwd for tile in dq_tiles)
-                     if divides(dq, block)]  # fmt: skip
             knobs = (config.num_warps, config.num_stages, config.dq_accumulation, config.prefetch)
             choices = itertools.product(config.masks, config.normalizers, tiles, *knobs)
             layouts = {}  # mask -> (layout, label): built once per length
