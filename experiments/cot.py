@@ -207,9 +207,25 @@ class Train:
     """Peak learning rate (linear warm-up, cosine decay to 10%)."""
     warmup: int = 50
     """Warm-up updates."""
+    buckets: tuple[int, int] = (2, 3)
+    """Length buckets: the training problems' question lengths cut at this many quantiles and
+    their solution lengths at that many, each batch drawn from one cell of that grid (cells of
+    under 5% of the problems merged into larger ones) and padded only to its longest
+    (sparse_jax.cot.length_buckets; each cell compiles once). ``1 1``: every batch padded to
+    the longest problem of all. docs/results.md compares them."""
 
     def __post_init__(self):
         set_ints_at_least(self, "train", steps=1, batch_size=1, warmup=0)
+        buckets = self.buckets
+        if (
+            not isinstance(buckets, tuple)
+            or len(buckets) != 2
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in buckets)
+        ):
+            raise ValueError(
+                f"--train.buckets must be two ints >= 1 (question cuts, solution cuts); got "
+                f"{buckets!r}"
+            )
         if isinstance(self.lr, bool) or not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--train.lr must be a number > 0; got {self.lr!r}")
 
@@ -500,11 +516,14 @@ def _configs(cfg: TrainCommand) -> dict[str, tuple[EncDecConfig, TrainConfig]]:
     return {"sparse": (sparse, tc), "dense": (sparse.dense(), tc)}
 
 
-def _phase(cfg: TrainCommand, folder: pathlib.Path, name: str, configs, fmt, rows, val_rows, stop):
-    """Trains (or resumes) one model (:func:`experiments.phase.train_phase`); its seconds."""
+def _phase(
+    cfg: TrainCommand, folder: pathlib.Path, name: str, configs, source_len, rows, val_rows, stop
+):
+    """Trains (or resumes) one model (:func:`experiments.phase.train_phase`) on the buckets of
+    ``rows`` (``source_len``: :func:`sparse_jax.cot.source_lengths`); its seconds."""
     model_config, tc = configs[name]
     model = EncoderDecoder(model_config, rngs=nnx.Rngs(cfg.run.seed))
-    loss = functools.partial(cot.loss_fn, source_len=fmt.source_len)
+    loss = functools.partial(cot.loss_fn, source_len=source_len)
     graphdef = nnx.graphdef(model)
     val_loss = jax.jit(lambda state, r: loss(nnx.merge(graphdef, state), r)[0])
 
@@ -541,15 +560,25 @@ def train(
         folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"
     )
     cot.write_record(folder, fmt, configs, kinds=cfg.data.kinds)
-    rows = cot.pack(problems[0], fmt)
+    # A cell of under 5% of the problems saves less time than its compilation costs.
+    buckets = cot.length_buckets(
+        problems[0], fmt, source_cuts=cfg.train.buckets[0], target_cuts=cfg.train.buckets[1],
+        min_size=max(cfg.train.batch_size, len(problems[0]) // 20),
+    )  # fmt: skip
+    rows = [cot.pack([problems[0][i] for i in idx], f) for f, idx in buckets]
     val_rows = cot.pack(problems[1], fmt)
+    source_len = cot.source_lengths([fmt] + [f for f, _ in buckets])
     seconds = {"data": time.perf_counter() - started}
+    shapes = ", ".join(f"{len(idx)} x ({f.source_len}, {f.target_len})" for f, idx in buckets)
     log(
-        f"{len(rows)} training problems of {', '.join(cfg.data.kinds)}; questions up to "
-        f"{fmt.source_len} bytes, solutions up to {fmt.target_len} tokens; run folder {folder}"
+        f"{len(problems[0])} training problems of {', '.join(cfg.data.kinds)}; questions up to "
+        f"{fmt.source_len} bytes, solutions up to {fmt.target_len} tokens; batches from "
+        f"buckets of (question, solution) lengths {shapes}; run folder {folder}"
     )
     for name in models:
-        seconds[f"train_{name}"] = _phase(cfg, folder, name, configs, fmt, rows, val_rows, stop)
+        seconds[f"train_{name}"] = _phase(
+            cfg, folder, name, configs, source_len, rows, val_rows, stop
+        )
     training = {"phase_seconds": seconds, "dataset": data.dataset_name}
     write_text_atomically(folder / "training.json", json.dumps(training, indent=2) + "\n")
     return folder

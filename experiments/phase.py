@@ -7,13 +7,13 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from experiments.flags import resume_command
-from sparse_jax.data.text import BatchIterator
+from sparse_jax.data.text import BatchIterator, BucketIterator
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
 from sparse_jax.training.stopping import StopRequest
@@ -50,7 +50,7 @@ def train_phase(
     model,
     loss_fn,
     config: TrainConfig,
-    rows: np.ndarray,
+    rows: np.ndarray | Sequence[np.ndarray],
     *,
     folder: pathlib.Path,
     name: str,
@@ -62,11 +62,13 @@ def train_phase(
     stop: StopRequest | None = None,
 ) -> tuple[Trainer, float]:
     """Trains ``model`` on batches of ``rows`` (``config.batch_size`` rows, shuffled with
-    ``config.seed``) for ``config.steps`` updates, checkpointed every ``checkpoint_every`` in
-    ``folder/checkpoints/<name>`` (``resume``: from the last one, batches included); each
-    update's metrics go to ``folder/metrics.jsonl`` under ``"phase": name`` and metric
-    ``shown`` to the bar. ``evaluate(model) -> dict`` runs at each checkpoint. Returns the
-    trainer (``sync_model()`` gives the trained model) and the phase's seconds.
+    ``config.seed``; a list of arrays: buckets of rows of their own lengths, each batch from
+    one, :class:`~sparse_jax.data.text.BucketIterator`) for ``config.steps`` updates,
+    checkpointed every ``checkpoint_every`` in ``folder/checkpoints/<name>`` (``resume``: from
+    the last one, batches included); each update's metrics go to ``folder/metrics.jsonl``
+    under ``"phase": name`` and metric ``shown`` to the bar. ``evaluate(model) -> dict`` runs
+    at each checkpoint. Returns the trainer (``sync_model()`` gives the trained model) and the
+    phase's seconds.
 
     ``stop`` (a time limit, SIGTERM, Ctrl-C) ends the phase early with a checkpoint of the
     step it reached: :class:`RunStopped` is raised then, and ``resume`` continues from it."""
@@ -81,11 +83,12 @@ def train_phase(
     )
     trainer = Trainer(model, loss_fn, config, checkpointer=ckpt)
     state = trainer.restore() if resume else None
+    batches = BatchIterator if isinstance(rows, np.ndarray) else BucketIterator
     if state is not None:
         log(f"{name}: resumed at step {trainer.step} of {config.steps}")
-        iterator = BatchIterator.from_state(rows, state["iterator"])
+        iterator = batches.from_state(rows, state["iterator"])
     else:
-        iterator = BatchIterator(rows, config.batch_size, seed=config.seed)
+        iterator = batches(rows, config.batch_size, seed=config.seed)
     bar = tqdm(total=config.steps, initial=trainer.step, desc=name, file=sys.stderr)
 
     def on_step(step, metrics):
@@ -104,10 +107,10 @@ def train_phase(
 def fit_to_the_end(
     trainer, iterator, name, *, on_step, evaluate, eval_every, stop, closing, folder
 ) -> None:
-    """``trainer.fit`` over the batches of ``iterator`` (a ``BatchIterator``, whose position
-    the checkpoints keep) up to ``trainer.config.steps``; closes each of ``closing`` (a bar, a
-    checkpointer) after, and raises :class:`RunStopped` (naming the run ``folder``) when
-    ``stop`` ended it early."""
+    """``trainer.fit`` over the batches of ``iterator`` (a ``BatchIterator`` or
+    ``BucketIterator``, whose position the checkpoints keep) up to ``trainer.config.steps``;
+    closes each of ``closing`` (a bar, a checkpointer) after, and raises :class:`RunStopped`
+    (naming the run ``folder``) when ``stop`` ended it early."""
     try:
         for _ in trainer.fit(
             iterator,

@@ -77,10 +77,12 @@ __all__ = [
     "encode_solution",
     "evaluate",
     "fit_format",
+    "length_buckets",
     "loss_fn",
     "most_frequent_answers",
     "pack",
     "read_record",
+    "source_lengths",
     "split_rows",
     "write_record",
 ]
@@ -226,6 +228,107 @@ def pack(problems: Iterable[linalg_cot.Problem], fmt: CotFormat) -> np.ndarray:
     return rows
 
 
+def length_buckets(
+    problems: Sequence[linalg_cot.Problem],
+    fmt: CotFormat,
+    *,
+    source_cuts: int,
+    target_cuts: int,
+    min_size: int,
+    multiple: int = 8,
+) -> list[tuple[CotFormat, list[int]]]:
+    """Problems grouped by length, each group with the smallest format that holds it, so that
+    a batch of one group is padded only to its own longest question and solution (with
+    :class:`~sparse_jax.data.text.BucketIterator`; a short problem then costs less than the
+    longest one). Returns ``[(format, problem indices)]``, the formats in increasing order.
+
+    The question lengths are cut at their ``source_cuts`` quantiles ``1/m, ..., 1`` and the
+    solution lengths at their ``target_cuts`` ones (rounded up to ``multiple``); each problem
+    goes to the smallest cell of that grid that holds it, and a cell of fewer than ``min_size``
+    problems (e.g. the batch size) is merged into a larger one. Every format fits within
+    ``fmt`` and their row lengths ``S + T + 1`` differ from each other and from ``fmt``'s
+    unless their ``S`` is the same (a target is lengthened by ``multiple`` where needed), so
+    that a row's length tells its source length: :func:`loss_fn`'s ``source_len`` mapping,
+    :func:`source_lengths`.
+
+    Example (8 problems whose solutions are 2 or 6 steps long, cut in two by solution length):
+      >>> short = [linalg_cot.Problem("rref", "A = [[1]]?", ("x",) * 2, "[[1]]")] * 4
+      >>> long = [linalg_cot.Problem("rref", "A = [[1]]?", ("x",) * 60, "[[1]]")] * 4
+      >>> fmt = fit_format(short + long)
+      >>> buckets = length_buckets(short + long, fmt, source_cuts=1, target_cuts=2, min_size=2)
+      >>> [(f.source_len, f.target_len, idx) for f, idx in buckets]
+      [(16, 24, [0, 1, 2, 3]), (16, 136, [4, 5, 6, 7])]
+    """
+    if not isinstance(fmt, CotFormat):
+        raise TypeError(f"length_buckets: `fmt` must be a CotFormat; got {type(fmt).__name__}")
+    source_cuts = check_int(source_cuts, "source_cuts", "length_buckets")
+    target_cuts = check_int(target_cuts, "target_cuts", "length_buckets")
+    min_size = check_int(min_size, "min_size", "length_buckets")
+    multiple = check_int(multiple, "multiple", "length_buckets")
+    problems = [_check_problem(p, "length_buckets") for p in problems]
+    if not problems:
+        raise ValueError("length_buckets: `problems` is empty")
+    q = np.array([encode_question(p.question).size for p in problems])
+    t = np.array([encode_solution(p.solution_text()).size for p in problems])
+    if q.max() > fmt.source_len or t.max() > fmt.target_len:
+        raise ValueError(
+            f"length_buckets: `problems` hold a {q.max()}-byte question and a {t.max()}-token "
+            f"solution; `fmt` holds {fmt.source_len} and {fmt.target_len}: size it with "
+            "fit_format(problems)"
+        )
+
+    def cuts(lengths, count):
+        edges = np.quantile(lengths, np.arange(1, count + 1) / count, method="inverted_cdf")
+        return sorted({_round_up(int(e), multiple) for e in edges})
+
+    s_cuts, t_cuts = cuts(q, source_cuts), cuts(t, target_cuts)
+    cells: dict[tuple[int, int], list[int]] = {}
+    for i, (a, b) in enumerate(zip(q, t, strict=True)):
+        cell = (next(s for s in s_cuts if s >= a), next(x for x in t_cuts if x >= b))
+        cells.setdefault(cell, []).append(i)
+    # A cell too small for a batch goes to the nearest cell at least as large on both sides
+    # (its problems fit there); the largest cell, if small, takes in the largest other ones.
+    grid = sorted(((s, x) for s in s_cuts for x in t_cuts), key=lambda c: (sum(c), c))
+    for cell in grid[:-1]:
+        if 0 < len(cells.get(cell, ())) < min_size:
+            up = next(c for c in grid if c != cell and c[0] >= cell[0] and c[1] >= cell[1])
+            cells.setdefault(up, []).extend(cells.pop(cell))
+    top = grid[-1]
+    while 0 < len(cells.get(top, ())) < min_size and len(cells) > 1:
+        below = max((c for c in cells if c != top), key=lambda c: (sum(c), c))
+        cells[top].extend(cells.pop(below))
+    out = []
+    used = {fmt.row_len: fmt.source_len}
+    for idx in sorted(cells.values(), key=lambda idx: (q[idx].max(), t[idx].max())):
+        idx = sorted(idx)
+        s, x = _round_up(int(q[idx].max()), multiple), _round_up(int(t[idx].max()), multiple)
+        while used.setdefault(s + x + 1, s) != s:
+            x += multiple
+        out.append((CotFormat(s, x), idx))
+    return sorted(out, key=lambda bucket: (bucket[0].source_len, bucket[0].target_len))
+
+
+def source_lengths(formats: Iterable[CotFormat]) -> dict[int, int]:
+    """``{row length S + T + 1: S}`` of ``formats``: :func:`loss_fn`'s ``source_len`` when
+    batches come in several formats (:func:`length_buckets`). Raises ``ValueError`` when two
+    formats of different ``S`` have the same row length.
+
+    Example:
+      >>> source_lengths([CotFormat(16, 24), CotFormat(32, 64)])
+      {41: 16, 97: 32}
+    """
+    out: dict[int, int] = {}
+    for f in formats:
+        if not isinstance(f, CotFormat):
+            raise TypeError(f"source_lengths: formats must be CotFormat; got {type(f).__name__}")
+        if out.setdefault(f.row_len, f.source_len) != f.source_len:
+            raise ValueError(
+                f"source_lengths: rows of length {f.row_len} would have a source of "
+                f"{out[f.row_len]} and of {f.source_len} bytes: formats must differ in S + T + 1"
+            )
+    return out
+
+
 class Batch(NamedTuple):
     """A batch of packed rows taken apart: what the model and its loss read.
 
@@ -268,10 +371,14 @@ def split_rows(rows: jax.Array, source_len: int) -> Batch:
     )
 
 
-def loss_fn(model: EncoderDecoder, rows: jax.Array, rng: Any = None, *, source_len: int):
+def loss_fn(
+    model: EncoderDecoder, rows: jax.Array, rng: Any = None, *, source_len: int | Mapping[int, int]
+):
     """The trainer's loss of packed rows: ``(sequence_loss, {"target_tokens": count})``
     (``rng`` unused: the model has no random parts). Bind ``source_len`` with
-    ``functools.partial`` for :class:`~sparse_jax.training.loop.Trainer`.
+    ``functools.partial`` for :class:`~sparse_jax.training.loop.Trainer`: the rows' ``S``, or
+    ``{row length: S}`` (:func:`source_lengths`) when batches come in several formats
+    (:func:`length_buckets`; each compiles once).
 
     Example (2 problems packed as ``rows [2, 24 + 40 + 1]`` and a tiny model; ``jax.eval_shape``
     traces the loss without compiling it, ``jax.jit`` of the same partial, as the trainer runs
@@ -286,6 +393,13 @@ def loss_fn(model: EncoderDecoder, rows: jax.Array, rng: Any = None, *, source_l
       >>> loss.shape, loss.dtype, list(metrics)  # a scalar loss; the targets' count beside it
       ((), dtype('float32'), ['target_tokens'])
     """
+    if isinstance(source_len, Mapping):
+        if rows.shape[-1] not in source_len:
+            raise ValueError(
+                f"loss_fn: rows of length {rows.shape[-1]} are not in `source_len` (row lengths "
+                f"{sorted(source_len)}): pack them in one of its formats"
+            )
+        source_len = source_len[rows.shape[-1]]
     b = split_rows(rows, source_len)
     loss = sequence_loss(model, b.source, b.source_lengths, b.target_in, b.target_out, b.where)
     return loss, {"target_tokens": jnp.sum(b.where).astype(jnp.float32)}

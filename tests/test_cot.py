@@ -80,6 +80,72 @@ def test_pack_refuses_what_does_not_fit():
         cot.CotFormat(0, 10)
 
 
+def test_length_buckets_hold_every_problem_once_in_a_format_that_fits_it():
+    problems = _problems(120)
+    fmt = cot.fit_format(problems)
+    buckets = cot.length_buckets(problems, fmt, source_cuts=2, target_cuts=3, min_size=6)
+    assert len(buckets) >= 3
+    assert sorted(i for _, idx in buckets for i in idx) == list(range(len(problems)))
+    for f, idx in buckets:
+        assert len(idx) >= 6 and f.source_len <= fmt.source_len and f.target_len <= fmt.target_len
+        rows = cot.pack([problems[i] for i in idx], f)  # refuses a problem that does not fit
+        # The format is the bucket's own: its longest question and solution, rounded up to 8
+        # (a target lengthened by 8 where two formats' rows would have the same length).
+        assert f.source_len - 8 < max(len(problems[i].question.encode()) for i in idx)
+        assert f.target_len - 16 < max(len(problems[i].solution_text().encode()) + 1 for i in idx)
+        assert rows.shape == (len(idx), f.row_len)
+    lengths = cot.source_lengths([fmt] + [f for f, _ in buckets])  # row lengths tell S apart
+    assert {lengths[f.row_len] for f, _ in buckets} == {f.source_len for f, _ in buckets}
+    tokens = sum(len(idx) * f.row_len for f, idx in buckets)
+    assert tokens < 0.9 * len(problems) * fmt.row_len  # less padding than one format's
+    # One cell: one bucket of everything, in fmt's own lengths; a min_size above the count too.
+    [(whole, idx)] = cot.length_buckets(problems, fmt, source_cuts=1, target_cuts=1, min_size=1)
+    assert whole == fmt and idx == list(range(len(problems)))
+    assert len(cot.length_buckets(problems, fmt, source_cuts=2, target_cuts=3, min_size=500)) == 1
+    with pytest.raises(ValueError, match=r"`fmt` holds 8 and .*size it with fit_format"):
+        cot.length_buckets(problems, dataclasses.replace(fmt, source_len=8), source_cuts=1,
+                           target_cuts=1, min_size=1)  # fmt: skip
+    with pytest.raises(ValueError, match="length_buckets: `source_cuts` must be an int >= 1"):
+        cot.length_buckets(problems, fmt, source_cuts=0, target_cuts=1, min_size=1)
+    with pytest.raises(TypeError, match="length_buckets: `fmt` must be a CotFormat"):
+        cot.length_buckets(problems, (96, 64), source_cuts=1, target_cuts=1, min_size=1)
+    with pytest.raises(ValueError, match="rows of length 41 would have a source of 16 and of 8"):
+        cot.source_lengths([cot.CotFormat(16, 24), cot.CotFormat(8, 32)])
+
+
+def test_a_buckets_rows_give_the_loss_of_the_same_problems_padded_to_the_longest():
+    """Padding only to a bucket's own lengths changes no loss and no gradient (the sparse model's
+    every switch on: sparsemax attention and outputs, windows, sinks, rotary positions,
+    literals), and the loss reads each batch's source length from its row length."""
+    problems = _problems(40)
+    fmt = cot.fit_format(problems)
+    cfg = dataclasses.replace(TINY, logit_scale=0.125, decoder_window=8, decoder_sinks=2,
+                              decoder_block=8, positions="rotary", embed_mask="magnitude",
+                              literal_tokens=cot.LITERAL_TOKENS, cross_queries="self")  # fmt: skip
+    model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+    buckets = cot.length_buckets(problems, fmt, source_cuts=2, target_cuts=2, min_size=4)
+    assert len(buckets) >= 2
+    source_len = cot.source_lengths([fmt] + [f for f, _ in buckets])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def loss_and_grads(rows):
+        return jax.value_and_grad(
+            lambda p: cot.loss_fn(nnx.merge(graphdef, p, rest), rows, source_len=source_len)[0]
+        )(params)
+
+    f, idx = buckets[0]  # the shortest (the last holds the longest problem: fmt's lengths)
+    chosen = [problems[i] for i in idx]
+    short, padded = cot.pack(chosen, f), cot.pack(chosen, fmt)
+    assert short.shape[1] < padded.shape[1]
+    (a, ga), (b, gb) = loss_and_grads(jnp.asarray(short)), loss_and_grads(jnp.asarray(padded))
+    np.testing.assert_allclose(a, b, rtol=2e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6)
+    with pytest.raises(ValueError, match=r"rows of length 30 are not in `source_len`"):
+        cot.loss_fn(model, jnp.zeros((2, 30), jnp.int32), source_len=source_len)
+
+
 def test_chunked_decoder_equals_greedy_decode():
     cfg = dataclasses.replace(TINY, decoder_window=6, decoder_sinks=1)
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(2))
@@ -531,9 +597,14 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
     from sparse_jax.training.checkpoint import Checkpointer
 
     flags = [*RUN_FLAGS, "--train.steps", "16", "--run.checkpoint-every", "100",
+             "--data.train", "12", "--train.batch-size", "2",
              "--run.cache-dir", str(tmp_path)]  # fmt: skip
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     experiment.run(experiment.parse(["train", *flags, "--run.dir", str(whole)]))
+    # Batches from several length buckets (BucketIterator), whose position the checkpoints keep.
+    buckets = re.search(r"buckets of \(question, solution\) lengths (.*); run folder",
+                        capsys.readouterr().err).group(1)  # fmt: skip
+    assert len(re.findall(r"\d+ x \(\d+, \d+\)", buckets)) >= 2, buckets
     log_line = phase.append_jsonl
 
     def append_jsonl(path, record):

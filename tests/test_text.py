@@ -6,6 +6,7 @@ Everything runs offline (socket connections refused) and writes only under pytes
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import socket
@@ -20,6 +21,7 @@ import tensorflow_datasets as tfds
 from sparse_jax.data import text as text_module
 from sparse_jax.data.text import (
     BatchIterator,
+    BucketIterator,
     PreparedData,
     TextSource,
     make_windows,
@@ -405,6 +407,72 @@ def test_processes_partition_the_global_batch(rows, count):
     np.testing.assert_array_equal(
         next(BatchIterator.from_state(rows, parts[0].state())), next(glob)
     )
+
+
+def _buckets() -> list[np.ndarray]:
+    """Three buckets of widths 3, 5, 7 (7, 9, 4 rows); a row's first entry is 100 * bucket +
+    its index there."""
+    return [
+        100 * b + np.arange(n, dtype=np.int32)[:, None] + np.zeros((1, w), np.int32)
+        for b, (n, w) in enumerate([(7, 3), (9, 5), (4, 7)])
+    ]
+
+
+def test_bucket_iterator_draws_whole_batches_of_one_bucket_each():
+    buckets = _buckets()
+    it = BucketIterator(buckets, 2, seed=3)
+    assert it.steps_per_epoch == 3 + 4 + 2 and it.bucket_sizes == [7, 9, 4]
+    epochs = []
+    for _ in range(3):
+        seen = collections.Counter()
+        rows = []
+        for _ in range(it.steps_per_epoch):
+            batch = next(it)
+            bucket = int(batch[0, 0]) // 100
+            assert batch.shape == (2, buckets[bucket].shape[1]) and batch.dtype == np.int32
+            assert {int(x) // 100 for x in batch[:, 0]} == {bucket}  # one bucket per batch
+            np.testing.assert_array_equal(batch, buckets[bucket][batch[:, 0] % 100])
+            seen[bucket] += 1
+            rows += batch[:, 0].tolist()
+        assert seen == {0: 3, 1: 4, 2: 2}  # every whole batch of every bucket, once an epoch
+        assert len(set(rows)) == len(rows) == 18  # no row twice; one of 7 and of 9 left out
+        epochs.append(rows)
+    assert epochs[0] != epochs[1] != epochs[2]  # a fresh order each epoch
+    same = BucketIterator(buckets, 2, seed=3)
+    other = BucketIterator(buckets, 2, seed=4)
+    a = [next(same)[:, 0].tolist() for _ in range(9)]
+    assert a == [list(p) for p in zip(epochs[0][::2], epochs[0][1::2], strict=True)]
+    assert a != [next(other)[:, 0].tolist() for _ in range(9)]
+
+
+def test_bucket_iterator_resumes_exactly():
+    buckets = _buckets()
+    whole = BucketIterator(buckets, 2, seed=7)
+    full = [next(whole)[:, 0].tolist() for _ in range(20)]
+    it = BucketIterator(buckets, 2, seed=7)
+    head = [next(it)[:, 0].tolist() for _ in range(11)]  # mid-epoch 1
+    state = json.loads(json.dumps(it.state()))  # survives a checkpoint as JSON
+    assert (state["epoch"], state["step"], state["global_step"]) == (1, 2, 11)
+    resumed = BucketIterator.from_state(buckets, state)
+    assert head + [next(resumed)[:, 0].tolist() for _ in range(9)] == full
+    with pytest.raises(ValueError, match=r"taken on buckets of \[7, 9, 4\] rows, but buckets hold"):
+        BucketIterator.from_state(buckets[:2], state)
+    with pytest.raises(ValueError, match=r"state lacks the keys \['bucket_sizes'\]"):
+        BucketIterator.from_state(buckets, {k: v for k, v in state.items() if k != "bucket_sizes"})
+
+
+def test_bucket_iterator_refuses_bad_buckets():
+    buckets = _buckets()
+    with pytest.raises(ValueError, match=r"buckets \[2\] hold \[4\] rows, fewer than batch_size 5"):
+        BucketIterator(buckets, 5)
+    with pytest.raises(TypeError, match="`buckets` must be a non-empty list of arrays"):
+        BucketIterator(buckets[0], 2)
+    with pytest.raises(TypeError, match="`buckets` must be a non-empty list"):
+        BucketIterator([], 2)
+    with pytest.raises(TypeError, match=r"bucket 1 must be a 2-D array \[n_b, L_b\]; got \(9,\)"):
+        BucketIterator([buckets[0], buckets[1][:, 0]], 2)
+    with pytest.raises(ValueError, match="BucketIterator: `batch_size` must be an int >= 1"):
+        BucketIterator(buckets, 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ Three steps, each usable on its own:
 3. :class:`BatchIterator` draws deterministic, resumable batches of windows: its position is
    ``(epoch, step)`` (see :meth:`BatchIterator.state`); epoch ``e`` is shuffled by a permutation
    seeded with ``(seed, e)``; with ``process_count > 1`` each process gets its contiguous slice of
-   the same global batch.
+   the same global batch. :class:`BucketIterator` draws each batch from one of several buckets
+   of rows of their own lengths (examples padded only as far as their bucket needs).
 
 Example (the embedded corpus, byte tokenizer, windows of 257 tokens):
 
@@ -81,6 +82,7 @@ from sparse_jax.validation import check_bool, check_int
 __all__ = [
     "BUILDER_NAME",
     "BatchIterator",
+    "BucketIterator",
     "PreparedData",
     "RandomAccess",
     "SparseJaxText",  # noqa: F822 (defined on first use by __getattr__)
@@ -1214,3 +1216,131 @@ class BatchIterator:
         batch = self._read(self.indices(self._global_step))
         self._global_step += 1
         return batch
+
+
+class BucketIterator:
+    """Deterministic, resumable batches from buckets of rows of their own lengths: each batch
+    is ``[batch_size, L_b]`` rows of one bucket ``b`` (e.g. examples padded only to the longest
+    of their bucket, so that short ones cost less: see ``sparse_jax.cot.length_buckets``).
+
+    Epoch ``e`` draws from ``np.random.default_rng([seed, e])``: each bucket's rows in a random
+    order, cut into batches of ``batch_size`` (a bucket's last incomplete batch is skipped,
+    other rows each epoch), then all buckets' batches in a random order, so that the buckets
+    take turns in proportion to their sizes. Global step ``g`` is step ``g % steps_per_epoch``
+    of epoch ``g // steps_per_epoch``; :meth:`state` is a small JSON-serializable dict and
+    :meth:`from_state` continues exactly where it was taken. One process (the experiments that
+    use it train on one).
+
+    >>> short = np.zeros((5, 3), np.int32); long = np.ones((6, 8), np.int32)
+    >>> it = BucketIterator([short, long], batch_size=2, seed=0)
+    >>> it.steps_per_epoch  # 5 // 2 + 6 // 2
+    5
+    >>> sorted(next(it).shape[1] for _ in range(5))  # an epoch: 2 short batches, 3 long ones
+    [3, 3, 8, 8, 8]
+    >>> state = it.state(); state["epoch"], state["step"]
+    (1, 0)
+    >>> resumed = BucketIterator.from_state([short, long], state)
+    >>> np.array_equal(next(resumed), next(it))
+    True
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[np.ndarray],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        start_step: int = 0,
+    ):
+        if isinstance(buckets, np.ndarray) or not isinstance(buckets, Sequence) or not buckets:
+            raise TypeError(
+                "BucketIterator: `buckets` must be a non-empty list of arrays [n_b, L_b] (one "
+                f"per bucket); got {type(buckets).__name__}"
+            )
+        arrays = []
+        for b, rows in enumerate(buckets):
+            if not isinstance(rows, np.ndarray) or rows.ndim != 2:
+                raise TypeError(
+                    f"BucketIterator: bucket {b} must be a 2-D array [n_b, L_b]; got "
+                    f"{getattr(rows, 'shape', type(rows).__name__)}"
+                )
+            arrays.append(rows)
+        self.buckets = arrays
+        self.batch_size = check_int(batch_size, "batch_size", "BucketIterator", low=1)
+        self.seed = check_int(seed, "seed", "BucketIterator", low=0)
+        small = [b for b, rows in enumerate(arrays) if rows.shape[0] < self.batch_size]
+        if small:
+            sizes = [arrays[b].shape[0] for b in small]
+            raise ValueError(
+                f"BucketIterator: buckets {small} hold {sizes} rows, fewer than batch_size "
+                f"{self.batch_size}: they would never be drawn; merge them into others"
+            )
+        self._global_step = check_int(start_step, "start_step", "BucketIterator", low=0)
+        self._epoch = -1
+        self._order: list[tuple[int, np.ndarray]] = []
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Rows in each bucket."""
+        return [int(rows.shape[0]) for rows in self.buckets]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per epoch: ``sum(n_b // batch_size)``."""
+        return sum(n // self.batch_size for n in self.bucket_sizes)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, step)`` of the next batch."""
+        return divmod(self._global_step, self.steps_per_epoch)
+
+    def state(self) -> dict[str, Any]:
+        """Where the iterator is (the next batch) and how it draws: plain ints."""
+        epoch, step = self.position
+        return {
+            "epoch": epoch,
+            "step": step,
+            "global_step": self._global_step,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "bucket_sizes": self.bucket_sizes,
+        }
+
+    @classmethod
+    def from_state(cls, buckets: Sequence[np.ndarray], state: Mapping[str, Any]) -> BucketIterator:
+        """The iterator that :meth:`state` described, continuing with its next batch."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a dict from BucketIterator.state(), got {state!r:.80}")
+        missing = {"global_step", "seed", "batch_size", "bucket_sizes"} - set(state)
+        if missing:
+            raise ValueError(f"state lacks the keys {sorted(missing)}: got {sorted(state)}")
+        it = cls(buckets, state["batch_size"], seed=state["seed"], start_step=state["global_step"])
+        if list(state["bucket_sizes"]) != it.bucket_sizes:
+            raise ValueError(
+                f"state was taken on buckets of {list(state['bucket_sizes'])} rows, but buckets "
+                f"hold {it.bucket_sizes}: resume on the same prepared data and buckets"
+            )
+        return it
+
+    def epoch_batches(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """Epoch ``epoch``'s batches in order, each ``(bucket, row indices in that bucket)``."""
+        epoch = check_int(epoch, "epoch", "BucketIterator", low=0)
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            batches = []
+            for b, n in enumerate(self.bucket_sizes):
+                order = rng.permutation(n)
+                size = self.batch_size
+                batches += [(b, order[s * size : (s + 1) * size]) for s in range(n // size)]
+            self._order = [batches[i] for i in rng.permutation(len(batches))]
+            self._epoch = epoch
+        return self._order
+
+    def __iter__(self) -> BucketIterator:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        epoch, step = self.position
+        bucket, idx = self.epoch_batches(epoch)[step]
+        self._global_step += 1
+        return np.asarray(self.buckets[bucket][idx], np.int32)
