@@ -1,7 +1,7 @@
 """python -m experiments.cot — chain-of-thought linear algebra: a sparse encoder–decoder against
 its dense baseline of the same size, data, steps and seed (issue 16, the GiantRabbit study).
 
-    python -m experiments.cot                        # train both, then evaluate: ~10 min, 2 cores
+    python -m experiments.cot                        # train both, then evaluate: 8-25 min, 2 cores
     python -m experiments.cot --preset study         # all six kinds, bigger (a GPU): `study()`
     python -m experiments.cot train --run.dir R      # train only (--run.resume continues R)
     python -m experiments.cot eval --run.dir R       # evaluate R's models on its test split
@@ -64,6 +64,8 @@ from sparse_jax.training.loop import TrainConfig
 from sparse_jax.training.stopping import StopRequest
 
 MODELS = ("sparse", "dense")
+# The flags newer than a resumed run's config.json take these values (how its code ran).
+BEFORE_BUCKETS = {"train": {"buckets": [1, 1]}}
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
 SIZES: dict[str, dict[str, Any]] = {
     # 2 x 2 and 2 x 3 matrices, entries in [-3, 3], no fractions in questions, at most 6 steps:
@@ -554,7 +556,8 @@ def train(
         cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
         # The flags that decide the format, the models and their updates must match
         # (flags.CHECKPOINT_FLAGS); the evaluation's may change.
-        check_resume(cfg, folder, kind="chain-of-thought")
+        # (Runs before --train.buckets drew every batch in one format: as `--train.buckets 1 1`.)
+        check_resume(cfg, folder, kind="chain-of-thought", defaults=BEFORE_BUCKETS)
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
         folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"
@@ -565,7 +568,11 @@ def train(
         problems[0], fmt, source_cuts=cfg.train.buckets[0], target_cuts=cfg.train.buckets[1],
         min_size=max(cfg.train.batch_size, len(problems[0]) // 20),
     )  # fmt: skip
-    rows = [cot.pack([problems[0][i] for i in idx], f) for f, idx in buckets]
+    if len(buckets) == 1:  # one format: the rows and batches (BatchIterator) of runs before
+        buckets = [(fmt, list(range(len(problems[0]))))]
+        rows = cot.pack(problems[0], fmt)
+    else:
+        rows = [cot.pack([problems[0][i] for i in idx], f) for f, idx in buckets]
     val_rows = cot.pack(problems[1], fmt)
     source_len = cot.source_lengths([fmt] + [f for f, _ in buckets])
     seconds = {"data": time.perf_counter() - started}

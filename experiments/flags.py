@@ -149,11 +149,13 @@ def check_resume(
     *,
     kind: str,
     only: Iterable[str] = CHECKPOINT_FLAGS,
+    defaults: Mapping[str, Any] | None = None,
 ):
     """Refuses ``--run.resume`` of ``folder`` (``ValueError``) when it holds no ``config.json``
     or when the flags under ``only`` (those that decide what the checkpoints hold; default
     :data:`CHECKPOINT_FLAGS`) differ from those of ``config``, a dataclass of the experiment's
-    flags; the message names each."""
+    flags; the message names each. ``defaults``: the values of flags newer than the run's
+    record, as its code ran them (:func:`changed_flags`)."""
     record = pathlib.Path(folder) / "config.json"
     if not record.is_file():
         raise ValueError(
@@ -162,7 +164,7 @@ def check_resume(
         )
     have = json.loads(record.read_text())
     want = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-    changed = changed_flags(have, want, only=only)
+    changed = changed_flags(have, want, only=only, defaults=defaults)
     if changed:
         raise ValueError(
             f"--run.resume: the flags differ from those of the run in {str(folder)!r} "

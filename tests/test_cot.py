@@ -396,7 +396,7 @@ def test_evaluate_figures_recomputed_independently(run):
         assert overall["attention"][f"{part}_nonzero"] == pytest.approx(allowed, rel=1e-5)
 
 
-def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
+def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     from experiments import cot as experiment
     from sparse_jax.models.encdec import describe
 
@@ -502,6 +502,17 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys):
     with pytest.raises(SystemExit):
         experiment.parse(["train", *run["args"]])
     assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    # A run from before --train.buckets drew its batches in one format: it resumes as `1 1`.
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    record = json.loads((old / "config.json").read_text())
+    del record["train"]["buckets"]
+    (old / "config.json").write_text(json.dumps(record))
+    args = [*RUN_FLAGS, "--run.dir", str(old), "--run.cache-dir", str(folder.parent),
+            "--run.resume"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"--train\.buckets \(run: \[1, 1\], now: \[2, 3\]\)"):
+        experiment.run(experiment.parse(["train", *args]))
+    experiment.run(experiment.parse(["train", *args, "--train.buckets", "1", "1"]))
 
 
 def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
