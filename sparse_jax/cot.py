@@ -251,7 +251,7 @@ def length_buckets(
     that a row's length tells its source length: :func:`loss_fn`'s ``source_len`` mapping,
     :func:`source_lengths`.
 
-    Example (8 problems whose solutions are 2 or 6 steps long, cut in two by solution length):
+    Example (8 problems whose solutions are 2 or 60 steps long, cut in two by solution length):
       >>> short = [linalg_cot.Problem("rref", "A = [[1]]?", ("x",) * 2, "[[1]]")] * 4
       >>> long = [linalg_cot.Problem("rref", "A = [[1]]?", ("x",) * 60, "[[1]]")] * 4
       >>> fmt = fit_format(short + long)

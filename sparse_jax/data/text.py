@@ -1030,7 +1030,33 @@ def _tokenize_splits(
 # Batches.
 
 
-class BatchIterator:
+class _EpochPosition:
+    """What :class:`BatchIterator` and :class:`BucketIterator` share: global step ``g`` is step
+    ``g % steps_per_epoch`` of epoch ``g // steps_per_epoch``, and the state keys of that."""
+
+    _global_step: int
+    seed: int
+    batch_size: int
+    steps_per_epoch: int
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, step)`` of the next batch."""
+        return divmod(self._global_step, self.steps_per_epoch)
+
+    def _state(self, **more: Any) -> dict[str, Any]:
+        epoch, step = self.position
+        return {
+            "epoch": epoch,
+            "step": step,
+            "global_step": self._global_step,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            **more,
+        }
+
+
+class BatchIterator(_EpochPosition):
     """Deterministic, resumable batches of windows: int32 ``[batch_size // process_count, L]``.
 
     Global step ``g`` is step ``g % steps_per_epoch`` of epoch ``g // steps_per_epoch``. Epoch
@@ -1116,25 +1142,14 @@ class BatchIterator:
             return self.num_examples // self.batch_size
         return -(-self.num_examples // self.batch_size)
 
-    @property
-    def position(self) -> tuple[int, int]:
-        """``(epoch, step)`` of the next batch."""
-        return divmod(self._global_step, self.steps_per_epoch)
-
     def state(self) -> dict[str, Any]:
         """Where the iterator is (the next batch) and how it draws: plain ints and bools."""
-        epoch, step = self.position
-        return {
-            "epoch": epoch,
-            "step": step,
-            "global_step": self._global_step,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "shuffle": self.shuffle,
-            "drop_remainder": self.drop_remainder,
-            "num_epochs": self.num_epochs,
-            "num_examples": self.num_examples,
-        }
+        return self._state(
+            shuffle=self.shuffle,
+            drop_remainder=self.drop_remainder,
+            num_epochs=self.num_epochs,
+            num_examples=self.num_examples,
+        )
 
     @classmethod
     def from_state(
@@ -1218,7 +1233,7 @@ class BatchIterator:
         return batch
 
 
-class BucketIterator:
+class BucketIterator(_EpochPosition):
     """Deterministic, resumable batches from buckets of rows of their own lengths: each batch
     is ``[batch_size, L_b]`` rows of one bucket ``b`` (e.g. examples padded only to the longest
     of their bucket, so that short ones cost less: see ``sparse_jax.cot.length_buckets``).
@@ -1289,22 +1304,9 @@ class BucketIterator:
         """Batches per epoch: ``sum(n_b // batch_size)``."""
         return sum(n // self.batch_size for n in self.bucket_sizes)
 
-    @property
-    def position(self) -> tuple[int, int]:
-        """``(epoch, step)`` of the next batch."""
-        return divmod(self._global_step, self.steps_per_epoch)
-
     def state(self) -> dict[str, Any]:
         """Where the iterator is (the next batch) and how it draws: plain ints."""
-        epoch, step = self.position
-        return {
-            "epoch": epoch,
-            "step": step,
-            "global_step": self._global_step,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "bucket_sizes": self.bucket_sizes,
-        }
+        return self._state(bucket_sizes=self.bucket_sizes)
 
     @classmethod
     def from_state(cls, buckets: Sequence[np.ndarray], state: Mapping[str, Any]) -> BucketIterator:
