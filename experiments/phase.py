@@ -7,13 +7,13 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 from tqdm import tqdm
 
 from experiments.flags import resume_command
-from sparse_jax.data.text import BatchIterator, BucketIterator
+from sparse_jax.data.text import BatchIterator, BucketIterator, RandomAccess
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
 from sparse_jax.training.stopping import StopRequest
@@ -50,7 +50,7 @@ def train_phase(
     model,
     loss_fn,
     config: TrainConfig,
-    rows: np.ndarray | Sequence[np.ndarray],
+    rows: RandomAccess | list[np.ndarray],
     *,
     folder: pathlib.Path,
     name: str,
@@ -63,7 +63,8 @@ def train_phase(
 ) -> tuple[Trainer, float]:
     """Trains ``model`` on batches of ``rows`` (``config.batch_size`` rows, shuffled with
     ``config.seed``; a list of arrays: buckets of rows of their own lengths, each batch from
-    one, :class:`~sparse_jax.data.text.BucketIterator`) for ``config.steps`` updates,
+    one, :class:`~sparse_jax.data.text.BucketIterator`; anything else indexable, such as a
+    ``WindowSource``: :class:`~sparse_jax.data.text.BatchIterator`) for ``config.steps`` updates,
     checkpointed every ``checkpoint_every`` in ``folder/checkpoints/<name>`` (``resume``: from
     the last one, batches included); each update's metrics go to ``folder/metrics.jsonl``
     under ``"phase": name`` and metric ``shown`` to the bar. ``evaluate(model) -> dict`` runs
@@ -83,7 +84,7 @@ def train_phase(
     )
     trainer = Trainer(model, loss_fn, config, checkpointer=ckpt)
     state = trainer.restore() if resume else None
-    batches = BatchIterator if isinstance(rows, np.ndarray) else BucketIterator
+    batches = BucketIterator if isinstance(rows, (list, tuple)) else BatchIterator
     if state is not None:
         log(f"{name}: resumed at step {trainer.step} of {config.steps}")
         iterator = batches.from_state(rows, state["iterator"])
