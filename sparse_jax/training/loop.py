@@ -236,7 +236,10 @@ class Trainer:
             lambda x: x.copy(), jax.device_put(self.params, place(self.params))
         )
         self.rest = jax.device_put(self.rest, place(self.rest))
-        self.opt_state = self.tx.init(self.params)
+        # On the shardings the step returns it with: a state from `tx.init` (its counts on no
+        # mesh) would compile the first update twice, once for the first step, once for the rest.
+        opt_state = self.tx.init(self.params)
+        self.opt_state = jax.device_put(opt_state, place(opt_state))
         self.frozen_states = {
             k: jax.device_put(state, place(state)) for k, (_, state) in self.frozen_defs.items()
         }
