@@ -200,8 +200,8 @@ class Model:
 @dataclasses.dataclass(frozen=True)
 class Train:
     steps: int = 3600
-    """Updates of each model (the default's 3,600 fit the issue's time budget on a 2-core CPU;
-    docs/results.md compares them with 2,400 over seeds 0-2)."""
+    """Updates of each model (docs/results.md compares the default's 3,600 with 2,400 over
+    seeds 0-2, and times the default on 2-core CPUs of different speeds)."""
     batch_size: int = 12
     """Problems per update (the default's 12 is sized to the issue's time budget on a 2-core
     CPU: docs/results.md)."""
