@@ -230,19 +230,15 @@ class Trainer:
         self.frozen_defs = {k: nnx.split(m) for k, m in frozen_models.items()}
         # Placement: parameters and moments by the rules, batches on "data".
         place = lambda tree: sharding_lib.param_shardings(tree, self.mesh, rules)[0]
+        put = lambda tree: jax.device_put(tree, place(tree))
         # A copy: the step donates the parameter buffers, which must not be the model's own
         # (or another model's, for a student made from a teacher).
-        self.params = jax.tree.map(
-            lambda x: x.copy(), jax.device_put(self.params, place(self.params))
-        )
-        self.rest = jax.device_put(self.rest, place(self.rest))
+        self.params = jax.tree.map(lambda x: x.copy(), put(self.params))
+        self.rest = put(self.rest)
         # On the shardings the step returns it with: a state from `tx.init` (its counts on no
         # mesh) would compile the first update twice, once for the first step, once for the rest.
-        opt_state = self.tx.init(self.params)
-        self.opt_state = jax.device_put(opt_state, place(opt_state))
-        self.frozen_states = {
-            k: jax.device_put(state, place(state)) for k, (_, state) in self.frozen_defs.items()
-        }
+        self.opt_state = put(self.tx.init(self.params))
+        self.frozen_states = {k: put(state) for k, (_, state) in self.frozen_defs.items()}
         self._shardings = (
             place(self.params),
             place(self.rest),
