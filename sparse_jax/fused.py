@@ -282,11 +282,13 @@ def splash_attention(
 def cudnn_mask_arguments(mask: masks_lib.Mask | None) -> dict[str, Any]:
     """The ``jax.nn.dot_product_attention`` arguments that express ``mask``.
 
-    ``full()`` and None give ``{}``, ``causal()`` gives ``is_causal=True``, ``local(l, 0)``
-    gives ``local_window_size=(l, 0)`` (an unbounded side as the longest possible window is not
-    expressible: both sides must be ints), and ``causal() & local(l, r)`` both. cuDNN's window
-    has no right side of its own: ``local(l, r)`` with ``r > 0`` is only taken under
-    ``causal()`` (``jax.nn.dot_product_attention`` refuses it otherwise).
+    ``full()`` and None give ``{}``, ``causal()`` gives ``is_causal=True``, and
+    ``causal() & local(l, r)`` gives it with ``local_window_size=(l, r)`` (an unbounded side as
+    the longest possible window is not expressible: both sides must be ints). cuDNN takes a
+    window only beside its causal mask (jax passes it as a left bound, ``sliding_window_length
+    = l + 1``): ``local(l, 0)``, which keeps the same keys as ``causal() & local(l, 0)``, is
+    sent as that; ``local(l, r)`` with ``r > 0`` is only taken under ``causal()``
+    (``jax.nn.dot_product_attention`` refuses it otherwise).
 
     Raises:
       ValueError: for any other mask (or one with an offset), naming what is supported.
@@ -317,6 +319,8 @@ def cudnn_mask_arguments(mask: masks_lib.Mask | None) -> dict[str, Any]:
                 "impl='blocksparse' or impl='xla' for other masks"
             )
     right = out.get("local_window_size", (0, 0))[1]
+    if "local_window_size" in out and right == 0:
+        out["is_causal"] = True  # local(l, 0) keeps j <= i already: the same keys
     if right != 0 and "is_causal" not in out:
         raise ValueError(
             f"cudnn_attention: the cuDNN kernel's window has no right side without causal(); "

@@ -77,3 +77,14 @@ if jax.default_backend() != "cpu":
 # Scripts that made the golden values and fixtures once (they import torch/transformers, which
 # are never dependencies): not test modules, and not imported by --doctest-modules.
 collect_ignore_glob = ["golden/make_*.py", "fixtures/make_*.py"]
+
+
+def pytest_runtest_logreport(report):
+    """With SPARSE_JAX_FAILURE_LOG set to a file, each failure's traceback is appended to it as
+    the failure arrives, not only in pytest's summary at the end: a run cut by a time limit (a
+    GPU pass' ``.ci/gpu-check suite``, whose third and fifth runs ended without a summary) keeps
+    them. Under pytest-xdist the controller writes (the workers send it their reports)."""
+    path = os.environ.get("SPARSE_JAX_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -311,7 +311,8 @@ def test_write_killed_midway_resumes_from_the_last_complete_checkpoint(tmp_path,
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
     directory = tmp_path / "ckpt"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep the caller's
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     proc = subprocess.Popen(
         [sys.executable, str(script), str(directory), mode],
         stdout=subprocess.PIPE,

@@ -211,7 +211,8 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
     # 2. Resumed, then killed inside the write of the step-12 checkpoint.
     (tmp_path / "hang_in_write.py").write_text(_HANG_IN_WRITE)
     log = tmp_path / "second.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep the caller's
+    env = dict(os.environ, PYTHONPATH=path)
     cmd = [sys.executable, str(tmp_path / "hang_in_write.py"), *args, "--resume"]
     proc = _start(cmd, log, stdout=subprocess.PIPE, env=env)
     _kill_when(proc, lambda: proc.stdout.readline().strip() == b"WRITING", log)

@@ -233,7 +233,7 @@ def test_splash_bad_arguments(kwargs, error, match):
         (None, {}),
         (full(), {}),
         (causal(), {"is_causal": True}),
-        (local(7, 0), {"local_window_size": (7, 0)}),
+        (local(7, 0), {"is_causal": True, "local_window_size": (7, 0)}),  # same keys
         (local(7, 0) & causal(), {"is_causal": True, "local_window_size": (7, 0)}),
         (causal() & local(7, 2), {"is_causal": True, "local_window_size": (7, 2)}),
     ],

@@ -212,6 +212,8 @@ def test_kernel_arguments_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="`block_q`=64 is not a multiple of 128"):
         pallas_attention(q, k, v, masks.causal().blocks(256, 256, 64, 128), target="mosaic")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="`block_q`=64 is not a multiple"):  # on any machine
+        pallas_attention(q, k, v, masks.causal().blocks(256, 256, 64, 128), target="mosaic")
     with pytest.raises(ValueError, match="target='mosaic' compiles for TPU but the backend is"):
         pallas_attention(q, k, v, masks.causal().blocks(256, 256, 128, 128), target="mosaic")
 
@@ -227,10 +229,15 @@ def test_kernel_arguments_are_checked(monkeypatch):
         ("entmax15-or", False, 2, jnp.bfloat16, (1, 2, 384, 1)),
     ],
 )
-def test_the_kernels_lower_to_mosaic_for_tpus(normalizer, per_head, kv_heads, dtype, bias_shape):
+def test_the_kernels_lower_to_mosaic_for_tpus(
+    normalizer, per_head, kv_heads, dtype, bias_shape, monkeypatch
+):
     """Forward and backward lower through Pallas' Mosaic backend (cross-lowered for TPU on this
     CPU machine: an op that Mosaic cannot express, or a block that breaks its tiling rules,
     fails here; what only libtpu's compiler checks does not)."""
+    # pallas_attention refuses target='mosaic' on a GPU backend (it would compile there); what
+    # this checks, lowering for a TPU, any machine can do: on a GPU it reads as the CPU's
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     q = jnp.zeros((1, 384, 2, 64), dtype)
     k = jnp.zeros((1, 384, kv_heads, 64), dtype)
     window = masks.causal() & (masks.local(150, 0) | masks.sink(4))

@@ -511,7 +511,8 @@ def test_on_two_processes_a_stop_on_one_stops_both_at_the_same_step(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2")
-    env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep the caller's
+    env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": path}
     (tmp_path / "stop.py").write_text(STOP_SCRIPT)
     procs = [
         subprocess.Popen(

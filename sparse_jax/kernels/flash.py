@@ -1720,6 +1720,12 @@ def _prepare(
     if prefetch and target != "triton":
         raise ValueError(f"{caller}: `prefetch` is for the Triton kernels (target='triton'); "
                          f"got target={target!r}")  # fmt: skip
+    backend = {"mosaic": "tpu", "triton": "cpu" if interpret else "gpu"}[target]
+    ok, why = pallas_supports(q, layout, mask=mask if layout.dynamic else None, backend=backend)
+    if not ok:
+        raise ValueError(f"{caller}: {why}; use impl='blocksparse' or impl='xla' for this call")
+    # After the arguments' checks, so that a bad argument is named on any machine. A CPU may
+    # cross-lower for either target (jit(...).trace(...).lower(lowering_platforms=...)).
     platform = {"mosaic": "tpu", "triton": "gpu"}[target]
     if not interpret and jax.default_backend() not in (platform, "cpu"):
         raise ValueError(
@@ -1727,13 +1733,6 @@ def _prepare(
             f"{jax.default_backend()!r}; use target=None (the backend's own kernels) or "
             f"interpret=True"
         )
-    if target == "mosaic":
-        backend = "tpu"
-    else:
-        backend = "cpu" if interpret else jax.default_backend()
-    ok, why = pallas_supports(q, layout, mask=mask if layout.dynamic else None, backend=backend)
-    if not ok:
-        raise ValueError(f"{caller}: {why}; use impl='blocksparse' or impl='xla' for this call")
     interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
     kind, sigma, alpha = normalizer, None, None
