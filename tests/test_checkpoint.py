@@ -28,6 +28,7 @@ from sparse_jax.training.checkpoint import (
     abstract_like,
     check_finite,
 )
+from tests import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -311,8 +312,7 @@ def test_write_killed_midway_resumes_from_the_last_complete_checkpoint(tmp_path,
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
     directory = tmp_path / "ckpt"
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep the caller's
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    env = script_env(JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
         [sys.executable, str(script), str(directory), mode],
         stdout=subprocess.PIPE,

@@ -23,6 +23,7 @@ import pytest
 from experiments import configs, distill, distill_config, distill_phases, measure
 from experiments.distill_run import Run, check_same_config
 from sparse_jax.training.checkpoint import Checkpointer
+from tests import script_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -211,8 +212,7 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
     # 2. Resumed, then killed inside the write of the step-12 checkpoint.
     (tmp_path / "hang_in_write.py").write_text(_HANG_IN_WRITE)
     log = tmp_path / "second.log"
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep the caller's
-    env = dict(os.environ, PYTHONPATH=path)
+    env = script_env()
     cmd = [sys.executable, str(tmp_path / "hang_in_write.py"), *args, "--resume"]
     proc = _start(cmd, log, stdout=subprocess.PIPE, env=env)
     _kill_when(proc, lambda: proc.stdout.readline().strip() == b"WRITING", log)

@@ -7,7 +7,6 @@ The multi-device test runs in a subprocess with 8 forced CPU devices
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,7 @@ from sparse_jax.training.sharding import (
     shard_batch,
     shard_model,
 )
+from tests import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -267,12 +267,7 @@ _MULTI_DEVICE = textwrap.dedent(
 def test_eight_device_mesh_matches_one_device(tmp_path):
     script = tmp_path / "multi_device.py"
     script.write_text(_MULTI_DEVICE)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = script_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=ROOT,

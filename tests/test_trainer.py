@@ -18,6 +18,7 @@ from sparse_jax.models import GPT2, AttentionSpec, GPT2Config
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import TrainConfig, Trainer
 from sparse_jax.training.losses import cross_entropy_loss
+from tests import script_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -510,9 +511,9 @@ def test_on_two_processes_a_stop_on_one_stops_both_at_the_same_step(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2")
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # keep the caller's
-    env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": path}
+    env = script_env(
+        JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}"
+    )
     (tmp_path / "stop.py").write_text(STOP_SCRIPT)
     procs = [
         subprocess.Popen(

@@ -1720,13 +1720,13 @@ def _prepare(
     if prefetch and target != "triton":
         raise ValueError(f"{caller}: `prefetch` is for the Triton kernels (target='triton'); "
                          f"got target={target!r}")  # fmt: skip
-    backend = {"mosaic": "tpu", "triton": "cpu" if interpret else "gpu"}[target]
+    platform = {"mosaic": "tpu", "triton": "gpu"}[target]
+    backend = "cpu" if target == "triton" and interpret else platform  # (Triton interpreted)
     ok, why = pallas_supports(q, layout, mask=mask if layout.dynamic else None, backend=backend)
     if not ok:
         raise ValueError(f"{caller}: {why}; use impl='blocksparse' or impl='xla' for this call")
     # After the arguments' checks, so that a bad argument is named on any machine. A CPU may
     # cross-lower for either target (jit(...).trace(...).lower(lowering_platforms=...)).
-    platform = {"mosaic": "tpu", "triton": "gpu"}[target]
     if not interpret and jax.default_backend() not in (platform, "cpu"):
         raise ValueError(
             f"{caller}: target={target!r} compiles for {platform.upper()} but the backend is "
