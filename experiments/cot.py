@@ -141,6 +141,9 @@ class Model:
     logit_scale: float | None = 0.125
     """The sparse model's attention: a learned per-head factor on QKᵀ/√d, starting at this value
     (None: none; docs/results.md compares starts)."""
+    learn_alpha: bool = False
+    """The sparse model's attention: α-entmax with one α learned per head, starting at
+    --model.normalizer's (sparsemax 2, entmax15 1.5; EncDecConfig.learn_alpha)."""
     output: Literal["softmax", "sparsemax"] = "sparsemax"
     """The sparse model's output distribution and loss (the dense one's: softmax)."""
     embed_keep: float = EncDecConfig.embed_keep

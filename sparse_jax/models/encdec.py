@@ -24,7 +24,9 @@ softmax encoder–decoder of the same size, the baseline):
   ``encoder_window``, outside a window of that many keys either side), then an FFN. With
   ``logit_scale = c`` every attention's scores get a learned factor per head, ``c_h QKᵀ/√d``,
   starting at ``c`` (for sparsemax it sets how many keys a head keeps, not only how peaked its
-  weights are).
+  weights are). With ``learn_alpha`` every attention is α-entmax with one learned α per head,
+  ``α_h = 1 + softplus(θ_h)``, starting at the normalizer's (sparsemax: 2, entmax15: 1.5), so
+  that a head may become denser (α → 1 is softmax) or sparser where the loss asks for it.
 * A chain-of-thought module (``cot_steps = T_c > 0``): ``C_0`` is the encoder output and
   ``R_t = f_t(SparseEmbed(x), C_{t-1})``: the embedded question is added to ``C_{t-1}``, then a
   self-attention and an FFN (each with Add & Norm); ``C_t = R_t ⊙ M_t`` with ``M_t`` each
@@ -72,7 +74,7 @@ from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import topk_mask
 from sparse_jax.normalizers import sparsemax_loss
-from sparse_jax.validation import check_int
+from sparse_jax.validation import check_bool, check_int
 
 __all__ = [
     "EncDecConfig",
@@ -87,6 +89,7 @@ __all__ = [
 
 NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 OUTPUTS = ("softmax", "sparsemax")
+ALPHA_STARTS = {"sparsemax": 2.0, "entmax15": 1.5}  # learn_alpha: each normalizer's α
 EMBED_MASKS = ("random", "magnitude")
 CROSS_QUERIES = ("input", "self")
 POSITIONS = ("sinusoid", "rotary")
@@ -121,6 +124,7 @@ class EncDecConfig:
     d_ff: int = 512  # FFN inner width
     normalizer: str = "sparsemax"  # every attention's normalizer: softmax/sparsemax/entmax15
     logit_scale: float | None = None  # a learned per-head factor on QKᵀ/√d, starting here
+    learn_alpha: bool = False  # α-entmax attention, α learned per head from the normalizer's
     output: Literal["softmax", "sparsemax"] = "sparsemax"  # output distribution and its loss
     embed_keep: float = 0.5  # SparseEmbed: kept fraction of embedding dims, (0, 1] (1: off)
     embed_mask: Literal["random", "magnitude"] = "random"  # which dims SparseEmbed keeps
@@ -174,6 +178,12 @@ class EncDecConfig:
                 f"{caller}: `logit_scale` must be a finite number > 0 or None; "
                 f"got {self.logit_scale!r}"
             )
+        object.__setattr__(self, "learn_alpha", check_bool(self.learn_alpha, "learn_alpha", caller))
+        if self.learn_alpha and self.normalizer not in ALPHA_STARTS:
+            raise ValueError(
+                f"{caller}: `learn_alpha` needs a sparse `normalizer` to start α from "
+                f"({tuple(ALPHA_STARTS)}); got `normalizer`={self.normalizer!r}"
+            )
         if self.output not in OUTPUTS:
             raise ValueError(f"{caller}: unknown `output`={self.output!r}; allowed: {OUTPUTS}")
         if self.cross_queries not in CROSS_QUERIES:
@@ -226,6 +236,7 @@ class EncDecConfig:
             self,
             normalizer="softmax",
             logit_scale=None,
+            learn_alpha=False,
             output="softmax",
             embed_keep=1.0,
             encoder_window=None,
@@ -361,6 +372,11 @@ def keep_largest(x: jax.Array, keep: float) -> jax.Array:
     return jnp.where(m, x, jnp.zeros((), x.dtype))
 
 
+def _softplus_inverse(cfg: EncDecConfig) -> float:
+    """θ with ``1 + softplus(θ)`` the configured normalizer's α (learn_alpha's start)."""
+    return math.log(math.expm1(ALPHA_STARTS[cfg.normalizer] - 1.0))
+
+
 class Attention(nnx.Module):
     """Multi-head attention ``[B, Tq, D]`` x ``[B, Tk, D]`` -> ``[B, Tq, D]`` under the
     configured normalizer and a bool mask broadcastable to ``[B, N, Tq, Tk]`` (True = may
@@ -375,9 +391,18 @@ class Attention(nnx.Module):
             if cfg.logit_scale is None
             else nnx.Param(jnp.full((cfg.num_heads,), math.log(cfg.logit_scale), jnp.float32))
         )
+        self.alpha_logit = (  # learn_alpha: θ [N], α = 1 + softplus(θ)
+            nnx.Param(jnp.full((cfg.num_heads,), _softplus_inverse(cfg), jnp.float32))
+            if cfg.learn_alpha
+            else None
+        )
         self.k = nnx.Linear(d, d, rngs=rngs)
         self.v = nnx.Linear(d, d, rngs=rngs)
         self.o = nnx.Linear(d, d, rngs=rngs)
+
+    def alpha(self) -> jax.Array | None:
+        """Each head's α ``[N]`` with ``learn_alpha`` (else None: the configured normalizer)."""
+        return None if self.alpha_logit is None else 1.0 + jax.nn.softplus(self.alpha_logit[...])
 
     def heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
@@ -405,7 +430,7 @@ class Attention(nnx.Module):
             k,
             v,
             mask=mask,
-            normalizer=self.normalizer,
+            normalizer=self.normalizer if self.alpha_logit is None else self.alpha(),
             return_weights=weights,
             block_size=(block, block),
         )
