@@ -628,6 +628,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
             ),
             "trained_steps": solver.step,
             "final_loss": _final_loss(folder, name),
+            "learned_alphas": solver.model.learned_alphas(),
         }
         seconds[f"eval_{name}"] = time.perf_counter() - lap
         lap = time.perf_counter()
@@ -681,6 +682,14 @@ def _final_loss(folder: pathlib.Path, name: str) -> float | None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("phase") == name and "loss" in r]
     return rows[-1]["loss"] if rows else None
+
+
+def _alpha_lines(alphas: dict[str, list[float]] | None) -> list[str]:
+    """The report's line on the sparse model's learned α per head (--model.learn-alpha)."""
+    if not alphas:
+        return []
+    heads = "; ".join(f"{path} {', '.join(f'{a:.2f}' for a in v)}" for path, v in alphas.items())
+    return ["", f"Learned α-entmax α per head (2: sparsemax, 1.5: entmax15, 1: softmax): {heads}."]
 
 
 def _density(r: dict, part: str) -> float:
@@ -900,6 +909,7 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         "FLOPs: model.flops(question bytes, decoded tokens), a teacher-forced pass counting every "
         "entry the masks allow (sparsemax's zero weights are not subtracted). Device "
         f"{s['device']}; this command's wall time {s['wall_time_s']:.0f} s; phases: {phases}.",
+        *_alpha_lines(models["sparse"].get("learned_alphas")),
         "",
         "Longest question / solution per kind (bytes / tokens, all splits): "
         + "; ".join(

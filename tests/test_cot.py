@@ -436,6 +436,8 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
         assert em[name] == pytest.approx(np.mean(graded))
     assert saved["models"]["dense"]["switches"] == {}
     assert "normalizer" in saved["models"]["sparse"]["switches"]
+    # Without --model.learn-alpha no attention has an α of its own, and the report says none.
+    assert saved["models"]["sparse"]["learned_alphas"] == {} and "Learned α" not in report
     assert "both models: rotary positions, cross-attention queries from the self-attention's" in (
         report
     )
@@ -660,6 +662,24 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
 
 # ---------------------------------------------------------------------------------------------
 # The command line.
+
+
+def test_the_report_gives_each_attentions_learned_alpha_per_head():
+    from experiments import cot as experiment
+
+    cfg = dataclasses.replace(TINY, learn_alpha=True, normalizer="entmax15")
+    model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
+    model.encoder[0].attn.alpha_logit[...] = jnp.log(jnp.expm1(jnp.array([0.25, 1.0])))
+    alphas = model.learned_alphas()
+    assert len(alphas) == cfg.encoder_layers + cfg.cot_steps + 2 * cfg.decoder_layers
+    assert alphas["encoder.0.attn"] == [1.25, 2.0]  # the α set above; the rest start at 1.5
+    assert all(v == [1.5, 1.5] for path, v in alphas.items() if path != "encoder.0.attn")
+    (line,) = [x for x in experiment._alpha_lines(alphas) if x]
+    assert list(alphas) == [  # in the order the model runs them
+        "encoder.0.attn", "cot.0.attn", "decoder.0.self_attn", "decoder.0.cross_attn"]  # fmt: skip
+    assert line.startswith("Learned α-entmax α per head") and "encoder.0.attn 1.25, 2.00;" in line
+    assert all(f"{path} " in line for path in alphas)
+    assert experiment._alpha_lines({}) == []
 
 
 def test_the_default_command_and_the_study_preset():

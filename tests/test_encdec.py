@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparse_jax import sparsemax, sparsemax_loss
+from sparse_jax import entmax, sparsemax, sparsemax_loss
 from sparse_jax.models.encdec import (
     Attention,
     EncDecConfig,
@@ -143,6 +143,45 @@ def test_logit_scale_is_a_learned_factor_on_each_heads_scores():
     scale_grads = [np.asarray(g) for path, g in leaves if "log_scale" in jax.tree_util.keystr(path)]
     assert len(scale_grads) == len(attentions)
     assert all(np.all(g != 0) for g in scale_grads)
+
+
+def test_learn_alpha_runs_alpha_entmax_with_each_heads_learned_alpha():
+    cfg = dataclasses.replace(SPARSE, learn_alpha=True)
+    assert describe(cfg)["learn_alpha"] is True and cfg.dense() == DENSE  # the baseline: none
+    with pytest.raises(TypeError, match="`learn_alpha` must be a bool; got 1"):
+        dataclasses.replace(cfg, learn_alpha=1)
+    model = _model(cfg)
+    attentions = [m for _, m in nnx.iter_graph(model) if isinstance(m, Attention)]
+    assert len(attentions) == 1 + 2 + 2 * 2  # encoder, 2 CoT steps, 2 decoders x (self, cross)
+    for m in attentions:  # from sparsemax's α = 2; entmax15 starts at 1.5
+        np.testing.assert_allclose(m.alpha(), [2.0, 2.0], rtol=1e-6)
+    entmax15 = _model(dataclasses.replace(cfg, normalizer="entmax15"))
+    starts = [m.alpha() for _, m in nnx.iter_graph(entmax15) if isinstance(m, Attention)]
+    np.testing.assert_allclose(np.stack(starts), 1.5, rtol=1e-6)
+    # At α = 2 α-entmax is sparsemax: the same function as the model without the switch.
+    src, lengths, tgt = _batch()
+    np.testing.assert_allclose(
+        model(src, lengths, tgt), _model(SPARSE)(src, lengths, tgt), rtol=1e-4, atol=1e-4
+    )
+    # Each head's weights are α-entmax of its scores with that head's own α.
+    attn = attentions[0]
+    alphas = jnp.array([1.25, 3.0])
+    attn.alpha_logit[...] = jnp.log(jnp.expm1(alphas - 1.0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    k, v = attn.keys_values(x)
+    _, w = attn(x, k, v, jnp.ones((1, 1, 5, 5), bool), weights=True)  # [B, N, Tq, Tk]
+    q = attn.heads(attn.q(x))
+    scores = jnp.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(cfg.head_dim)
+    np.testing.assert_allclose(w, entmax(scores, alphas[:, None]), atol=1e-5)
+    assert not np.allclose(w, entmax(scores, 2.0), atol=1e-3)  # not the start's α
+    # learned: every attention's α gets a gradient
+    where = jnp.ones(tgt.shape, bool)
+    grads = nnx.grad(lambda m: sequence_loss(m, src, lengths, tgt, tgt, where))(model)
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    alpha_grads = [np.asarray(g) for p, g in leaves if "alpha_logit" in jax.tree_util.keystr(p)]
+    assert len(alpha_grads) == len(attentions)
+    assert all(np.isfinite(g).all() for g in alpha_grads)
+    assert sum(np.count_nonzero(g) for g in alpha_grads) > len(attentions)
 
 
 def test_magnitude_embedding_keeps_each_tokens_largest_entries():
@@ -428,6 +467,7 @@ def test_flops_by_hand():
         ({"logit_scale": 0}, r"`logit_scale` must be a finite number > 0 or None; got 0"),
         ({"logit_scale": float("inf")}, "`logit_scale` must be a finite number > 0"),
         ({"logit_scale": True}, "`logit_scale` must be a finite number > 0"),
+        ({"learn_alpha": True, "normalizer": "softmax"}, "`learn_alpha` needs a sparse"),
         ({"literal_tokens": (3, 3, 4)}, r"`literal_tokens` must be None or 3 distinct token"),
         ({"literal_tokens": (3, 4)}, r"`literal_tokens` must be .* got \(3, 4\)"),
         ({"literal_tokens": (3, 4, 13)}, r"in \[0, vocab_size=13\); got \(3, 4, 13\)"),

@@ -724,6 +724,29 @@ class EncoderDecoder(nnx.Module):
 
     # -- what the model is -------------------------------------------------------------------
 
+    def learned_alphas(self) -> dict[str, list[float]]:
+        """Each attention's learned α per head (``learn_alpha``; empty without it), by the
+        attention's path in the model, in the order the model runs them (encoder, chain of
+        thought, decoder).
+
+        Example:
+          >>> cfg = EncDecConfig(vocab_size=11, d_model=16, num_heads=2, d_ff=32, cot_steps=0,
+          ...                    learn_alpha=True)
+          >>> EncoderDecoder(cfg, rngs=nnx.Rngs(0)).learned_alphas()["encoder.0.attn"]
+          [2.0, 2.0]
+        """
+        found = [
+            (path, m)
+            for path, m in nnx.iter_graph(self)
+            if isinstance(m, Attention) and m.alpha_logit is not None
+        ]
+        order = ("encoder", "cot", "decoder")  # paths: (part, layer, attention's name)
+        found.sort(key=lambda it: (order.index(it[0][0]), it[0][1], it[0][-1] == "cross_attn"))
+        return {
+            ".".join(map(str, path)): [round(float(a), 4) for a in np.asarray(m.alpha())]
+            for path, m in found
+        }
+
     def flops(self, source_len: int, target_len: int) -> dict[str, int]:
         """Analytic matmul FLOPs (2 per multiply-add) of one teacher-forced forward pass of one
         question: ``attention_scores`` counts ``QKᵀ`` and ``PV`` over the entries each mask
