@@ -110,6 +110,10 @@ class NormalizersConfig:
     vmapped over rows. Ratios are to softmax when it is included."""
     entmax_alpha: float = 1.3
     """The alpha of the 'entmax' row (> 1)."""
+    entmax_alpha_per_head: bool = False
+    """Give the 'entmax' row its alpha as an array of one alpha per head, [heads, 1], that the
+    program cannot fold into a constant: how a learned alpha reaches it (a python float
+    otherwise)."""
     causal: bool = True
     """Apply a causal mask (key j visible from query i iff j <= i)."""
     mask_mode: Literal["neg_inf", "where"] = "neg_inf"
@@ -166,7 +170,10 @@ Normalizer = Callable[[jax.Array, "jax.Array | None"], jax.Array]
 
 
 def _label(name: NormalizerName, config: NormalizersConfig) -> str:
-    return f"entmax α={config.entmax_alpha:g}" if name == "entmax" else name
+    if name != "entmax":
+        return name
+    per_head = " per head" if config.entmax_alpha_per_head else ""
+    return f"entmax α={config.entmax_alpha:g}{per_head}"
 
 
 def _make_normalizer(name: NormalizerName, config: NormalizersConfig) -> Normalizer:
@@ -177,7 +184,14 @@ def _make_normalizer(name: NormalizerName, config: NormalizersConfig) -> Normali
         fn: Callable[..., jax.Array] = jax.nn.softmax
     else:
         fn = getattr(sparse_jax, name)
-        if name == "entmax":
+        if name == "entmax" and config.entmax_alpha_per_head:
+
+            def fn(x, axis=-1, where=None, _f=fn, _alpha=config.entmax_alpha):
+                # [batch, heads, n, n] scores: one alpha per head, kept from constant folding
+                alpha = jax.lax.optimization_barrier(jnp.full((x.shape[1], 1), _alpha))
+                return _f(x, alpha, axis, where=where)
+
+        elif name == "entmax":
             alpha = config.entmax_alpha
             fn = lambda x, axis=-1, where=None, _f=fn: _f(x, alpha, axis, where=where)
 

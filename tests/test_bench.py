@@ -44,6 +44,24 @@ def test_normalizers_benchmark_prints_a_table_with_every_row(tmp_path, capsys):
     assert "FAILED" not in printed
 
 
+def test_the_entmax_row_takes_one_alpha_per_head_as_an_array(monkeypatch, capsys):
+    import sparse_jax
+
+    seen = []
+
+    def spy(x, alpha, axis=-1, *, where=None, _entmax=sparse_jax.entmax):
+        seen.append((type(alpha), jnp.shape(alpha)))
+        return _entmax(x, alpha, axis, where=where)
+
+    monkeypatch.setattr(sparse_jax, "entmax", spy)
+    flags = ["--which", "softmax", "entmax", "--lengths", "16", "--heads", "2", "--head-dim", "8"]
+    bench.main(["normalizers", *flags, "--repeats", "1", "--entmax-alpha-per-head"])
+    printed = capsys.readouterr().out
+    names = {line.split("|")[1].strip() for line in printed.splitlines() if line.startswith("| ")}
+    assert "entmax α=1.3 per head" in names and "FAILED" not in printed
+    assert seen and all(t is not float and s == (2, 1) for t, s in seen)  # a traced [heads, 1]
+
+
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
