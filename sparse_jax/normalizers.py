@@ -921,11 +921,11 @@ def _entmax_rows(x, eps, sigma):
         return entmax_powers(z, theta, eps, sigma)[0]
 
     if sigma is None:
-        # A per-row choice makes every pass select between the two forms, which on XLA:CPU ran
-        # the search 6-8x slower than one static form (rows [12, 4, 264, 144], α = 1.3 or
-        # 1.8 per head: 145 against 21 ms). So the rows are held as τ, in the static form, when
-        # no row's α is close enough to 1 to need σ (what each row would get alone), and the
-        # per-row choice runs only otherwise. (A static σ form for rows that all need it
+        # A per-row choice makes every pass select between the two forms, which on XLA:CPU can
+        # keep a pass from fusing into its row sums: up to 7x slower than one static form
+        # (docs/benchmarks.md, "α as an array"). So the rows are held as τ, in the static form,
+        # when no row's α is close enough to 1 to need σ (what each row would get alone), and
+        # the per-row choice runs only otherwise. (A static σ form for rows that all need it
         # measured no faster than the per-row choice.)
         near_one = eps <= SIGMA_MAX_EPS
         p = jax.lax.cond(jnp.any(near_one), lambda: solve(near_one), lambda: solve(False))

@@ -208,6 +208,18 @@ def test_axis_and_per_head_alpha():
     )
 
 
+@pytest.mark.parametrize("alphas", [(1.2, 1.7, 2.5), (1.2, 1.0001, 2.5), (1.02, 1.0001, 1.04)])
+def test_per_head_alpha_gives_each_head_what_its_alpha_gives_alone(alphas):
+    # An array α holds every row's threshold in one form when none needs σ (α within 0.05 of
+    # 1), the rows' own forms otherwise; either way each head is what its float α gives.
+    scores = jax.random.normal(jax.random.key(7), (2, 3, 4, 40)) * 3  # [batch, heads, q, kv]
+    where = jnp.arange(40) < jnp.array([40, 25])[:, None, None, None]  # padding
+    per_head = jax.jit(sj.entmax)(scores, jnp.array(alphas)[:, None], where=where)
+    for h, a in enumerate(alphas):
+        alone = sj.entmax(scores[:, h], a, where=where[:, 0])
+        np.testing.assert_allclose(per_head[:, h], alone, atol=1e-6, rtol=0)  # τ for 1.0001: 3e-5
+
+
 def test_composes_with_jit_vmap_and_grad():
     x = jax.random.normal(jax.random.key(5), (4, 9)) * 2
     g = jax.random.normal(jax.random.key(6), (4, 9))
