@@ -96,6 +96,12 @@ def test_values_and_gradients_match_the_xla_reference(case):
         if r is None:
             continue
         g, r = np.float32(g), np.float32(r)
+        if name == "bias" and bias_shape[-1] == 1:
+            # One bias per row shifts the whole row, which no normalizer sees: the gradient is
+            # exactly 0, and both sides are the rounding noise of sums over every score entry
+            # (~1e-5 here; a wrong term in the kernel's dbias gives O(1)).
+            assert np.abs(g).max() <= 1e-3 and np.abs(r).max() <= 1e-3, (g, r)
+            continue
         atol = tol * max(1.0, float(np.abs(r).max())) * (1 if dtype == jnp.float32 else 4)
         np.testing.assert_allclose(g, r, atol=atol, rtol=tol, err_msg=name)
 
