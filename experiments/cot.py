@@ -65,7 +65,7 @@ from sparse_jax.training.stopping import StopRequest
 
 MODELS = ("sparse", "dense")
 # The flags newer than a resumed run's config.json take these values (how its code ran).
-BEFORE_BUCKETS = {"train": {"buckets": [1, 1]}}
+BEFORE_NEWER_FLAGS = {"train": {"buckets": [1, 1]}, "data": {"arithmetic": False}}
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
 SIZES: dict[str, dict[str, Any]] = {
     # 2 x 2 and 2 x 3 matrices, entries in [-3, 3], no fractions in questions, at most 6 steps:
@@ -108,6 +108,9 @@ class Data:
     """Test problems (the evaluation)."""
     seed: int = 0
     """Seed of the generated splits."""
+    arithmetic: bool = False
+    """Row scalings and combinations compute the entries of the row they change in the chain,
+    one by one, before the matrix after them (linalg_cot.GeneratorConfig.arithmetic)."""
 
     def __post_init__(self):
         kinds = self.kinds
@@ -119,7 +122,9 @@ class Data:
         set_ints_at_least(self, "data", train=1, validation=1, test=1, seed=0)
 
     def generator(self) -> linalg_cot.GeneratorConfig:
-        return linalg_cot.GeneratorConfig(kinds=tuple(self.kinds), **SIZES[self.sizes])
+        return linalg_cot.GeneratorConfig(
+            kinds=tuple(self.kinds), arithmetic=self.arithmetic, **SIZES[self.sizes]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -560,7 +565,7 @@ def train(
         # The flags that decide the format, the models and their updates must match
         # (flags.CHECKPOINT_FLAGS); the evaluation's may change.
         # (Runs before --train.buckets drew every batch in one format: as `--train.buckets 1 1`.)
-        check_resume(cfg, folder, kind="chain-of-thought", defaults=BEFORE_BUCKETS)
+        check_resume(cfg, folder, kind="chain-of-thought", defaults=BEFORE_NEWER_FLAGS)
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
         folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"

@@ -504,16 +504,20 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     with pytest.raises(SystemExit):
         experiment.parse(["train", *run["args"]])
     assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
-    # A run from before --train.buckets drew its batches in one format: it resumes as `1 1`.
+    # A run from before --train.buckets drew its batches in one format: it resumes as `1 1`;
+    # one from before --data.arithmetic wrote no arithmetic: it resumes as --data.no-arithmetic.
     old = tmp_path / "old"
     shutil.copytree(folder, old)
     record = json.loads((old / "config.json").read_text())
-    del record["train"]["buckets"]
+    del record["train"]["buckets"], record["data"]["arithmetic"]
     (old / "config.json").write_text(json.dumps(record))
     args = [*RUN_FLAGS, "--run.dir", str(old), "--run.cache-dir", str(folder.parent),
             "--run.resume"]  # fmt: skip
     with pytest.raises(ValueError, match=r"--train\.buckets \(run: \[1, 1\], now: \[2, 3\]\)"):
         experiment.run(experiment.parse(["train", *args]))
+    with pytest.raises(ValueError, match=r"--data\.arithmetic \(run: False, now: True\)"):
+        experiment.run(experiment.parse(
+            ["train", *args, "--train.buckets", "1", "1", "--data.arithmetic"]))  # fmt: skip
     experiment.run(experiment.parse(["train", *args, "--train.buckets", "1", "1"]))
 
 
@@ -705,6 +709,23 @@ def test_the_default_command_and_the_study_preset():
     assert study.train.steps == 7 and study.model.d_model == 256
     assert study.model.config(0).decoder_block == 64  # the fused kernels' fastest GPU tiles
     assert experiment.parse(["train", "--preset", "study"]).data.sizes == "default"
+
+
+def test_data_arithmetic_writes_the_arithmetic_into_the_splits(tmp_path):
+    from experiments import cot as experiment
+
+    flags = ["train", "--data.kinds", "rref", "--data.train", "12", "--data.validation", "2",
+             "--data.test", "2"]  # fmt: skip
+    plain, worked = (
+        experiment._data(experiment.parse(args).data, tmp_path)
+        for args in (flags, [*flags, "--data.arithmetic"])
+    )
+    assert [p.question for p in worked.train] == [p.question for p in plain.train]
+    config = lc.GeneratorConfig(kinds=("rref",), arithmetic=True, **experiment.SIZES["small"])
+    assert list(worked.train) == list(lc.make_splits(12, 2, 2, config=config)["train"])
+    assert worked.dataset_dir != plain.dataset_dir  # each its own dataset
+    assert any(": [" in step for p in worked.train for step in p.steps)
+    assert not any(": [" in step for p in plain.train for step in p.steps)
 
 
 def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_tests():

@@ -7,6 +7,7 @@ splits and the TFDS builder.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -807,6 +808,71 @@ def test_every_step_the_solver_writes_has_a_type():
         lc.step_type(3)
 
 
+_WORKED = re.compile(r"^((?:undo [^:]*: )?[Rs]\d+ = [^:>]*?): \[(.*)\] -> (\[\[.*\]\])$")
+_ADD_TERM = re.compile(
+    r"^(-?\d+(?:/\d+)?)([+-])(\d+(?:/\d+)?)\*\(?(-?\d+(?:/\d+)?)\)?=(-?\d+(?:/\d+)?)$"
+)
+_SCALE_TERM = re.compile(r"^\((-?\d+(?:/\d+)?)\)\*\(?(-?\d+(?:/\d+)?)\)?=(-?\d+(?:/\d+)?)$")
+
+
+def _check_arithmetic(op_text: str, terms: str, before, after: sympy.Matrix) -> None:
+    """Each written term ``a-k*b=c`` / ``(k)*a=c`` is right, its a (and b) are the entries of
+    ``before`` (None: unknown), and its c are the target row of ``after``."""
+    op = op_text.split(": ")[-1]
+    target = int(re.match(r"[Rs](\d+)", op)[1]) - 1
+    results = []
+    for term in terms.split(", "):
+        if m := _ADD_TERM.match(term):
+            a, k, b, c = (sympy.Rational(m[i]) for i in (1, 3, 4, 5))
+            k = -k if m[2] == "-" else k
+            assert _ADD.match(op) and sympy.Rational(_ADD.match(op)[5]) == abs(k), (op, term)
+            assert a + k * b == c, term
+            results.append((a, b, c))
+        else:
+            m = _SCALE_TERM.match(term)
+            assert m, term
+            k, a, c = (sympy.Rational(m[i]) for i in (1, 2, 3))
+            assert _SCALE.match(op) and sympy.Rational(_SCALE.match(op)[3]) == k, (op, term)
+            assert k * a == c, term
+            results.append((a, None, c))
+    assert [c for _, _, c in results] == list(after.row(target)), (op, terms)
+    if before is not None:
+        assert [a for a, _, _ in results] == list(before.row(target)), (op, terms)
+        if _ADD.match(op):
+            source = int(_ADD.match(op)[6]) - 1
+            assert [b for _, b, _ in results] == list(before.row(source)), (op, terms)
+
+
+@pytest.mark.parametrize("kind", lc.KINDS)
+def test_arithmetic_changes_only_the_row_operation_steps(kind):
+    # GeneratorConfig.arithmetic: the same questions and answers, and each row scaling or
+    # combination the same step with the changed row's entries computed before the arrow.
+    worked_steps = 0
+    for config in (lc.GeneratorConfig(), MAXIMA):
+        worked_config = dataclasses.replace(config, arithmetic=True)
+        for seed in range(60):
+            plain, worked = lc.generate(kind, seed, config), lc.generate(kind, seed, worked_config)
+            assert (worked.question, worked.answer) == (plain.question, plain.answer)
+            assert len(worked.steps) == len(plain.steps)
+            # The matrix before the first operation, where the text states one.
+            stated = literals(plain.question) if kind in ("rref", "nullspace") else []
+            before = stated[0] if len(stated) == 1 and "B = " not in plain.steps[0] else None
+            for mine, theirs in zip(worked.steps, plain.steps, strict=True):
+                assert lc.step_type(mine) == lc.step_type(theirs) != "other", mine
+                m = _WORKED.match(mine)
+                if not m:
+                    assert mine == theirs
+                else:
+                    worked_steps += 1
+                    assert lc.step_type(mine) in ("row scaling", "row combination"), mine
+                    assert f"{m[1]} -> {m[3]}" == theirs
+                    _check_arithmetic(m[1], m[2], before, literal(m[3]))
+                if state := re.search(r"\[\[[^A-Za-z]*\]\]$", theirs):
+                    before = literal(state[0])  # the state the next operation starts from
+            assert worked == lc.solve(lc.parse_question(plain.question), arithmetic=True)
+    assert (worked_steps == 0) == (kind == "solvability") and worked_steps in (0, *range(30, 10**4))
+
+
 def test_first_divergence_names_where_and_how_a_chain_leaves_the_reference():
     rref = lc.generate("rref", 2).steps
     assert [lc.step_type(s) for s in rref] == ["row scaling", "row scaling", "row combination"]
@@ -833,6 +899,21 @@ def test_first_divergence_names_where_and_how_a_chain_leaves_the_reference():
          "conclusion: result"),
         ([*column[:-1], "x = [4, 12]"], column, "solution x: result"),
         ([*column[:-1], "free x2 = 0: x = [4, 0]"], column, "solution x: operation"),
+    ]  # fmt: skip
+    # With the arithmetic written (GeneratorConfig.arithmetic): a wrong term is "arithmetic",
+    # right terms and a wrong matrix after them "result".
+    worked = lc.generate("rref", 2, lc.GeneratorConfig(arithmetic=True)).steps
+    operation, terms, state = re.fullmatch(r"(.*): (\[.*\]) -> (.*)", worked[2]).groups()
+    wrong_terms = terms.replace("=", "=1", 1)
+    cases += [
+        (worked, worked, None),
+        ([*worked[:2], f"{operation}: {wrong_terms} -> {state}"], worked,
+         "row combination: arithmetic"),
+        ([*worked[:2], f"{operation}: {terms} -> [[1, 0], [0, 2]]"], worked,
+         "row combination: result"),
+        ([*worked[:2], f"R1 = R1 + 2*R2: {terms} -> {state}"], worked,
+         "row combination: operation"),
+        ([*worked[:2], f"{operation} -> {state}"], worked, "row combination: arithmetic"),
     ]  # fmt: skip
     for written, reference, want in cases:
         assert lc.first_divergence(written, reference) == want, written
@@ -947,6 +1028,10 @@ def test_bad_arguments():
         lc.RowOp("scale", 0, factor=Fraction(0))
     with pytest.raises(ValueError, match="two different rows"):
         lc.RowOp("swap", 1, 1)
+    with pytest.raises(TypeError, match="GeneratorConfig: `arithmetic` must be a bool; got 1"):
+        lc.GeneratorConfig(arithmetic=1)
+    with pytest.raises(TypeError, match="solve: `arithmetic` must be a bool; got 'yes'"):
+        lc.solve(lc.parse_question("What is rref(A) for A = [[2, 4]]?"), arithmetic="yes")
 
 
 def test_importing_the_module_imports_neither_tfds_nor_sympy():

@@ -24,7 +24,10 @@ at or below the current one with a nonzero entry (a fixed rule a model can learn
 needed, scale it so the pivot is 1, then clear the column in every other row, top to bottom.
 A row operation is written ``R1 <-> R2``, ``R2 = (1/3)*R2`` or ``R2 = R2 - 2*R1`` (the factor
 always written), followed by `` -> `` and the whole matrix after it, e.g.
-``R2 = R2 - 2*R1 -> [[1, 2, 0, 3], [0, 0, 1, 1], [0, 0, 2, 2]]``.
+``R2 = R2 - 2*R1 -> [[1, 2, 0, 3], [0, 0, 1, 1], [0, 0, 2, 2]]``. With
+:attr:`GeneratorConfig.arithmetic` a scaling or combination also computes the entries of the row
+it changes, one by one, before the arrow: ``R2 = R2 - 2*R1: [2-2*1=0, 4-2*2=0, 1-2*0=1,
+7-2*3=1] -> [[...]]`` (:func:`row_arithmetic`).
 
 **Training text** (:meth:`Problem.text`): the question on one line, then one line per step,
 then ``Answer: <answer>``; :meth:`Problem.solution_text` is the same without the question (the
@@ -122,6 +125,7 @@ __all__ = [
     "make_splits",
     "parse_question",
     "prepare",
+    "row_arithmetic",
     "solve",
     "split_solution",
     "step_type",
@@ -308,6 +312,7 @@ class _Reduction:
     ops: tuple[RowOp, ...]  # the operations, in order
     states: tuple[Matrix, ...]  # the matrix after each operation
     pivots: tuple[int, ...]  # the pivot column of row 0, 1, ... (in the order they were found)
+    start: Matrix  # the matrix before the first operation
 
 
 def _reduce(matrix: Matrix, columns: Sequence[int] | None = None) -> _Reduction:
@@ -315,6 +320,7 @@ def _reduce(matrix: Matrix, columns: Sequence[int] | None = None) -> _Reduction:
     operation: per column, the first row at or below the current pivot row with a nonzero entry
     is swapped up, scaled to a pivot of 1, and the column is cleared in every other row."""
     m = len(matrix)
+    start = matrix
     columns = range(len(matrix[0])) if columns is None else columns
     ops: list[RowOp] = []
     states: list[Matrix] = []
@@ -342,7 +348,7 @@ def _reduce(matrix: Matrix, columns: Sequence[int] | None = None) -> _Reduction:
                 record(RowOp("add", i, row, -matrix[i][col]))
         pivots.append(col)
         row += 1
-    return _Reduction(matrix, tuple(ops), tuple(states), tuple(pivots))
+    return _Reduction(matrix, tuple(ops), tuple(states), tuple(pivots), start)
 
 
 def _rotate(matrix: Matrix) -> Matrix:
@@ -350,10 +356,61 @@ def _rotate(matrix: Matrix) -> Matrix:
     return tuple(row[::-1] for row in reversed(matrix))
 
 
-def _op_steps(reduction: _Reduction, label: str = "R") -> list[str]:
+def _operand(x: Fraction) -> str:
+    """A number as the right operand of ``*``: in parentheses when negative or a fraction."""
+    text = format_number(x)
+    return f"({text})" if x < 0 or x.denominator != 1 else text
+
+
+def row_arithmetic(op: RowOp, matrix: Matrix) -> str:
+    """Each entry of the row ``op`` changes, computed from ``matrix`` (the matrix before it):
+    ``a-k*b=c`` for ``Ri = Ri - k*Rj``, ``(k)*a=c`` for ``Ri = (k)*Ri``, one per column, in
+    brackets like a vector (so that a model that reads literals, such as the encoder-decoder's
+    ``literal_tokens``, knows each term's column); no spaces inside a term (they would lengthen
+    the chains by a third); empty for a row exchange (nothing is computed).
+
+    The worked solutions write it between the operation and the matrix after it when
+    :attr:`GeneratorConfig.arithmetic` is on, so that each new entry follows its operands.
+
+    Example:
+
+    >>> a = _as_matrix([[1, -1], [2, 1]])
+    >>> row_arithmetic(RowOp("add", target=1, source=0, factor=Fraction(-2)), a)
+    '[2-2*1=0, 1-2*(-1)=3]'
+    >>> row_arithmetic(RowOp("scale", target=1, factor=Fraction(1, 2)), a)
+    '[(1/2)*2=1, (1/2)*1=1/2]'
+    """
+    if op.kind == "swap":
+        return ""
+    after = op.apply(matrix)[op.target]
+    if op.kind == "scale":
+        factor = format_number(op.factor)
+        terms = (f"({factor})*{_operand(a)}" for a in matrix[op.target])
+    else:
+        sign = "-" if op.factor < 0 else "+"
+        factor = format_number(abs(op.factor))
+        terms = (
+            f"{format_number(a)}{sign}{factor}*{_operand(b)}"
+            for a, b in zip(matrix[op.target], matrix[op.source], strict=True)
+        )
+    worked = (f"{term}={format_number(c)}" for term, c in zip(terms, after, strict=True))
+    return f"[{', '.join(worked)}]"
+
+
+def _row_op_step(
+    op: RowOp, before: Matrix, after: Matrix, arithmetic: bool, label: str = "R"
+) -> str:
+    """``R2 = R2 - 2*R1 -> [[...]]``, with :func:`row_arithmetic` of ``op`` on ``before``
+    after a colon when ``arithmetic`` (``after`` is the matrix written after the arrow)."""
+    worked = row_arithmetic(op, before) if arithmetic else ""
+    return f"{op.text(label)}{': ' + worked if worked else ''} -> {format_matrix(after)}"
+
+
+def _op_steps(reduction: _Reduction, arithmetic: bool, label: str = "R") -> list[str]:
+    befores = (reduction.start, *reduction.states)
     return [
-        f"{op.text(label)} -> {format_matrix(state)}"
-        for op, state in zip(reduction.ops, reduction.states, strict=True)
+        _row_op_step(op, before, state, arithmetic, label)
+        for op, before, state in zip(reduction.ops, befores, reduction.states, strict=False)
     ]
 
 
@@ -426,8 +483,8 @@ _STEP_PATTERNS = tuple(
     (name, re.compile(pattern))
     for name, pattern in (
         ("row exchange", r"([Rs]\d+) <-> [Rs]\d+ ->"),
-        ("row scaling", r"([Rs]\d+) = \(-?\d+(?:/\d+)?\)\*\1 ->"),
-        ("row combination", r"([Rs]\d+) = \1 [-+] \d+(?:/\d+)?\*[Rs]\d+ ->"),
+        ("row scaling", r"([Rs]\d+) = \(-?\d+(?:/\d+)?\)\*\1(?: ->|: )"),
+        ("row combination", r"([Rs]\d+) = \1 [-+] \d+(?:/\d+)?\*[Rs]\d+(?: ->|: )"),
         ("augmented matrix", r"(\[A \| b\]|start from \[I \| R \| d\]) = \["),
         ("block matrix", r"B = \["),
         ("already reduced", re.escape(_ALREADY_REDUCED)),
@@ -472,17 +529,27 @@ def step_type(step: str) -> str:
     return next((name for name, pattern in _STEP_PATTERNS if pattern.match(text)), "other")
 
 
-def _operation_and_result(step: str) -> tuple[str, str]:
-    """A step's operation and the state or deduction after it: split at its last `` -> ``,
-    else at its first ``: `` (``r = 1 < n = 8: 7 free variables, ...``), else all result."""
+# A row operation followed by its arithmetic (GeneratorConfig.arithmetic), elimination's
+# "undo <operation>: " included: (operation, arithmetic, matrix after).
+_WORKED_ROW_OP = re.compile(r"((?:undo [^:]*: )?[Rs]\d+ = [^:>]*?): (.*) -> (.*)")
+
+
+def _step_parts(step: str) -> tuple[str, str, str]:
+    """A step's operation, its arithmetic (``""`` unless a row operation writes it) and the
+    state or deduction after it: split at its last `` -> ``, else at its first ``: ``
+    (``r = 1 < n = 8: 7 free variables, ...``), else all result."""
     step = step.strip()
+    worked = _WORKED_ROW_OP.fullmatch(step)
+    if worked:
+        operation, arithmetic, result = worked.groups()
+        return operation.strip(), arithmetic.strip(), result.strip()
     if " -> " in step:
         operation, result = step.rsplit(" -> ", 1)
     elif ": " in step:
         operation, result = step.split(": ", 1)
     else:
         operation, result = "", step
-    return operation.strip(), result.strip()
+    return operation.strip(), "", result.strip()
 
 
 def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | None:
@@ -490,11 +557,13 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
     step is the reference's (the final answer is not looked at).
 
     ``"<step type>: operation"`` when the first differing step does something else (another
-    row operation, another comparison), ``"<step type>: result"`` when it does the same but
-    gets the state or deduction after it wrong (the text after `` -> `` or ``: ``),
-    ``"<step type>: missing"`` when the chain stops before the reference's step, and ``"extra
-    steps"`` when it goes on after the reference's last; the step type (:func:`step_type`)
-    is the reference's. Steps are compared whitespace aside at both ends.
+    row operation, another comparison), ``"<step type>: arithmetic"`` when it does the same
+    but computes the changed row's entries wrong (:attr:`GeneratorConfig.arithmetic`),
+    ``"<step type>: result"`` when it gets the state or deduction after it wrong (the text
+    after `` -> `` or ``: ``), ``"<step type>: missing"`` when the chain stops before the
+    reference's step, and ``"extra steps"`` when it goes on after the reference's last; the
+    step type (:func:`step_type`) is the reference's. Steps are compared whitespace aside at
+    both ends.
 
     Example:
 
@@ -503,6 +572,9 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
     'row combination: result'
     >>> first_divergence(ref[:1], ref), first_divergence(ref, ref)
     ('row combination: missing', None)
+    >>> first_divergence(["R2 = R2 - 2*R1: [2-2*1=0, 5-2*2=3] -> [[1, 2], [0, 3]]"],
+    ...                  ["R2 = R2 - 2*R1: [2-2*1=0, 5-2*2=1] -> [[1, 2], [0, 1]]"])
+    'row combination: arithmetic'
     """
     for name, steps in (("written", written), ("reference", reference)):
         if (
@@ -514,11 +586,13 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
     for mine, theirs in zip(written, reference, strict=False):
         if mine.strip() == theirs.strip():
             continue
-        part = (
-            "result"
-            if _operation_and_result(mine)[0] == _operation_and_result(theirs)[0]
-            else "operation"
-        )
+        my_parts, their_parts = _step_parts(mine), _step_parts(theirs)
+        if my_parts[0] != their_parts[0]:
+            part = "operation"
+        elif my_parts[1] != their_parts[1]:
+            part = "arithmetic"
+        else:
+            part = "result"
         return f"{step_type(theirs)}: {part}"
     if len(written) > len(reference):
         return "extra steps"
@@ -627,8 +701,8 @@ def _nullspace_words(dimension: int, n: int) -> str:
     return f"a {dimension}-dimensional subspace of R^{n}"
 
 
-def _reduction_steps(reduction: _Reduction) -> list[str]:
-    return _op_steps(reduction) or [_ALREADY_REDUCED]
+def _reduction_steps(reduction: _Reduction, arithmetic: bool) -> list[str]:
+    return _op_steps(reduction, arithmetic) or [_ALREADY_REDUCED]
 
 
 def _expand_block(a: Matrix, block: Matrix) -> Matrix:
@@ -637,20 +711,20 @@ def _expand_block(a: Matrix, block: Matrix) -> Matrix:
     )
 
 
-def _solve_rref(p: ParsedQuestion) -> tuple[list[str], str]:
+def _solve_rref(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
     steps = []
     matrix = p.A
     if p.block is not None:
         matrix = _expand_block(p.A, p.block)
         steps.append(f"B = {format_matrix(matrix)}")
     reduction = _reduce(matrix)
-    steps += _reduction_steps(reduction)
+    steps += _reduction_steps(reduction, arithmetic)
     return steps, format_matrix(reduction.matrix)
 
 
-def _solve_nullspace(p: ParsedQuestion) -> tuple[list[str], str]:
+def _solve_nullspace(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
     reduction = _reduce(p.A)
-    steps = _reduction_steps(reduction)
+    steps = _reduction_steps(reduction, arithmetic)
     n = len(p.A[0])
     pivots = sorted(reduction.pivots)
     free = [j for j in range(n) if j not in pivots]
@@ -679,12 +753,12 @@ def _solve_nullspace(p: ParsedQuestion) -> tuple[list[str], str]:
     return steps, f"{listed}; N(A) is {words}"
 
 
-def _solve_column_space(p: ParsedQuestion) -> tuple[list[str], str]:
+def _solve_column_space(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
     n = len(p.A[0])
     augmented = tuple((*row, b_i) for row, b_i in zip(p.A, p.b, strict=True))
     steps = [f"[A | b] = {format_matrix(augmented)}"]
     reduction = _reduce(augmented, columns=range(n))
-    steps += _op_steps(reduction)
+    steps += _op_steps(reduction, arithmetic)
     r = reduction.matrix
     for i, row in enumerate(r):
         if all(x == 0 for x in row[:n]) and row[n] != 0:
@@ -711,7 +785,8 @@ def _solvability_answer(m: int, n: int, r: int, prop: str) -> str:
     return "always" if every_b else "sometimes but not always"
 
 
-def _solve_solvability(p: ParsedQuestion) -> tuple[list[str], str]:
+def _solve_solvability(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+    del arithmetic  # no row operations
     m, n, r = p.rows, p.cols, p.rank
     if r == m:
         first = f"r = m = {m}: C(A) is all of R^{m}, so Ax = b has a solution for every b"
@@ -729,7 +804,7 @@ def _solve_solvability(p: ParsedQuestion) -> tuple[list[str], str]:
     return [first, second, f"so Ax = b has {PROPERTIES[p.solutions]}: {answer}"], answer
 
 
-def _solve_complete_solution(p: ParsedQuestion) -> tuple[list[str], str]:
+def _solve_complete_solution(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
     n, m = len(p.x_p), p.rows
     steps = []
     special_of: dict[int, Vector] = {}
@@ -745,11 +820,12 @@ def _solve_complete_solution(p: ParsedQuestion) -> tuple[list[str], str]:
                 f"independent; got {', '.join(format_vector(s) for s in p.special)}"
             )
         k = len(p.special)
-        for op, state in zip(reduction.ops, reduction.states, strict=True):
+        befores = (reduction.start, *reduction.states)
+        for op, before, state in zip(reduction.ops, befores, reduction.states, strict=False):
             turned = RowOp(op.kind, k - 1 - op.target, k - 1 - op.source, op.factor)
             if op.kind == "scale":
                 turned = RowOp("scale", k - 1 - op.target, factor=op.factor)
-            steps.append(f"{turned.text('s')} -> {format_matrix(_rotate(state))}")
+            steps.append(_row_op_step(turned, _rotate(before), _rotate(state), arithmetic, "s"))
         special_of = {
             n - 1 - col: row[::-1]
             for col, row in zip(reduction.pivots, reduction.matrix, strict=False)
@@ -786,14 +862,14 @@ def _solve_complete_solution(p: ParsedQuestion) -> tuple[list[str], str]:
     return steps, f"R = {format_matrix(r_matrix)}; d = {format_vector(d)}"
 
 
-def _solve_elimination(p: ParsedQuestion) -> tuple[list[str], str]:
+def _solve_elimination(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
     m, n = len(p.R), len(p.R[0])
     state = tuple((*e, *row, d_i) for e, row, d_i in zip(_identity(m), p.R, p.d, strict=True))
     steps = [f"start from [I | R | d] = {format_matrix(state)}"]
     for op in reversed(p.operations):
         undo = op.inverse()
-        state = undo.apply(state)
-        steps.append(f"undo {op.text()}: {undo.text()} -> {format_matrix(state)}")
+        before, state = state, undo.apply(state)
+        steps.append(f"undo {op.text()}: {_row_op_step(undo, before, state, arithmetic)}")
     e_inverse = tuple(row[:m] for row in state)
     a = tuple(row[m : m + n] for row in state)
     b = tuple(row[-1] for row in state)
@@ -877,10 +953,13 @@ def _check_parsed(p: ParsedQuestion) -> None:
         raise ValueError(f"solve: `kind` must be one of {KINDS}; got {kind!r}")
 
 
-def solve(parsed: ParsedQuestion) -> Problem:
+def solve(parsed: ParsedQuestion, *, arithmetic: bool = False) -> Problem:
     """The worked solution and canonical answer of a parsed question (the symbolic solver).
 
     It makes the data and the reference answers for grading; it is never a model's answer.
+    With ``arithmetic``, each row scaling or combination also writes the entries of the row it
+    changes, computed one by one (:func:`row_arithmetic`), between the operation and the
+    matrix after it (:attr:`GeneratorConfig.arithmetic`).
 
     Example:
 
@@ -892,8 +971,9 @@ def solve(parsed: ParsedQuestion) -> Problem:
     """
     if not isinstance(parsed, ParsedQuestion):
         raise TypeError(f"solve: `parsed` must be a ParsedQuestion; got {type(parsed).__name__}")
+    arithmetic = check_bool(arithmetic, "arithmetic", "solve")
     _check_parsed(parsed)
-    steps, answer = _SOLVERS[parsed.kind](parsed)
+    steps, answer = _SOLVERS[parsed.kind](parsed, arithmetic)
     return Problem(parsed.kind, parsed.question, tuple(steps), answer)
 
 
@@ -1421,6 +1501,11 @@ class GeneratorConfig:
     max_number: int = 30
     # A solution has at most this many steps.
     max_steps: int = 16
+    # Whether row scalings and combinations write the entries of the row they change, computed
+    # one by one, between the operation and the matrix after it (:func:`row_arithmetic`):
+    # ``R2 = R2 - 2*R1: [2-2*1=0, 5-2*2=1] -> [[1, 2], [0, 1]]``. Longer chains, each
+    # new entry written right after its operands instead of computed inside the matrix.
+    arithmetic: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -1462,6 +1547,7 @@ class GeneratorConfig:
         check_int(self.max_entry, "max_entry", "GeneratorConfig", low=3, high=99)
         check_int(self.max_number, "max_number", "GeneratorConfig", low=9, high=10**6)
         check_int(self.max_steps, "max_steps", "GeneratorConfig", low=4, high=128)
+        check_bool(self.arithmetic, "arithmetic", "GeneratorConfig")
         for name in ("block_rate", "fraction_rate"):
             value = getattr(self, name)
             if (
@@ -1656,7 +1742,7 @@ def _generate(
         parsed = _draw(rng, kind, cfg, chosen)
         if parsed is None:
             continue
-        problem = solve(parsed)
+        problem = solve(parsed, arithmetic=cfg.arithmetic)
         if _ALREADY_REDUCED in problem.steps:
             continue  # nothing to practise
         if _within_bounds(problem, cfg):
