@@ -799,7 +799,12 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         "# Chain-of-thought linear algebra: sparse encoder–decoder against its dense baseline",
         "",
         f"Kinds: {', '.join(kinds)} ({s['data']['sizes']} sizes; {s['data']['train']} training, "
-        f"{s['data']['test']} test problems, seed {s['data']['seed']})"
+        f"{s['data']['test']} test problems, seed {s['data']['seed']}"
+        + (
+            "; the chains compute each changed row's entries, --data.arithmetic)"
+            if s["data"].get("arithmetic")
+            else ")"
+        )
         + (
             ""
             if len(kinds) == len(linalg_cot.KINDS)

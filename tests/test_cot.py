@@ -438,6 +438,14 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     assert "normalizer" in saved["models"]["sparse"]["switches"]
     # Without --model.learn-alpha no attention has an α of its own, and the report says none.
     assert saved["models"]["sparse"]["learned_alphas"] == {} and "Learned α" not in report
+    # The report says when the chains compute their rows (--data.arithmetic), and only then.
+    assert "--data.arithmetic" not in report
+    worked = tmp_path / "worked"
+    worked.mkdir()
+    experiment._report(worked, {**saved, "data": {**saved["data"], "arithmetic": True}})
+    assert "seed 0; the chains compute each changed row's entries, --data.arithmetic)" in (
+        (worked / "report.md").read_text()
+    )
     assert "both models: rotary positions, cross-attention queries from the self-attention's" in (
         report
     )
