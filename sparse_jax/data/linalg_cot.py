@@ -314,6 +314,10 @@ class _Reduction:
     pivots: tuple[int, ...]  # the pivot column of row 0, 1, ... (in the order they were found)
     start: Matrix  # the matrix before the first operation
 
+    def befores(self) -> tuple[Matrix, ...]:
+        """The matrix before each operation (``start``, then each state but the last)."""
+        return (self.start, *self.states)[: len(self.ops)]
+
 
 def _reduce(matrix: Matrix, columns: Sequence[int] | None = None) -> _Reduction:
     """Gauss-Jordan elimination over ``columns`` (default: all, left to right), recording every
@@ -407,10 +411,11 @@ def _row_op_step(
 
 
 def _op_steps(reduction: _Reduction, arithmetic: bool, label: str = "R") -> list[str]:
-    befores = (reduction.start, *reduction.states)
     return [
         _row_op_step(op, before, state, arithmetic, label)
-        for op, before, state in zip(reduction.ops, befores, reduction.states, strict=False)
+        for op, before, state in zip(
+            reduction.ops, reduction.befores(), reduction.states, strict=True
+        )
     ]
 
 
@@ -820,8 +825,8 @@ def _solve_complete_solution(p: ParsedQuestion, arithmetic: bool) -> tuple[list[
                 f"independent; got {', '.join(format_vector(s) for s in p.special)}"
             )
         k = len(p.special)
-        befores = (reduction.start, *reduction.states)
-        for op, before, state in zip(reduction.ops, befores, reduction.states, strict=False):
+        steps_of = zip(reduction.ops, reduction.befores(), reduction.states, strict=True)
+        for op, before, state in steps_of:
             turned = RowOp(op.kind, k - 1 - op.target, k - 1 - op.source, op.factor)
             if op.kind == "scale":
                 turned = RowOp("scale", k - 1 - op.target, factor=op.factor)
