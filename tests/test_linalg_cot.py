@@ -870,7 +870,7 @@ def test_arithmetic_changes_only_the_row_operation_steps(kind):
                 if state := re.search(r"\[\[[^A-Za-z]*\]\]$", theirs):
                     before = literal(state[0])  # the state the next operation starts from
             assert worked == lc.solve(lc.parse_question(plain.question), arithmetic=True)
-    assert (worked_steps == 0) == (kind == "solvability") and worked_steps in (0, *range(30, 10**4))
+    assert worked_steps == 0 if kind == "solvability" else worked_steps >= 30
 
 
 def test_first_divergence_names_where_and_how_a_chain_leaves_the_reference():
