@@ -564,7 +564,7 @@ def train(
         cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
         # The flags that decide the format, the models and their updates must match
         # (flags.CHECKPOINT_FLAGS); the evaluation's may change.
-        # (Runs before --train.buckets drew every batch in one format: as `--train.buckets 1 1`.)
+        # (A run older than a flag ran it as BEFORE_NEWER_FLAGS says.)
         check_resume(cfg, folder, kind="chain-of-thought", defaults=BEFORE_NEWER_FLAGS)
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(
