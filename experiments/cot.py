@@ -725,6 +725,37 @@ _DIVERGENCES_TEXT = (
 )
 
 
+_ROLES_TEXT = (
+    "Teacher-forced next-token accuracy on the reference chains of the test split "
+    "(cot.reference_accuracy: the model's most likely next token given the reference before "
+    "it), by what the token writes (linalg_cot.solution_roles: the operation, the state or "
+    "deduction after it, the answer line; in chains that write their row arithmetic, the "
+    "terms' operands, factors and results), sparse / dense:"
+)
+
+
+def _roles_table(sparse: dict, dense: dict, kinds: list[str]) -> list[str]:
+    """Markdown lines: per kind, both models' ``reference_roles`` side by side; [] for results
+    from before it (``cot.evaluate`` of older code)."""
+    if "reference_roles" not in sparse["overall"] or "reference_roles" not in dense["overall"]:
+        return []
+    present = {*sparse["overall"]["reference_roles"], *dense["overall"]["reference_roles"]}
+    roles = [r for r in linalg_cot.ROLES if r in present]
+    lines = [
+        "| kind | " + " | ".join(roles) + " |",
+        "|:--|" + "--:|" * len(roles),
+    ]
+    for k in [*kinds, "overall"]:
+        cells = []
+        for role in roles:
+            pair = [_figures(r, k)["reference_roles"].get(role) for r in (sparse, dense)]
+            cells.append(
+                " / ".join("-" if c is None else f"{100 * c['accuracy']:.1f}" for c in pair)
+            )
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _divergence_table(results: dict[str, list[dict]], kinds: list[str], most: int = 3) -> list:
     """Markdown lines: per kind, each model's most frequent first divergences from the reference
     (``cot.evaluate``'s ``divergences``) summed over its ``results``; [] when none has them
@@ -850,6 +881,8 @@ def _report(folder: pathlib.Path, s: dict) -> None:
     divergences = _divergence_table({"sparse": [sp], "dense": [dn]}, list(kinds))
     if divergences:
         lines += ["", _DIVERGENCES_TEXT, "", *divergences]
+    if roles := _roles_table(sp, dn, list(kinds)):
+        lines += ["", _ROLES_TEXT, "", *roles]
     lines += [
         "",
         "Cost. Steps: the chain of thought's step lines (the answer line not counted). "
@@ -1072,7 +1105,32 @@ def _seeds_table(s: dict) -> str:
     if divergences:
         lines += ["", _DIVERGENCES_TEXT.replace("per kind", "per kind over the seeds"), ""]
         lines += divergences
+    roles = _seed_roles_table(s["runs"], s["models"], kinds)
+    if roles:
+        lines += ["", _ROLES_TEXT.replace("sparse / dense:", "the mean over the seeds:"), ""]
+        lines += roles
     return "\n".join(lines) + "\n"
+
+
+def _seed_roles_table(runs: list[dict], models: list[str], kinds: list[str]) -> list[str]:
+    """Markdown lines: per kind and model, ``reference_roles``' accuracy averaged over the
+    seeds (runs evaluated before it existed left out; [] when none has it)."""
+    runs = [r for r in runs if "reference_roles" in r["overall"]]
+    if not runs:
+        return []
+    roles = [r for r in linalg_cot.ROLES if any(r in x["overall"]["reference_roles"] for x in runs)]
+    lines = ["| kind | model | " + " | ".join(roles) + " |", "|:--|:--|" + "--:|" * len(roles)]
+    for k in kinds:
+        for name in models:
+            figures = [_figures(r, k)["reference_roles"] for r in runs if r["model"] == name]
+            cells = [
+                "-"
+                if not figures or any(role not in f for f in figures)
+                else f"{100 * np.mean([f[role]['accuracy'] for f in figures]):.1f}"
+                for role in roles
+            ]
+            lines.append(f"| {k} | {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ __all__ = [
     "most_frequent_answers",
     "pack",
     "read_record",
+    "reference_accuracy",
     "source_lengths",
     "split_rows",
     "write_record",
@@ -596,7 +597,7 @@ class Solver:
         self.decoder = GreedyDecoder(model, max_len=fmt.target_len, chunk=chunk)
         self.kinds = None if kinds is None else tuple(kinds)
         self.step = step
-        self._stats_fn = None
+        self._stats_fn = self._next_fn = None
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -745,6 +746,19 @@ class Solver:
         size = check_int(size, "batch_size", "Solver.answer_batch")
         return [answer for answer, _ in self._decode(list(questions), size)]
 
+    def next_tokens(self, source, source_lengths, target_in) -> np.ndarray:
+        """The most likely next token ``[B, T]`` after each prefix of ``target_in [B, T]``
+        given ``source [B, S]`` and ``source_lengths [B]`` (teacher-forced, jitted)."""
+        if self._next_fn is None:
+            graphdef = self.decoder.graphdef
+
+            def next_tokens(state, src, lens, tgt):
+                return jnp.argmax(nnx.merge(graphdef, state)(src, lens, tgt), axis=-1)
+
+            self._next_fn = jax.jit(next_tokens)
+        out = self._next_fn(self.decoder.state, source, source_lengths, target_in)
+        return np.asarray(jax.device_get(out))
+
     def attention_stats(self, source, source_lengths, target_in) -> dict[str, float]:
         """The model's attention statistics (``return_stats=True``) on a teacher-forced batch:
         per kind of attention the mean non-zero and allowed fractions of keys (jitted)."""
@@ -788,6 +802,60 @@ def _first_step_right(record: Mapping[str, Any]) -> bool:
     return record["steps_matched"] >= 1
 
 
+def reference_accuracy(
+    solver: Solver, problems: Iterable[linalg_cot.Problem], *, batch_size: int | None = None
+) -> dict[str, dict[str, int]]:
+    """Teacher-forced next-token accuracy on the reference solutions, by what each token
+    writes: ``{role: {"right": n, "tokens": m}}`` over the roles of
+    :func:`~sparse_jax.data.linalg_cot.solution_roles` (EOS counted with ``answer``), where
+    ``right`` counts the tokens the model's most likely next token gets right given the
+    reference before it. Exact match grades whole chains; this says which part of a step a
+    model cannot write even from a right start (the row operation, the operands it copies, the
+    entries it computes, the state after). Problems that do not fit ``solver.fmt`` are left
+    out.
+
+    Example:
+      >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
+      >>> problems = [linalg_cot.generate("rref", seed) for seed in range(2)]
+      >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
+      >>> untrained = Solver(EncoderDecoder(cfg, rngs=nnx.Rngs(0)), fit_format(problems))
+      >>> counts = reference_accuracy(untrained, problems)
+      >>> sum(c["tokens"] for c in counts.values()) == sum(
+      ...     encode_solution(p.solution_text()).size for p in problems)
+      True
+    """
+    if not isinstance(solver, Solver):
+        raise TypeError(
+            f"reference_accuracy: `solver` must be a Solver; got {type(solver).__name__}"
+        )
+    problems = [_check_problem(p, "reference_accuracy") for p in problems]
+    size = check_int(
+        solver.batch_size if batch_size is None else batch_size, "batch_size", "reference_accuracy"
+    )
+    fmt = solver.fmt
+    fits = [
+        p
+        for p in problems
+        if encode_question(p.question).size <= fmt.source_len
+        and encode_solution(p.solution_text()).size <= fmt.target_len
+    ]
+    counts: dict[str, dict[str, int]] = {}
+    for start in range(0, len(fits), size):
+        part = fits[start : start + size]
+        rows = pack([part[r % len(part)] for r in range(size)], fmt)  # one compiled shape
+        batch = split_rows(jnp.asarray(rows), fmt.source_len)
+        predicted = solver.next_tokens(batch.source, batch.source_lengths, batch.target_in)
+        target = np.asarray(batch.target_out)
+        for r, p in enumerate(part):
+            roles = (*linalg_cot.solution_roles(p.solution_text()), "answer")  # EOS last
+            right = predicted[r, : len(roles)] == target[r, : len(roles)]
+            for role, ok in zip(roles, right.tolist(), strict=True):
+                entry = counts.setdefault(role, {"right": 0, "tokens": 0})
+                entry["right"] += ok
+                entry["tokens"] += 1
+    return {role: counts[role] for role in linalg_cot.ROLES if role in counts}
+
+
 def evaluate(
     solver: Solver,
     problems: Iterable[linalg_cot.Problem],
@@ -826,7 +894,9 @@ def evaluate(
       chain of thought it wrote, teacher-forced; a batch padded to the next multiple of
       ``stats_multiple`` tokens, whose padding rows count too), the mean over questions of
       each statistic (``*_nonzero``: fraction of keys with a non-zero weight; ``*_allowed``:
-      fraction the masks allow).
+      fraction the masks allow);
+    * ``reference_roles``: :func:`reference_accuracy` on the reference solutions, per role
+      ``{"accuracy": fraction right, "tokens": count}``.
 
     A problem the solver cannot read (too long for its format) is counted as wrong, with its
     ``error``.
@@ -851,10 +921,12 @@ def evaluate(
     flops = functools.cache(lambda s, t: model.flops(s, t)["total"])
     records: list[dict[str, Any] | None] = [None] * len(problems)
     weighted: dict[str, dict[str, list[tuple[float, int]]]] = {}
+    roles: dict[str, dict[str, dict[str, int]]] = {}
     order = [k for k in linalg_cot.KINDS if any(p.kind == k for p in problems)]
     order += sorted({p.kind for p in problems} - set(order))
     for kind in order:
         index = [i for i, p in enumerate(problems) if p.kind == kind]
+        roles[kind] = reference_accuracy(solver, [problems[i] for i in index], batch_size=size)
         for start in range(0, len(index), size):
             part = index[start : start + size]
             decoded = solver._decode([problems[i].question for i in part], size, repeats)
@@ -914,6 +986,12 @@ def evaluate(
         for name in names:
             pairs = [pair for k in kinds for pair in weighted.get(k, {}).get(name, [])]
             attention[name] = sum(v * w for v, w in pairs) / max(sum(w for _, w in pairs), 1)
+        counts = {
+            role: [
+                sum(roles[k].get(role, {}).get(n, 0) for k in kinds) for n in ("right", "tokens")
+            ]
+            for role in linalg_cot.ROLES
+        }
         return {
             "questions": len(rows),
             "exact_match": _mean([float(r["correct"]) for r in rows]),
@@ -942,6 +1020,11 @@ def evaluate(
             "flops_per_question": _mean([r["flops"] for r in decoded]),
             "errors": len(rows) - len(decoded),
             "attention": attention,
+            "reference_roles": {
+                role: {"accuracy": right / tokens, "tokens": tokens}
+                for role, (right, tokens) in counts.items()
+                if tokens
+            },
         }
 
     done = [r for r in records if r is not None]

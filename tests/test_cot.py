@@ -396,6 +396,58 @@ def test_evaluate_figures_recomputed_independently(run):
         assert overall["attention"][f"{part}_nonzero"] == pytest.approx(allowed, rel=1e-5)
 
 
+def test_reference_accuracy_recomputed_one_problem_at_a_time(run):
+    solver = _trained(run["folder"], "dense")
+    fmt = solver.fmt
+    others = [p for p in _problems() if p.kind != "rref"]  # some too long for this run
+    problems = [*run["train"], *run["test"], *others]
+    mine: dict[str, list[int]] = {}
+    left_out = 0
+    for p in problems:
+        question, solution = cot.encode_question(p.question), cot.encode_solution(p.solution_text())
+        if question.size > fmt.source_len or solution.size > fmt.target_len:
+            left_out += 1
+            continue
+        source = np.full((1, fmt.source_len), cot.PAD_ID, np.int32)
+        source[0, : question.size] = question
+        target_in = np.append(cot.BOS_ID, solution[:-1])[None]  # no padding at all
+        logits = solver.model(jnp.asarray(source), jnp.asarray([question.size]),
+                              jnp.asarray(target_in))  # fmt: skip
+        right = np.asarray(jnp.argmax(logits[0], -1)) == solution
+        roles = [*lc.solution_roles(p.solution_text()), "answer"]
+        for role, ok in zip(roles, right.tolist(), strict=True):
+            mine.setdefault(role, [0, 0])
+            mine[role][0] += ok
+            mine[role][1] += 1
+    assert left_out and mine
+    got = cot.reference_accuracy(solver, problems, batch_size=3)  # the last batch padded
+    assert {r: (c["right"], c["tokens"]) for r, c in got.items()} == {
+        r: tuple(v) for r, v in mine.items()
+    }
+    assert list(got) == [r for r in lc.ROLES if r in got]
+    # It learned its four training chains by heart: the tokens of their states are right.
+    learned = cot.reference_accuracy(solver, run["train"])
+    assert learned["state"]["right"] / learned["state"]["tokens"] > 0.95
+    # evaluate's summaries: per kind, and over all kinds the sums.
+    result = cot.evaluate(solver, problems)
+    total = {}
+    for kind in result["kinds"]:
+        counts = cot.reference_accuracy(solver, [p for p in problems if p.kind == kind])
+        want = {r: {"accuracy": c["right"] / c["tokens"], "tokens": c["tokens"]}
+                for r, c in counts.items()}  # fmt: skip
+        assert result["kinds"][kind]["reference_roles"] == want
+        for r, c in counts.items():
+            right, tokens = total.get(r, (0, 0))
+            total[r] = (right + c["right"], tokens + c["tokens"])
+    assert result["overall"]["reference_roles"] == {
+        r: {"accuracy": a / n, "tokens": n} for r, (a, n) in total.items()
+    }
+    with pytest.raises(TypeError, match="`solver` must be a Solver; got EncoderDecoder"):
+        cot.reference_accuracy(solver.model, problems)
+    with pytest.raises(ValueError, match="batch_size"):
+        cot.reference_accuracy(solver, problems, batch_size=0)
+
+
 def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     from experiments import cot as experiment
     from sparse_jax.models.encdec import describe
@@ -481,6 +533,16 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
         cells.append(f"{sum(counts.values())} of {len(rows)} differ" + "".join(
             f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(top)))  # fmt: skip
     assert f"| rref | {cells[0]} | {cells[1]} |" in report
+    # Teacher-forced accuracy by role, recomputed with each trained model.
+    counts = [cot.reference_accuracy(_trained(folder, n), run["test"]) for n in ("sparse", "dense")]
+    roles = [r for r in lc.ROLES if r in counts[0] or r in counts[1]]
+    assert roles == ["operation", "state", "answer"]  # plain chains: no terms
+    assert "\n| kind | operation | state | answer |\n" in report
+    accuracy = [
+        " / ".join(f"{100 * c[r]['right'] / c[r]['tokens']:.1f}" for c in counts) for r in roles
+    ]
+    assert f"| rref | {' | '.join(accuracy)} |" in report
+    assert experiment._roles_table({"overall": {}}, saved["evaluation"]["dense"], ["rref"]) == []
     # Sparsemax leaves most allowed keys at zero weight (softmax none: see above).
     sparse = saved["evaluation"]["sparse"]["overall"]["attention"]
     for part in ("encoder", "decoder_self", "decoder_cross"):
@@ -574,6 +636,14 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
         listed = "".join(f"{', ' if i else ': '}{label} ({n})" for i, (label, n) in enumerate(most))
         cells.append(f"{sum(counts.values())} of {2 * len(test)} differ{listed}")
     assert f"| rref | {cells[0]} | {cells[1]} |" in (top / "seeds.md").read_text()
+    # Teacher-forced accuracy by role, the mean over the seeds, recomputed with each model.
+    for name in ("sparse", "dense"):
+        counts = [
+            cot.reference_accuracy(_trained(top / f"seed-{seed}", name), test) for seed in (3, 0)
+        ]
+        cells = [f"{100 * np.mean([c[r]['right'] / c[r]['tokens'] for c in counts]):.1f}"
+                 for r in ("operation", "state", "answer")]  # fmt: skip
+        assert f"| overall | {name} | {' | '.join(cells)} |" in printed
     for name, values in chains.items():  # the mean row: exact match per kind, chains right
         mean = f"{100 * np.mean([exact[s, name] for s in (3, 0)]):.1f}%"
         assert f"| mean | {name} | {mean} | {mean} | {100 * np.mean(values):.1f}% | | |" in printed

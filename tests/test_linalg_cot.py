@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -871,6 +872,65 @@ def test_arithmetic_changes_only_the_row_operation_steps(kind):
                     before = literal(state[0])  # the state the next operation starts from
             assert worked == lc.solve(lc.parse_question(plain.question), arithmetic=True)
     assert worked_steps == 0 if kind == "solvability" else worked_steps >= 30
+
+
+def _runs(line: str, roles, role: str) -> list[str]:
+    """The maximal stretches of ``line`` whose characters have ``role``."""
+    return [
+        "".join(c for c, _ in group)
+        for is_role, group in itertools.groupby(
+            zip(line, roles, strict=True), lambda x: x[1] == role
+        )
+        if is_role
+    ]
+
+
+@pytest.mark.parametrize("kind", lc.KINDS)
+def test_solution_roles_name_what_each_byte_writes(kind):
+    worked_lines = 0
+    for config in (lc.GeneratorConfig(), MAXIMA):
+        for arithmetic in (False, True):
+            cfg = dataclasses.replace(config, arithmetic=arithmetic)
+            for seed in range(20):
+                problem = lc.generate(kind, seed, cfg)
+                text = problem.solution_text()
+                roles = lc.solution_roles(text)
+                assert len(roles) == len(text.encode()) and set(roles) <= set(lc.ROLES)
+                lines, offset = text.split("\n"), 0
+                for i, line in enumerate(lines):
+                    mine = roles[offset : offset + len(line)]
+                    if i < len(lines) - 1:
+                        assert roles[offset + len(line)] == "state"  # the newline
+                    offset += len(line) + 1
+                    if i == len(lines) - 1:
+                        assert set(mine) == {"answer"} and line.startswith("Answer: ")
+                        continue
+                    operation = lc._step_parts(line)[0]
+                    assert _runs(line, mine, "operation") == ([operation] if operation else [])
+                    assert line.startswith(operation) and mine[-1] == "state", line
+                    worked = _WORKED.match(line)
+                    if not worked:
+                        assert set(mine) <= {"operation", "state"}, line
+                        continue
+                    worked_lines += 1
+                    expected = {"operand": [], "factor": [], "term result": []}
+                    for term in worked[2].split(", "):
+                        multiplied = term[term.index("*") + 1 : term.index("=")]  # (-2) or 2
+                        if m := _ADD_TERM.match(term):
+                            expected["operand"] += [m[1], multiplied]
+                            expected["factor"].append(m[3])
+                        else:
+                            expected["operand"].append(multiplied)
+                            expected["factor"].append(_SCALE_TERM.match(term)[1])
+                        expected["term result"].append(term.rsplit("=", 1)[1])
+                    for role, values in expected.items():
+                        assert _runs(line, mine, role) == values, (line, role)
+                    assert "".join(_runs(line, mine, "state")) == " -> " + worked[3]
+    assert worked_lines == 0 if kind == "solvability" else worked_lines >= 10
+    assert lc.solution_roles("") == ()
+    assert lc.solution_roles("x = [\u00bd]") == ("state",) * 8  # bytes (the ½ takes two)
+    with pytest.raises(TypeError, match="`solution` must be a str; got list"):
+        lc.solution_roles(["R1 = (1/2)*R1 -> [[1]]"])
 
 
 def test_first_divergence_names_where_and_how_a_chain_leaves_the_reference():

@@ -104,6 +104,7 @@ __all__ = [
     "FREQUENCIES",
     "KINDS",
     "PROPERTIES",
+    "ROLES",
     "SPLITS",
     "STEP_TYPES",
     "TEMPLATES",
@@ -126,6 +127,7 @@ __all__ = [
     "parse_question",
     "prepare",
     "row_arithmetic",
+    "solution_roles",
     "solve",
     "split_solution",
     "step_type",
@@ -604,6 +606,75 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
     if len(written) < len(reference):
         return f"{step_type(reference[len(written)])}: missing"
     return None
+
+
+# What each byte of a worked solution writes (solution_roles), in the order of the line.
+ROLES = ("operation", "operand", "factor", "term result", "arithmetic", "state", "answer")
+_NUMBER = r"-?\d+(?:/\d+)?"
+# One term of row_arithmetic: a+k*b=c (a combination) or (k)*a=c (a scaling).
+_TERM = re.compile(
+    rf"(?:(?P<a>{_NUMBER})[-+](?P<k>\d+(?:/\d+)?)\*(?P<b>{_NUMBER}|\({_NUMBER}\))"
+    rf"|\((?P<scale>{_NUMBER})\)\*(?P<x>{_NUMBER}|\({_NUMBER}\)))=(?P<c>{_NUMBER})"
+)
+_TERM_ROLES = {"a": "operand", "b": "operand", "x": "operand", "k": "factor", "scale": "factor"}
+
+
+def _line_roles(line: str) -> list[str]:
+    """The role of each character of one line of a worked solution (see :func:`solution_roles`)."""
+    if line.startswith(ANSWER_PREFIX.strip()):
+        return ["answer"] * len(line)
+    roles = ["state"] * len(line)
+    worked = _WORKED_ROW_OP.fullmatch(line)
+    if worked:
+        roles[: worked.end(1)] = ["operation"] * worked.end(1)
+        start, end = worked.span(2)
+        roles[worked.end(1) : end] = ["arithmetic"] * (end - worked.end(1))
+        for term in _TERM.finditer(line, start, end):
+            for group, role in (*_TERM_ROLES.items(), ("c", "term result")):
+                if term.group(group) is not None:
+                    lo, hi = term.span(group)
+                    roles[lo:hi] = [role] * (hi - lo)
+        return roles
+    operation = line.rfind(" -> ") if " -> " in line else line.find(": ")
+    if operation > 0:
+        roles[:operation] = ["operation"] * operation
+    return roles
+
+
+def solution_roles(solution: str) -> tuple[str, ...]:
+    """What each UTF-8 byte of a worked solution (:meth:`Problem.solution_text`) writes, one
+    name of :data:`ROLES` per byte, so that a model's next-token accuracy on the reference can
+    be told apart by the part of a step it writes:
+
+    * ``operation``: what a step does (``R2 = R2 - 2*R1``, ``r = 1 < n = 8``), the text
+      before its `` -> `` or, without one, its first ``: `` (:func:`first_divergence`'s
+      operation);
+    * with :attr:`GeneratorConfig.arithmetic`, each term of :func:`row_arithmetic`: its
+      ``operand`` entries (read from the matrix before), its ``factor``, its ``term result``
+      (the new entry computed), and ``arithmetic`` for the brackets, signs and separators
+      between them;
+    * ``state``: the state or deduction after the operation (`` -> [[...]]``, ``: 7 free``),
+      the newline that ends the line included, and every line with no operation;
+    * ``answer``: the ``Answer:`` line.
+
+    Example:
+
+    >>> text = "R2 = R2 - 2*R1: [5-2*2=1] -> [[1, 2], [0, 1]]\\nAnswer: [[1, 2], [0, 1]]"
+    >>> roles = solution_roles(text)
+    >>> len(roles) == len(text.encode()), roles[:2], roles[17:22]
+    (True, ('operation', 'operation'), ('operand', 'arithmetic', 'factor', 'arithmetic', 'operand'))
+    >>> roles[22:25], roles[-1]
+    (('arithmetic', 'term result', 'arithmetic'), 'answer')
+    """
+    if not isinstance(solution, str):
+        raise TypeError(f"solution_roles: `solution` must be a str; got {type(solution).__name__}")
+    roles: list[str] = []
+    lines = solution.split("\n")
+    for i, line in enumerate(lines):
+        end = ["state"] if i < len(lines) - 1 else []  # the newline after the line
+        for char, role in zip(line + "\n" * len(end), _line_roles(line) + end, strict=True):
+            roles += [role] * len(char.encode("utf-8"))
+    return tuple(roles)
 
 
 def _canonical_answer(answer: str) -> str:
