@@ -65,7 +65,10 @@ from sparse_jax.training.stopping import StopRequest
 
 MODELS = ("sparse", "dense")
 # The flags newer than a resumed run's config.json take these values (how its code ran).
-BEFORE_NEWER_FLAGS = {"train": {"buckets": [1, 1]}, "data": {"arithmetic": False}}
+BEFORE_NEWER_FLAGS = {
+    "train": {"buckets": [1, 1]},
+    "data": {"arithmetic": False, "products": False},
+}
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
 SIZES: dict[str, dict[str, Any]] = {
     # 2 x 2 and 2 x 3 matrices, entries in [-3, 3], no fractions in questions, at most 6 steps:
@@ -111,8 +114,16 @@ class Data:
     arithmetic: bool = False
     """Row scalings and combinations compute the entries of the row they change in the chain,
     one by one, before the matrix after them (linalg_cot.GeneratorConfig.arithmetic)."""
+    products: bool = False
+    """With --data.arithmetic: each row combination's term writes its product before its sum,
+    a-k*b=a-p=c (linalg_cot.GeneratorConfig.products)."""
 
     def __post_init__(self):
+        if self.products and not self.arithmetic:
+            raise ValueError(
+                "--data.products writes the products of the row arithmetic: it needs "
+                "--data.arithmetic"
+            )
         kinds = self.kinds
         if not kinds or len(set(kinds)) != len(kinds) or set(kinds) - set(linalg_cot.KINDS):
             raise ValueError(
@@ -123,7 +134,10 @@ class Data:
 
     def generator(self) -> linalg_cot.GeneratorConfig:
         return linalg_cot.GeneratorConfig(
-            kinds=tuple(self.kinds), arithmetic=self.arithmetic, **SIZES[self.sizes]
+            kinds=tuple(self.kinds),
+            arithmetic=self.arithmetic,
+            products=self.products,
+            **SIZES[self.sizes],
         )
 
 
@@ -832,7 +846,12 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         f"Kinds: {', '.join(kinds)} ({s['data']['sizes']} sizes; {s['data']['train']} training, "
         f"{s['data']['test']} test problems, seed {s['data']['seed']}"
         + (
-            "; the chains compute each changed row's entries, --data.arithmetic)"
+            "; the chains compute each changed row's entries, --data.arithmetic"
+            + (
+                ", each combination's product first, --data.products)"
+                if s["data"].get("products")
+                else ")"
+            )
             if s["data"].get("arithmetic")
             else ")"
         )

@@ -498,6 +498,11 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     assert "seed 0; the chains compute each changed row's entries, --data.arithmetic)" in (
         (worked / "report.md").read_text()
     )
+    data = {**saved["data"], "arithmetic": True, "products": True}
+    experiment._report(worked, {**saved, "data": data})
+    assert "--data.arithmetic, each combination's product first, --data.products)" in (
+        (worked / "report.md").read_text()
+    )
     assert "both models: rotary positions, cross-attention queries from the self-attention's" in (
         report
     )
@@ -575,11 +580,12 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
         experiment.parse(["train", *run["args"]])
     assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
     # A run from before --train.buckets drew its batches in one format: it resumes as `1 1`;
-    # one from before --data.arithmetic wrote no arithmetic: it resumes as --data.no-arithmetic.
+    # one from before --data.arithmetic wrote no arithmetic: it resumes as --data.no-arithmetic
+    # (and --data.no-products).
     old = tmp_path / "old"
     shutil.copytree(folder, old)
     record = json.loads((old / "config.json").read_text())
-    del record["train"]["buckets"], record["data"]["arithmetic"]
+    del record["train"]["buckets"], record["data"]["arithmetic"], record["data"]["products"]
     (old / "config.json").write_text(json.dumps(record))
     args = [*RUN_FLAGS, "--run.dir", str(old), "--run.cache-dir", str(folder.parent),
             "--run.resume"]  # fmt: skip
@@ -794,16 +800,21 @@ def test_data_arithmetic_writes_the_arithmetic_into_the_splits(tmp_path):
 
     flags = ["train", "--data.kinds", "rref", "--data.train", "12", "--data.validation", "2",
              "--data.test", "2"]  # fmt: skip
-    plain, worked = (
+    plain, worked, products = (
         experiment._data(experiment.parse(args).data, tmp_path)
-        for args in (flags, [*flags, "--data.arithmetic"])
-    )
+        for args in (flags, [*flags, "--data.arithmetic"], [*flags, "--data.arithmetic",
+                                                            "--data.products"])
+    )  # fmt: skip
     assert [p.question for p in worked.train] == [p.question for p in plain.train]
+    assert [p.question for p in products.train] == [p.question for p in plain.train]
     config = lc.GeneratorConfig(kinds=("rref",), arithmetic=True, **experiment.SIZES["small"])
     assert list(worked.train) == list(lc.make_splits(12, 2, 2, config=config)["train"])
-    assert worked.dataset_dir != plain.dataset_dir  # each its own dataset
+    config = dataclasses.replace(config, products=True)
+    assert list(products.train) == list(lc.make_splits(12, 2, 2, config=config)["train"])
+    assert len({worked.dataset_dir, plain.dataset_dir, products.dataset_dir}) == 3
     assert any(": [" in step for p in worked.train for step in p.steps)
     assert not any(": [" in step for p in plain.train for step in p.steps)
+    assert [p.steps for p in products.train] != [p.steps for p in worked.train]
 
 
 def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_tests():
@@ -826,6 +837,7 @@ def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_t
         (["--train.lr", "-1"], "--train.lr must be a number > 0; got -1.0"),
         (["--data.kinds", "rref", "eigen"], r"--data.kinds must be distinct kinds of .*'eigen'"),
         (["--data.test", "0"], "--data.test must be an int >= 1; got 0"),
+        (["--data.products"], "--data.products writes the products .* needs --data.arithmetic"),
         (["--model.num-heads", "3"], "--model.num-heads: .*`num_heads`=3 must divide"),
         (["--model.embed-keep", "0"], r"--model.embed-keep: .*`embed_keep` must be in \(0, 1\]"),
         (

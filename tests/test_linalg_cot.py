@@ -811,23 +811,31 @@ def test_every_step_the_solver_writes_has_a_type():
 
 _WORKED = re.compile(r"^((?:undo [^:]*: )?[Rs]\d+ = [^:>]*?): \[(.*)\] -> (\[\[.*\]\])$")
 _ADD_TERM = re.compile(
-    r"^(-?\d+(?:/\d+)?)([+-])(\d+(?:/\d+)?)\*\(?(-?\d+(?:/\d+)?)\)?=(-?\d+(?:/\d+)?)$"
+    r"^(-?\d+(?:/\d+)?)([+-])(\d+(?:/\d+)?)\*\(?(-?\d+(?:/\d+)?)\)?"
+    r"(?:=(-?\d+(?:/\d+)?)([+-])(\d+(?:/\d+)?))?=(-?\d+(?:/\d+)?)$"
 )
 _SCALE_TERM = re.compile(r"^\((-?\d+(?:/\d+)?)\)\*\(?(-?\d+(?:/\d+)?)\)?=(-?\d+(?:/\d+)?)$")
 
 
-def _check_arithmetic(op_text: str, terms: str, before, after: sympy.Matrix) -> None:
-    """Each written term ``a-k*b=c`` / ``(k)*a=c`` is right, its a (and b) are the entries of
-    ``before`` (None: unknown), and its c are the target row of ``after``."""
+def _check_arithmetic(
+    op_text: str, terms: str, before, after: sympy.Matrix, products: bool = False
+) -> None:
+    """Each written term ``a-k*b=c`` (``a-k*b=a-p=c`` with ``products``) / ``(k)*a=c`` is
+    right, its a (and b) are the entries of ``before`` (None: unknown), and its c are the
+    target row of ``after``."""
     op = op_text.split(": ")[-1]
     target = int(re.match(r"[Rs](\d+)", op)[1]) - 1
     results = []
     for term in terms.split(", "):
         if m := _ADD_TERM.match(term):
-            a, k, b, c = (sympy.Rational(m[i]) for i in (1, 3, 4, 5))
+            a, k, b, c = (sympy.Rational(m[i]) for i in (1, 3, 4, 8))
             k = -k if m[2] == "-" else k
             assert _ADD.match(op) and sympy.Rational(_ADD.match(op)[5]) == abs(k), (op, term)
             assert a + k * b == c, term
+            assert (m[5] is not None) == products, term
+            if products:  # the first operand again, then the product signed into the sum
+                product = sympy.Rational(m[7]) * (-1 if m[6] == "-" else 1)
+                assert (sympy.Rational(m[5]), product) == (a, k * b), term
             results.append((a, b, c))
         else:
             m = _SCALE_TERM.match(term)
@@ -874,6 +882,35 @@ def test_arithmetic_changes_only_the_row_operation_steps(kind):
     assert worked_steps == 0 if kind == "solvability" else worked_steps >= 30
 
 
+@pytest.mark.parametrize("kind", ["rref", "nullspace", "column_space", "elimination"])
+def test_products_change_only_the_combinations_terms(kind):
+    # GeneratorConfig.products: the same problems as with the arithmetic alone, each
+    # combination's term with its product written before its sum, every term right.
+    combinations = 0
+    for config in (
+        lc.GeneratorConfig(arithmetic=True),
+        dataclasses.replace(MAXIMA, arithmetic=True),
+    ):
+        for seed in range(30):
+            terms = lc.generate(kind, seed, config)
+            mine = lc.generate(kind, seed, dataclasses.replace(config, products=True))
+            assert (mine.question, mine.answer, len(mine.steps)) == (
+                terms.question, terms.answer, len(terms.steps))  # fmt: skip
+            for step, plain in zip(mine.steps, terms.steps, strict=True):
+                m = _WORKED.match(step)
+                if not m or lc.step_type(step) != "row combination":
+                    assert step == plain
+                    continue
+                combinations += 1
+                assert step != plain and lc.step_type(plain) == "row combination"
+                # Dropping each "=a+p" gives the term without its product.
+                assert re.sub(r"=-?[\d/]+[+-][\d/]+(?==)", "", step) == plain
+                _check_arithmetic(m[1], m[2], None, literal(m[3]), products=True)
+            problem = lc.solve(lc.parse_question(terms.question), arithmetic=True, products=True)
+            assert mine == problem
+    assert combinations >= 20
+
+
 def _runs(line: str, roles, role: str) -> list[str]:
     """The maximal stretches of ``line`` whose characters have ``role``."""
     return [
@@ -889,8 +926,8 @@ def _runs(line: str, roles, role: str) -> list[str]:
 def test_solution_roles_name_what_each_byte_writes(kind):
     worked_lines = 0
     for config in (lc.GeneratorConfig(), MAXIMA):
-        for arithmetic in (False, True):
-            cfg = dataclasses.replace(config, arithmetic=arithmetic)
+        for arithmetic, products in ((False, False), (True, False), (True, True)):
+            cfg = dataclasses.replace(config, arithmetic=arithmetic, products=products)
             for seed in range(20):
                 problem = lc.generate(kind, seed, cfg)
                 text = problem.solution_text()
@@ -913,12 +950,13 @@ def test_solution_roles_name_what_each_byte_writes(kind):
                         assert set(mine) <= {"operation", "state"}, line
                         continue
                     worked_lines += 1
-                    expected = {"operand": [], "factor": [], "term result": []}
+                    expected = {"operand": [], "factor": [], "product": [], "term result": []}
                     for term in worked[2].split(", "):
                         multiplied = term[term.index("*") + 1 : term.index("=")]  # (-2) or 2
                         if m := _ADD_TERM.match(term):
-                            expected["operand"] += [m[1], multiplied]
+                            expected["operand"] += [m[1], multiplied, *([m[5]] if m[5] else [])]
                             expected["factor"].append(m[3])
+                            expected["product"] += [m[7]] if m[7] else []
                         else:
                             expected["operand"].append(multiplied)
                             expected["factor"].append(_SCALE_TERM.match(term)[1])
@@ -1092,6 +1130,12 @@ def test_bad_arguments():
         lc.GeneratorConfig(arithmetic=1)
     with pytest.raises(TypeError, match="solve: `arithmetic` must be a bool; got 'yes'"):
         lc.solve(lc.parse_question("What is rref(A) for A = [[2, 4]]?"), arithmetic="yes")
+    with pytest.raises(ValueError, match=r"GeneratorConfig: `products`=True .* needs `arithm"):
+        lc.GeneratorConfig(products=True)
+    with pytest.raises(TypeError, match="solve: `products` must be a bool; got 1"):
+        lc.solve(
+            lc.parse_question("What is rref(A) for A = [[2, 4]]?"), arithmetic=True, products=1
+        )
 
 
 def test_importing_the_module_imports_neither_tfds_nor_sympy():

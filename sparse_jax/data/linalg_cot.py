@@ -27,7 +27,8 @@ always written), followed by `` -> `` and the whole matrix after it, e.g.
 ``R2 = R2 - 2*R1 -> [[1, 2, 0, 3], [0, 0, 1, 1], [0, 0, 2, 2]]``. With
 :attr:`GeneratorConfig.arithmetic` a scaling or combination also computes the entries of the row
 it changes, one by one, before the arrow: ``R2 = R2 - 2*R1: [2-2*1=0, 4-2*2=0, 1-2*0=1,
-7-2*3=1] -> [[...]]`` (:func:`row_arithmetic`).
+7-2*3=1] -> [[...]]`` (:func:`row_arithmetic`), and with :attr:`GeneratorConfig.products` each
+combination's product before its sum: ``[2-2*1=2-2=0, ...]``.
 
 **Training text** (:meth:`Problem.text`): the question on one line, then one line per step,
 then ``Answer: <answer>``; :meth:`Problem.solution_text` is the same without the question (the
@@ -82,6 +83,7 @@ Answer: yes; x = [1, 2]
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import hashlib
 import json
@@ -362,18 +364,38 @@ def _rotate(matrix: Matrix) -> Matrix:
     return tuple(row[::-1] for row in reversed(matrix))
 
 
+class _Arithmetic(enum.Enum):
+    """How the worked solutions write row operations (:func:`solve`'s two switches)."""
+
+    OFF = "off"  # the operation and the matrix after it
+    TERMS = "terms"  # with the changed row's entries computed (row_arithmetic)
+    PRODUCTS = "products"  # ... each combination's product written before its sum
+
+    @classmethod
+    def of(cls, arithmetic: bool, products: bool, caller: str) -> _Arithmetic:
+        arithmetic = check_bool(arithmetic, "arithmetic", caller)
+        if check_bool(products, "products", caller) and not arithmetic:
+            raise ValueError(
+                f"{caller}: `products`=True writes the products of the row arithmetic; it "
+                "needs `arithmetic`=True"
+            )
+        return cls.PRODUCTS if products else cls.TERMS if arithmetic else cls.OFF
+
+
 def _operand(x: Fraction) -> str:
     """A number as the right operand of ``*``: in parentheses when negative or a fraction."""
     text = format_number(x)
     return f"({text})" if x < 0 or x.denominator != 1 else text
 
 
-def row_arithmetic(op: RowOp, matrix: Matrix) -> str:
+def row_arithmetic(op: RowOp, matrix: Matrix, *, products: bool = False) -> str:
     """Each entry of the row ``op`` changes, computed from ``matrix`` (the matrix before it):
     ``a-k*b=c`` for ``Ri = Ri - k*Rj``, ``(k)*a=c`` for ``Ri = (k)*Ri``, one per column, in
     brackets like a vector (so that a model that reads literals, such as the encoder-decoder's
     ``literal_tokens``, knows each term's column); no spaces inside a term (they would lengthen
-    the chains by a third); empty for a row exchange (nothing is computed).
+    the chains by a third); empty for a row exchange (nothing is computed). With ``products``,
+    a combination's term writes its product before the sum, ``a-k*b=a-p=c`` with ``p = k*b``
+    signed into the sum (``3-2*(-1)=3+2=5``), so that no single token computes both.
 
     The worked solutions write it between the operation and the matrix after it when
     :attr:`GeneratorConfig.arithmetic` is on, so that each new entry follows its operands.
@@ -383,6 +405,8 @@ def row_arithmetic(op: RowOp, matrix: Matrix) -> str:
     >>> a = _as_matrix([[1, -1], [2, 1]])
     >>> row_arithmetic(RowOp("add", target=1, source=0, factor=Fraction(-2)), a)
     '[2-2*1=0, 1-2*(-1)=3]'
+    >>> row_arithmetic(RowOp("add", target=1, source=0, factor=Fraction(-2)), a, products=True)
+    '[2-2*1=2-2=0, 1-2*(-1)=1+2=3]'
     >>> row_arithmetic(RowOp("scale", target=1, factor=Fraction(1, 2)), a)
     '[(1/2)*2=1, (1/2)*1=1/2]'
     """
@@ -391,28 +415,35 @@ def row_arithmetic(op: RowOp, matrix: Matrix) -> str:
     after = op.apply(matrix)[op.target]
     if op.kind == "scale":
         factor = format_number(op.factor)
-        terms = (f"({factor})*{_operand(a)}" for a in matrix[op.target])
+        terms = [f"({factor})*{_operand(a)}" for a in matrix[op.target]]
     else:
         sign = "-" if op.factor < 0 else "+"
         factor = format_number(abs(op.factor))
-        terms = (
-            f"{format_number(a)}{sign}{factor}*{_operand(b)}"
-            for a, b in zip(matrix[op.target], matrix[op.source], strict=True)
-        )
+        terms = []
+        for a, b in zip(matrix[op.target], matrix[op.source], strict=True):
+            term = f"{format_number(a)}{sign}{factor}*{_operand(b)}"
+            if products:
+                added = op.factor * b
+                term += f"={format_number(a)}{'-' if added < 0 else '+'}{format_number(abs(added))}"
+            terms.append(term)
     worked = (f"{term}={format_number(c)}" for term, c in zip(terms, after, strict=True))
     return f"[{', '.join(worked)}]"
 
 
 def _row_op_step(
-    op: RowOp, before: Matrix, after: Matrix, arithmetic: bool, label: str = "R"
+    op: RowOp, before: Matrix, after: Matrix, arithmetic: _Arithmetic, label: str = "R"
 ) -> str:
     """``R2 = R2 - 2*R1 -> [[...]]``, with :func:`row_arithmetic` of ``op`` on ``before``
-    after a colon when ``arithmetic`` (``after`` is the matrix written after the arrow)."""
-    worked = row_arithmetic(op, before) if arithmetic else ""
+    after a colon when ``arithmetic`` asks for it (``after``: the matrix after the arrow)."""
+    worked = (
+        row_arithmetic(op, before, products=arithmetic is _Arithmetic.PRODUCTS)
+        if arithmetic is not _Arithmetic.OFF
+        else ""
+    )
     return f"{op.text(label)}{': ' + worked if worked else ''} -> {format_matrix(after)}"
 
 
-def _op_steps(reduction: _Reduction, arithmetic: bool, label: str = "R") -> list[str]:
+def _op_steps(reduction: _Reduction, arithmetic: _Arithmetic, label: str = "R") -> list[str]:
     return [
         _row_op_step(op, before, state, arithmetic, label)
         for op, before, state in zip(
@@ -609,14 +640,35 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
 
 
 # What each byte of a worked solution writes (solution_roles), in the order of the line.
-ROLES = ("operation", "operand", "factor", "term result", "arithmetic", "state", "answer")
+ROLES = (
+    "operation",
+    "operand",
+    "factor",
+    "product",
+    "term result",
+    "arithmetic",
+    "state",
+    "answer",
+)
 _NUMBER = r"-?\d+(?:/\d+)?"
-# One term of row_arithmetic: a+k*b=c (a combination) or (k)*a=c (a scaling).
+_UNSIGNED = r"\d+(?:/\d+)?"
+# One term of row_arithmetic: a+k*b=c (a combination; a+k*b=a+p=c with its product) or
+# (k)*a=c (a scaling).
 _TERM = re.compile(
-    rf"(?:(?P<a>{_NUMBER})[-+](?P<k>\d+(?:/\d+)?)\*(?P<b>{_NUMBER}|\({_NUMBER}\))"
+    rf"(?:(?P<a>{_NUMBER})[-+](?P<k>{_UNSIGNED})\*(?P<b>{_NUMBER}|\({_NUMBER}\))"
+    rf"(?:=(?P<again>{_NUMBER})[-+](?P<p>{_UNSIGNED}))?"
     rf"|\((?P<scale>{_NUMBER})\)\*(?P<x>{_NUMBER}|\({_NUMBER}\)))=(?P<c>{_NUMBER})"
 )
-_TERM_ROLES = {"a": "operand", "b": "operand", "x": "operand", "k": "factor", "scale": "factor"}
+_TERM_ROLES = {
+    "a": "operand",
+    "b": "operand",
+    "x": "operand",
+    "again": "operand",
+    "k": "factor",
+    "scale": "factor",
+    "p": "product",
+    "c": "term result",
+}
 
 
 def _line_roles(line: str) -> list[str]:
@@ -630,7 +682,7 @@ def _line_roles(line: str) -> list[str]:
         start, end = worked.span(2)
         roles[worked.end(1) : end] = ["arithmetic"] * (end - worked.end(1))
         for term in _TERM.finditer(line, start, end):
-            for group, role in (*_TERM_ROLES.items(), ("c", "term result")):
+            for group, role in _TERM_ROLES.items():
                 if term.group(group) is not None:
                     lo, hi = term.span(group)
                     roles[lo:hi] = [role] * (hi - lo)
@@ -650,9 +702,10 @@ def solution_roles(solution: str) -> tuple[str, ...]:
       before its `` -> `` or, without one, its first ``: `` (:func:`first_divergence`'s
       operation);
     * with :attr:`GeneratorConfig.arithmetic`, each term of :func:`row_arithmetic`: its
-      ``operand`` entries (read from the matrix before), its ``factor``, its ``term result``
-      (the new entry computed), and ``arithmetic`` for the brackets, signs and separators
-      between them;
+      ``operand`` entries (read from the matrix before; with :attr:`GeneratorConfig.products`
+      also the first one again before the product), its ``factor``, its ``product`` (with
+      products), its ``term result`` (the new entry computed), and ``arithmetic`` for the
+      brackets, signs and separators between them;
     * ``state``: the state or deduction after the operation (`` -> [[...]]``, ``: 7 free``),
       the newline that ends the line included, and every line with no operation;
     * ``answer``: the ``Answer:`` line.
@@ -777,7 +830,7 @@ def _nullspace_words(dimension: int, n: int) -> str:
     return f"a {dimension}-dimensional subspace of R^{n}"
 
 
-def _reduction_steps(reduction: _Reduction, arithmetic: bool) -> list[str]:
+def _reduction_steps(reduction: _Reduction, arithmetic: _Arithmetic) -> list[str]:
     return _op_steps(reduction, arithmetic) or [_ALREADY_REDUCED]
 
 
@@ -787,7 +840,7 @@ def _expand_block(a: Matrix, block: Matrix) -> Matrix:
     )
 
 
-def _solve_rref(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+def _solve_rref(p: ParsedQuestion, arithmetic: _Arithmetic) -> tuple[list[str], str]:
     steps = []
     matrix = p.A
     if p.block is not None:
@@ -798,7 +851,7 @@ def _solve_rref(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
     return steps, format_matrix(reduction.matrix)
 
 
-def _solve_nullspace(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+def _solve_nullspace(p: ParsedQuestion, arithmetic: _Arithmetic) -> tuple[list[str], str]:
     reduction = _reduce(p.A)
     steps = _reduction_steps(reduction, arithmetic)
     n = len(p.A[0])
@@ -829,7 +882,7 @@ def _solve_nullspace(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], st
     return steps, f"{listed}; N(A) is {words}"
 
 
-def _solve_column_space(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+def _solve_column_space(p: ParsedQuestion, arithmetic: _Arithmetic) -> tuple[list[str], str]:
     n = len(p.A[0])
     augmented = tuple((*row, b_i) for row, b_i in zip(p.A, p.b, strict=True))
     steps = [f"[A | b] = {format_matrix(augmented)}"]
@@ -861,7 +914,7 @@ def _solvability_answer(m: int, n: int, r: int, prop: str) -> str:
     return "always" if every_b else "sometimes but not always"
 
 
-def _solve_solvability(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+def _solve_solvability(p: ParsedQuestion, arithmetic: _Arithmetic) -> tuple[list[str], str]:
     del arithmetic  # no row operations
     m, n, r = p.rows, p.cols, p.rank
     if r == m:
@@ -880,7 +933,7 @@ def _solve_solvability(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], 
     return [first, second, f"so Ax = b has {PROPERTIES[p.solutions]}: {answer}"], answer
 
 
-def _solve_complete_solution(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+def _solve_complete_solution(p: ParsedQuestion, arithmetic: _Arithmetic) -> tuple[list[str], str]:
     n, m = len(p.x_p), p.rows
     steps = []
     special_of: dict[int, Vector] = {}
@@ -938,7 +991,7 @@ def _solve_complete_solution(p: ParsedQuestion, arithmetic: bool) -> tuple[list[
     return steps, f"R = {format_matrix(r_matrix)}; d = {format_vector(d)}"
 
 
-def _solve_elimination(p: ParsedQuestion, arithmetic: bool) -> tuple[list[str], str]:
+def _solve_elimination(p: ParsedQuestion, arithmetic: _Arithmetic) -> tuple[list[str], str]:
     m, n = len(p.R), len(p.R[0])
     state = tuple((*e, *row, d_i) for e, row, d_i in zip(_identity(m), p.R, p.d, strict=True))
     steps = [f"start from [I | R | d] = {format_matrix(state)}"]
@@ -1029,13 +1082,14 @@ def _check_parsed(p: ParsedQuestion) -> None:
         raise ValueError(f"solve: `kind` must be one of {KINDS}; got {kind!r}")
 
 
-def solve(parsed: ParsedQuestion, *, arithmetic: bool = False) -> Problem:
+def solve(parsed: ParsedQuestion, *, arithmetic: bool = False, products: bool = False) -> Problem:
     """The worked solution and canonical answer of a parsed question (the symbolic solver).
 
     It makes the data and the reference answers for grading; it is never a model's answer.
     With ``arithmetic``, each row scaling or combination also writes the entries of the row it
     changes, computed one by one (:func:`row_arithmetic`), between the operation and the
-    matrix after it (:attr:`GeneratorConfig.arithmetic`).
+    matrix after it (:attr:`GeneratorConfig.arithmetic`); with ``products`` too, each
+    combination's term writes its product before its sum (:attr:`GeneratorConfig.products`).
 
     Example:
 
@@ -1047,9 +1101,9 @@ def solve(parsed: ParsedQuestion, *, arithmetic: bool = False) -> Problem:
     """
     if not isinstance(parsed, ParsedQuestion):
         raise TypeError(f"solve: `parsed` must be a ParsedQuestion; got {type(parsed).__name__}")
-    arithmetic = check_bool(arithmetic, "arithmetic", "solve")
+    worked = _Arithmetic.of(arithmetic, products, "solve")
     _check_parsed(parsed)
-    steps, answer = _SOLVERS[parsed.kind](parsed, arithmetic)
+    steps, answer = _SOLVERS[parsed.kind](parsed, worked)
     return Problem(parsed.kind, parsed.question, tuple(steps), answer)
 
 
@@ -1582,6 +1636,9 @@ class GeneratorConfig:
     # ``R2 = R2 - 2*R1: [2-2*1=0, 5-2*2=1] -> [[1, 2], [0, 1]]``. Longer chains, each
     # new entry written right after its operands instead of computed inside the matrix.
     arithmetic: bool = False
+    # With arithmetic: whether each combination's term writes its product before its sum,
+    # ``a-k*b=a-p=c`` (:func:`row_arithmetic`'s ``products``): ``2-2*1=2-2=0``.
+    products: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -1623,7 +1680,7 @@ class GeneratorConfig:
         check_int(self.max_entry, "max_entry", "GeneratorConfig", low=3, high=99)
         check_int(self.max_number, "max_number", "GeneratorConfig", low=9, high=10**6)
         check_int(self.max_steps, "max_steps", "GeneratorConfig", low=4, high=128)
-        check_bool(self.arithmetic, "arithmetic", "GeneratorConfig")
+        _Arithmetic.of(self.arithmetic, self.products, "GeneratorConfig")
         for name in ("block_rate", "fraction_rate"):
             value = getattr(self, name)
             if (
@@ -1818,10 +1875,12 @@ def _generate(
         parsed = _draw(rng, kind, cfg, chosen)
         if parsed is None:
             continue
-        problem = solve(parsed, arithmetic=cfg.arithmetic)
+        problem = solve(parsed)
         if _ALREADY_REDUCED in problem.steps:
             continue  # nothing to practise
-        if _within_bounds(problem, cfg):
+        if _within_bounds(problem, cfg):  # of the plain chain: the same draws with arithmetic
+            if cfg.arithmetic:
+                problem = solve(parsed, arithmetic=True, products=cfg.products)
             return parsed, problem
     raise ValueError(
         f"generate: no {kind} problem within the bounds of {cfg} after {_MAX_DRAWS} draws; "
