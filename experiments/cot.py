@@ -744,7 +744,7 @@ _ROLES_TEXT = (
     "(cot.reference_accuracy: the model's most likely next token given the reference before "
     "it), by what the token writes (linalg_cot.solution_roles: the operation, the state or "
     "deduction after it, the answer line; in chains that write their row arithmetic, the "
-    "terms' operands, factors and results), sparse / dense:"
+    "terms' operands, factors, products and results), sparse / dense:"
 )
 
 
