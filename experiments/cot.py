@@ -744,28 +744,36 @@ _ROLES_TEXT = (
     "(cot.reference_accuracy: the model's most likely next token given the reference before "
     "it), by what the token writes (linalg_cot.solution_roles: the operation, the state or "
     "deduction after it, the answer line; in chains that write their row arithmetic, the "
-    "terms' operands, factors, products and results), sparse / dense:"
+    "terms' operands, factors, products and results), {models}:"
 )
 
 
-def _roles_table(sparse: dict, dense: dict, kinds: list[str]) -> list[str]:
-    """Markdown lines: per kind, both models' ``reference_roles`` side by side; [] for results
-    from before it (``cot.evaluate`` of older code)."""
-    if "reference_roles" not in sparse["overall"] or "reference_roles" not in dense["overall"]:
+def _roles_table(results: dict[str, list[dict]], kinds: list[str]) -> list[str]:
+    """Markdown lines: per kind and role, each model's ``reference_roles`` accuracy averaged
+    over its ``results``, the models side by side in one cell (``-`` where one of its results
+    lacks the role); [] when no result has them (``cot.evaluate`` of older code)."""
+    results = {
+        name: [r for r in rs if "reference_roles" in r["overall"]] for name, rs in results.items()
+    }
+    present = {
+        role for rs in results.values() for r in rs for role in r["overall"]["reference_roles"]
+    }
+    if not present:
         return []
-    present = {*sparse["overall"]["reference_roles"], *dense["overall"]["reference_roles"]}
     roles = [r for r in linalg_cot.ROLES if r in present]
-    lines = [
-        "| kind | " + " | ".join(roles) + " |",
-        "|:--|" + "--:|" * len(roles),
-    ]
-    for k in [*kinds, "overall"]:
+    lines = ["| kind | " + " | ".join(roles) + " |", "|:--|" + "--:|" * len(roles)]
+    for k in kinds:
         cells = []
         for role in roles:
-            pair = [_figures(r, k)["reference_roles"].get(role) for r in (sparse, dense)]
-            cells.append(
-                " / ".join("-" if c is None else f"{100 * c['accuracy']:.1f}" for c in pair)
-            )
+            means = []
+            for rs in results.values():
+                figures = [_figures(r, k)["reference_roles"] for r in rs]
+                means.append(
+                    "-"
+                    if not figures or any(role not in f for f in figures)
+                    else f"{100 * np.mean([f[role]['accuracy'] for f in figures]):.1f}"
+                )
+            cells.append(" / ".join(means))
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return lines
 
@@ -900,8 +908,8 @@ def _report(folder: pathlib.Path, s: dict) -> None:
     divergences = _divergence_table({"sparse": [sp], "dense": [dn]}, list(kinds))
     if divergences:
         lines += ["", _DIVERGENCES_TEXT, "", *divergences]
-    if roles := _roles_table(sp, dn, list(kinds)):
-        lines += ["", _ROLES_TEXT, "", *roles]
+    if roles := _roles_table({"sparse": [sp], "dense": [dn]}, [*kinds, "overall"]):
+        lines += ["", _ROLES_TEXT.format(models="sparse / dense"), "", *roles]
     lines += [
         "",
         "Cost. Steps: the chain of thought's step lines (the answer line not counted). "
@@ -1124,32 +1132,11 @@ def _seeds_table(s: dict) -> str:
     if divergences:
         lines += ["", _DIVERGENCES_TEXT.replace("per kind", "per kind over the seeds"), ""]
         lines += divergences
-    roles = _seed_roles_table(s["runs"], s["models"], kinds)
+    roles = _roles_table(by_model, kinds)
     if roles:
-        lines += ["", _ROLES_TEXT.replace("sparse / dense:", "the mean over the seeds:"), ""]
-        lines += roles
+        models = " / ".join(s["models"]) + ", the mean over the seeds"
+        lines += ["", _ROLES_TEXT.format(models=models), "", *roles]
     return "\n".join(lines) + "\n"
-
-
-def _seed_roles_table(runs: list[dict], models: list[str], kinds: list[str]) -> list[str]:
-    """Markdown lines: per kind and model, ``reference_roles``' accuracy averaged over the
-    seeds (runs evaluated before it existed left out; [] when none has it)."""
-    runs = [r for r in runs if "reference_roles" in r["overall"]]
-    if not runs:
-        return []
-    roles = [r for r in linalg_cot.ROLES if any(r in x["overall"]["reference_roles"] for x in runs)]
-    lines = ["| kind | model | " + " | ".join(roles) + " |", "|:--|:--|" + "--:|" * len(roles)]
-    for k in kinds:
-        for name in models:
-            figures = [_figures(r, k)["reference_roles"] for r in runs if r["model"] == name]
-            cells = [
-                "-"
-                if not figures or any(role not in f for f in figures)
-                else f"{100 * np.mean([f[role]['accuracy'] for f in figures]):.1f}"
-                for role in roles
-            ]
-            lines.append(f"| {k} | {name} | " + " | ".join(cells) + " |")
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------

@@ -547,7 +547,12 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
         " / ".join(f"{100 * c[r]['right'] / c[r]['tokens']:.1f}" for c in counts) for r in roles
     ]
     assert f"| rref | {' | '.join(accuracy)} |" in report
-    assert experiment._roles_table({"overall": {}}, saved["evaluation"]["dense"], ["rref"]) == []
+    # Results from before the figure: none at all gives no table, one model's gives dashes.
+    older = {"overall": {}, "kinds": {"rref": {}}}
+    assert experiment._roles_table({"sparse": [older], "dense": [older]}, ["rref"]) == []
+    mixed = experiment._roles_table(
+        {"sparse": [older], "dense": [saved["evaluation"]["dense"]]}, ["rref"])  # fmt: skip
+    assert mixed[2] == "| rref | " + " | ".join(f"- / {a.split(' / ')[1]}" for a in accuracy) + " |"
     # Sparsemax leaves most allowed keys at zero weight (softmax none: see above).
     sparse = saved["evaluation"]["sparse"]["overall"]["attention"]
     for part in ("encoder", "decoder_self", "decoder_cross"):
@@ -643,13 +648,16 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
         cells.append(f"{sum(counts.values())} of {2 * len(test)} differ{listed}")
     assert f"| rref | {cells[0]} | {cells[1]} |" in (top / "seeds.md").read_text()
     # Teacher-forced accuracy by role, the mean over the seeds, recomputed with each model.
+    means = {}
     for name in ("sparse", "dense"):
         counts = [
             cot.reference_accuracy(_trained(top / f"seed-{seed}", name), test) for seed in (3, 0)
         ]
-        cells = [f"{100 * np.mean([c[r]['right'] / c[r]['tokens'] for c in counts]):.1f}"
-                 for r in ("operation", "state", "answer")]  # fmt: skip
-        assert f"| overall | {name} | {' | '.join(cells)} |" in printed
+        means[name] = [f"{100 * np.mean([c[r]['right'] / c[r]['tokens'] for c in counts]):.1f}"
+                       for r in ("operation", "state", "answer")]  # fmt: skip
+    cells = [f"{a} / {b}" for a, b in zip(means["sparse"], means["dense"], strict=True)]
+    assert "sparse / dense, the mean over the seeds:" in printed
+    assert f"| overall | {' | '.join(cells)} |" in printed
     for name, values in chains.items():  # the mean row: exact match per kind, chains right
         mean = f"{100 * np.mean([exact[s, name] for s in (3, 0)]):.1f}%"
         assert f"| mean | {name} | {mean} | {mean} | {100 * np.mean(values):.1f}% | | |" in printed
