@@ -8,7 +8,7 @@ its dense baseline of the same size, data, steps and seed (issue 16, the GiantRa
     python -m experiments.cot ask "What is rref(A) for A = [[2, 4], [1, 3]]?" --run.dir R
     python -m experiments.cot seeds --seeds 0 1 2    # each model at each seed: the spread
 
-The task is :mod:`sparse_jax.data.linalg_cot` (the question as bytes into the encoder, the worked
+The task is :mod:`sparse_jax.data.linalg_cot` (the question as tokens into the encoder, the worked
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
 the sparse model (:class:`~sparse_jax.models.encdec.EncDecConfig`'s sparse switches: sparsemax
 attention, its scores scaled by a learned factor per head that starts at 0.125, sparsemax
@@ -68,6 +68,7 @@ MODELS = ("sparse", "dense")
 BEFORE_NEWER_FLAGS = {
     "train": {"buckets": [1, 1]},
     "data": {"arithmetic": False, "products": False},
+    "model": {"numbers": 0},
 }
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
 SIZES: dict[str, dict[str, Any]] = {
@@ -201,6 +202,9 @@ class Model:
     """Both models: learned embeddings of where each token sits in a matrix or vector
     literal (depth, row, column: EncDecConfig.literal_tokens), in the question and the
     solution (--model.no-literals: none; docs/results.md compares)."""
+    numbers: int = 0
+    """Both models: each integer n with |n| < this many one token, its minus sign included
+    unless the minus subtracts (sparse_jax.cot.CotFormat.numbers); 0: every byte a token."""
 
     def __post_init__(self):
         try:
@@ -214,8 +218,9 @@ class Model:
         """The sparse model's config (its baseline: ``.dense()``)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         literal_tokens = cot.LITERAL_TOKENS if fields.pop("literals") else None
+        vocab_size = cot.CotFormat(numbers=fields.pop("numbers")).vocab_size
         return EncDecConfig(
-            vocab_size=cot.VOCAB_SIZE, seed=seed, literal_tokens=literal_tokens, **fields
+            vocab_size=vocab_size, seed=seed, literal_tokens=literal_tokens, **fields
         )
 
 
@@ -509,19 +514,19 @@ def _data(data: Data, cache_dir: pathlib.Path):
     )
 
 
-def _lengths(splits) -> dict[str, dict[str, float]]:
-    """Per kind over every split: the longest question (bytes) and solution (tokens with EOS),
-    and the mean solution length in tokens and steps."""
+def _lengths(splits, fmt: cot.CotFormat) -> dict[str, dict[str, float]]:
+    """Per kind over every split: the longest question and solution (tokens of ``fmt``, the
+    solution's with EOS), and the mean solution length in tokens and steps."""
     out: dict[str, dict[str, list]] = {}
     for split in splits:
         for p in split:
             row = out.setdefault(p.kind, {"q": [], "t": [], "s": []})
-            row["q"].append(cot.encode_question(p.question).size)
-            row["t"].append(cot.encode_solution(p.solution_text()).size)
+            row["q"].append(cot.encode_question(p.question, fmt).size)
+            row["t"].append(cot.encode_solution(p.solution_text(), fmt).size)
             row["s"].append(len(p.steps) + 1)
     return {
         k: {
-            "question_bytes_max": max(v["q"]),
+            "question_tokens_max": max(v["q"]),
             "solution_tokens_max": max(v["t"]),
             "solution_tokens_mean": float(np.mean(v["t"])),
             "steps_mean": float(np.mean(v["s"])),
@@ -572,7 +577,7 @@ def train(
     data = _data(cfg.data, cfg.run.cache_dir)
     splits = (data.train, data.validation, data.test)
     problems = [list(s) for s in splits]
-    fmt = cot.fit_format([p for split in problems for p in split])
+    fmt = cot.fit_format([p for split in problems for p in split], numbers=cfg.model.numbers)
     configs = _configs(cfg)
     if cfg.run.resume:
         cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
@@ -601,7 +606,7 @@ def train(
     shapes = ", ".join(f"{len(idx)} x ({f.source_len}, {f.target_len})" for f, idx in buckets)
     log(
         f"{len(problems[0])} training problems of {', '.join(cfg.data.kinds)}; questions up to "
-        f"{fmt.source_len} bytes, solutions up to {fmt.target_len} tokens; batches from "
+        f"{fmt.source_len} tokens, solutions up to {fmt.target_len} tokens; batches from "
         f"buckets of (question, solution) lengths {shapes}; run folder {folder}"
     )
     for name in models:
@@ -663,7 +668,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
         "most_frequent_answer": cot.most_frequent_answers(train, test),
         "distinct_training_questions": linalg_cot.distinct_questions(train),
         "format": record["format"],
-        "lengths": _lengths((train, data.validation, test)),
+        "lengths": _lengths((train, data.validation, test), cot.CotFormat(**record["format"])),
         "data": {
             **dataclasses.asdict(data_cfg),
             "generator": dataclasses.asdict(data_cfg.generator()),
@@ -870,8 +875,13 @@ def _report(folder: pathlib.Path, s: dict) -> None:
             "others neither trained nor evaluated"
         )
         + ". Every problem of these "
-        f"kinds fits the models: questions up to {fmt['source_len']} bytes, solutions up to "
-        f"{fmt['target_len']} tokens with EOS (nothing truncated or filtered).",
+        f"kinds fits the models: questions up to {fmt['source_len']} tokens, solutions up to "
+        f"{fmt['target_len']} tokens with EOS (nothing truncated or filtered); "
+        + (
+            f"a token is a byte, or an integer n with |n| < {fmt['numbers']} (--model.numbers)."
+            if fmt.get("numbers")
+            else "a token is a byte."
+        ),
         "",
         "Distinct training questions (in content, whatever the phrasing; none is a test "
         "question): "
@@ -976,14 +986,14 @@ def _report(folder: pathlib.Path, s: dict) -> None:
         f"{config.cot_steps} CoT steps; both models: {config.positions} positions, "
         f"cross-attention queries from {queries[config.cross_queries]}), trained "
         f"{models['sparse']['trained_steps']} / {models['dense']['trained_steps']} updates. "
-        "FLOPs: model.flops(question bytes, decoded tokens), a teacher-forced pass counting every "
+        "FLOPs: model.flops(question tokens, decoded tokens), a teacher-forced pass counting every "
         "entry the masks allow (sparsemax's zero weights are not subtracted). Device "
         f"{s['device']}; this command's wall time {s['wall_time_s']:.0f} s; phases: {phases}.",
         *_alpha_lines(models["sparse"].get("learned_alphas")),
         "",
-        "Longest question / solution per kind (bytes / tokens, all splits): "
+        "Longest question / solution per kind (tokens, all splits): "
         + "; ".join(
-            f"{k} {v['question_bytes_max']} / {v['solution_tokens_max']}"
+            f"{k} {v['question_tokens_max']} / {v['solution_tokens_max']}"
             for k, v in lengths.items()
         )
         + ".",

@@ -1,11 +1,12 @@
 """The chain-of-thought model as an API: ``Solver.load(run).answer(question)``.
 
 The linear-algebra task (:mod:`sparse_jax.data.linalg_cot`) for the encoder–decoder
-(:mod:`sparse_jax.models.encdec`) as bytes: the question's UTF-8 bytes are the encoder's input
+(:mod:`sparse_jax.models.encdec`) as tokens: the question's tokens are the encoder's input
 (``source [B, S]``, padded with :data:`PAD_ID`, with ``source_lengths [B]``), and the worked
 solution (:meth:`~sparse_jax.data.linalg_cot.Problem.solution_text`: the steps, then
 ``Answer: ...``) is the decoder's, between :data:`BOS_ID` and :data:`EOS_ID` (the byte
-tokenizer's end-of-text id). :class:`CotFormat` fixes ``S`` and ``T`` (the longest question and
+tokenizer's end-of-text id). A token is a UTF-8 byte, or with :attr:`CotFormat.numbers` a
+whole number. :class:`CotFormat` fixes that and ``S`` and ``T`` (the longest question and
 solution, plus the EOS, that a model reads and writes); nothing is cut to fit it: a problem
 that does not fit is refused by :func:`pack` and by the :class:`Solver`.
 
@@ -43,6 +44,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -64,6 +66,8 @@ __all__ = [
     "BOS_ID",
     "EOS_ID",
     "LITERAL_TOKENS",
+    "MAX_NUMBERS",
+    "NUMBER_BASE",
     "PAD_ID",
     "RECORD",
     "VOCAB_SIZE",
@@ -80,6 +84,7 @@ __all__ = [
     "length_buckets",
     "loss_fn",
     "most_frequent_answers",
+    "number_token",
     "pack",
     "read_record",
     "reference_accuracy",
@@ -92,6 +97,12 @@ EOS_ID = ByteTokenizer.eos_id  # 256: ends a solution (the byte tokenizer's end 
 BOS_ID = 257  # the decoder's first input
 PAD_ID = 258  # fills rows after a question or a solution
 VOCAB_SIZE = 259  # bytes 0..255 and the three above (EncDecConfig's default 260 holds them)
+# With CotFormat.numbers, the integer n is the one token number_token(n), from NUMBER_BASE on.
+NUMBER_BASE = VOCAB_SIZE
+MAX_NUMBERS = 100_000  # the largest CotFormat.numbers
+# A decimal number, with its minus sign unless that follows what a subtraction follows (a
+# digit, a letter or a closing bracket: "3-2" and "R2-1" subtract, "[-1" and "=-5" do not).
+_NUMBER = re.compile(rb"(?:(?<![0-9A-Za-z)\]])-)?[0-9]+")
 RECORD = "cot.json"  # the run folder's file that Solver.load reads (format, model configs)
 # The ids of "[", "]" and "," (bytes): EncDecConfig.literal_tokens for matrices and vectors.
 LITERAL_TOKENS = tuple(b"[],")
@@ -99,28 +110,107 @@ LITERAL_TOKENS = tuple(b"[],")
 
 @dataclasses.dataclass(frozen=True)
 class CotFormat:
-    """How long the token rows are: what a model reads and writes at most.
+    """How the token rows are written: how long they are, what a model reads and writes at
+    most, and whether a number is one token.
+
+    With ``numbers = N > 0`` every integer ``-N < n < N`` written in decimal (digits without a
+    leading zero, after a minus sign unless the minus subtracts: ``7``, ``-12``, the ``1`` of
+    ``R1``; the ``-`` of ``3-2`` or ``R2-1`` stays a byte) is one token instead of its bytes,
+    so that a model writes a computed entry in one choice (:func:`number_token`). Larger
+    numbers, and digits with a leading zero, stay bytes; a fraction ``p/q`` is two numbers and
+    its ``/``. ``N = 0`` (the default): every byte a token.
 
     Example:
       >>> CotFormat(source_len=152, target_len=272).row_len  # S + T + 1
       425
+      >>> fmt = CotFormat(numbers=100)
+      >>> fmt.vocab_size, fmt.encode("-12/7").tolist()  # -12, "/", 7
+      (458, [282, 47, 273])
+      >>> fmt.encode("3-2").tolist()  # 3, "-", 2: a subtraction
+      [265, 45, 263]
     """
 
-    source_len: int = 192  # S: question bytes the encoder reads at most
-    target_len: int = 320  # T: solution bytes plus the EOS the decoder writes at most
+    source_len: int = 192  # S: question tokens the encoder reads at most
+    target_len: int = 320  # T: solution tokens plus the EOS the decoder writes at most
+    numbers: int = 0  # N: the integers 0..N-1 are each one token (0: every byte a token)
 
     def __post_init__(self):
         check_int(self.source_len, "source_len", "CotFormat")
         check_int(self.target_len, "target_len", "CotFormat", low=2)
+        check_int(self.numbers, "numbers", "CotFormat", low=0, high=MAX_NUMBERS)
 
     @property
     def row_len(self) -> int:
         """``S + T + 1``: a packed row (question, then BOS, solution and EOS)."""
         return self.source_len + self.target_len + 1
 
+    @property
+    def vocab_size(self) -> int:
+        """The ids a model of this format reads and writes: bytes, specials and numbers."""
+        return VOCAB_SIZE + max(2 * self.numbers - 1, 0)
 
-def encode_question(question: str) -> np.ndarray:
-    """The question's UTF-8 bytes as int32 ids ``[len]`` (no specials).
+    def tokens(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids [n], starts [n])``: ``text``'s token ids (no specials) and the offset of the
+        UTF-8 byte each starts at (a number's first digit; otherwise the byte itself).
+
+        Example:
+          >>> ids, starts = CotFormat(numbers=10).tokens("R2 = -1, 15")
+          >>> ids.tolist()  # R, 2, " = ", -1, ", ", then 15's digits (15 is not below 10)
+          [82, 263, 32, 61, 32, 260, 44, 32, 49, 53]
+          >>> starts.tolist()  # -1 starts at its sign
+          [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"CotFormat.tokens: `text` must be a str; got {type(text).__name__}")
+        data = text.encode("utf-8")
+        ids = np.frombuffer(data, np.uint8).astype(np.int32)
+        starts = np.arange(len(data), dtype=np.int32)
+        if not self.numbers:
+            return ids, starts
+        keep = np.ones(len(data), bool)
+        widest = len(str(self.numbers - 1))
+        for run in _NUMBER.finditer(data):
+            first, signed = run.start(), run.group()[:1] == b"-"
+            digits = run.group()[1:] if signed else run.group()
+            if len(digits) > widest or (len(digits) > 1 and digits[:1] == b"0"):
+                continue  # too long, or a leading zero: bytes
+            value = int(digits)
+            if value >= self.numbers:
+                continue
+            if signed and value == 0:  # "-0": the minus a byte, then the number 0
+                first += 1
+            ids[first] = number_token(-value if signed else value)
+            keep[first + 1 : run.end()] = False
+        return ids[keep], starts[keep]
+
+    def encode(self, text: str) -> np.ndarray:
+        """``text``'s token ids, int32 ``[len]`` (no specials): a question as the encoder
+        reads it.
+
+        Example:
+          >>> CotFormat().encode("A = [[1]]").tolist()[:3]
+          [65, 32, 61]
+        """
+        return self.tokens(text)[0]
+
+
+def number_token(n: int) -> int:
+    """The token of the integer ``n`` when numbers are tokens (:attr:`CotFormat.numbers`):
+    ``NUMBER_BASE + 2n`` for ``n >= 0``, ``NUMBER_BASE - 2n - 1`` for ``n < 0``, so that the
+    numbers ``-N < n < N`` fill the ``2N - 1`` ids after the bytes and specials and any
+    format's ids decode alike (:func:`decode_tokens`).
+
+    Example:
+      >>> [number_token(n) - NUMBER_BASE for n in (0, -1, 1, -2, 2)]
+      [0, 1, 2, 3, 4]
+    """
+    n = int(n)
+    return NUMBER_BASE + (2 * n if n >= 0 else -2 * n - 1)
+
+
+def encode_question(question: str, fmt: CotFormat | None = None) -> np.ndarray:
+    """The question's token ids in ``fmt`` (default: ``CotFormat()``, its UTF-8 bytes) as int32
+    ``[len]`` (no specials).
 
     Example:
       >>> encode_question("A = [[1]]").tolist()[:3]
@@ -128,32 +218,49 @@ def encode_question(question: str) -> np.ndarray:
     """
     if not isinstance(question, str):
         raise TypeError(f"encode_question: `question` must be a str; got {type(question).__name__}")
-    return np.frombuffer(question.encode("utf-8"), np.uint8).astype(np.int32)
+    return _format(fmt, "encode_question").encode(question)
 
 
-def encode_solution(solution: str) -> np.ndarray:
-    """The solution's UTF-8 bytes then :data:`EOS_ID`, int32 ``[len + 1]`` (the decoder's
-    target; its input is ``BOS`` and all but the last).
+def encode_solution(solution: str, fmt: CotFormat | None = None) -> np.ndarray:
+    """The solution's token ids in ``fmt`` (default: its bytes) then :data:`EOS_ID`, int32
+    ``[len + 1]`` (the decoder's target; its input is ``BOS`` and all but the last).
 
     Example:
       >>> encode_solution("Answer: no").tolist()[-3:]
       [110, 111, 256]
+      >>> encode_solution("x = 12", CotFormat(numbers=16)).tolist()  # 12 is one token
+      [120, 32, 61, 32, 283, 256]
     """
     if not isinstance(solution, str):
         raise TypeError(f"encode_solution: `solution` must be a str; got {type(solution).__name__}")
-    return np.append(encode_question(solution), np.int32(EOS_ID)).astype(np.int32)
+    ids = _format(fmt, "encode_solution").encode(solution)
+    return np.append(ids, np.int32(EOS_ID)).astype(np.int32)
+
+
+def _format(fmt: Any, caller: str) -> CotFormat:
+    if fmt is None:
+        return _BYTES
+    if not isinstance(fmt, CotFormat):
+        raise TypeError(f"{caller}: `fmt` must be a CotFormat or None; got {type(fmt).__name__}")
+    return fmt
+
+
+_BYTES = CotFormat()
 
 
 def decode_tokens(ids: Sequence[int] | np.ndarray) -> tuple[str, int, bool]:
-    """``(text, tokens, finished)`` of decoded ids: the text before the first EOS (ids that are
-    not bytes dropped, invalid UTF-8 as U+FFFD), the tokens up to and including that EOS (all
-    of them without one), and whether there was one.
+    """``(text, tokens, finished)`` of decoded ids: the text before the first EOS (bytes, and
+    the numbers of ids from :data:`NUMBER_BASE` on written in decimal; BOS and PAD dropped,
+    invalid UTF-8 as U+FFFD), the tokens up to and including that EOS (all of them without
+    one), and whether there was one. Any format's ids decode so.
 
     Example:
       >>> decode_tokens(np.append(encode_solution("Answer: no"), [EOS_ID, EOS_ID]))
       ('Answer: no', 11, True)
       >>> decode_tokens([65, 110, 115])  # cut short: no EOS
       ('Ans', 3, False)
+      >>> decode_tokens(encode_solution("x = -12", CotFormat(numbers=16)))
+      ('x = -12', 6, True)
     """
     arr = np.asarray(ids).reshape(-1)
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
@@ -161,7 +268,13 @@ def decode_tokens(ids: Sequence[int] | np.ndarray) -> tuple[str, int, bool]:
     ends = np.flatnonzero(arr == EOS_ID)
     finished = bool(ends.size)
     body = arr[: ends[0]] if finished else arr
-    data = body[(body >= 0) & (body < 256)].astype(np.uint8).tobytes()
+    data = bytearray()
+    for i in body[(body >= 0) & ((body < EOS_ID) | (body >= NUMBER_BASE))].tolist():
+        if i < NUMBER_BASE:
+            data.append(i)
+        else:  # number_token's inverse
+            k = i - NUMBER_BASE
+            data += str(k // 2 if k % 2 == 0 else -(k + 1) // 2).encode()
     count = int(ends[0] + 1 if finished else arr.size)
     return data.decode("utf-8", errors="replace"), count, finished
 
@@ -170,25 +283,33 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def fit_format(problems: Iterable[linalg_cot.Problem], *, multiple: int = 8) -> CotFormat:
+def fit_format(
+    problems: Iterable[linalg_cot.Problem], *, multiple: int = 8, numbers: int = 0
+) -> CotFormat:
     """The smallest :class:`CotFormat` (lengths rounded up to ``multiple``) that holds every
-    problem's question and solution: sizing, never truncating.
+    problem's question and solution written with ``numbers`` (:attr:`CotFormat.numbers`):
+    sizing, never truncating.
 
     Example:
       >>> p = linalg_cot.generate("rref", 0)
       >>> fmt = fit_format([p])
       >>> fmt.source_len >= len(p.question) and fmt.target_len > len(p.solution_text())
       True
+      >>> fit_format([p], multiple=1)
+      CotFormat(source_len=80, target_len=148, numbers=0)
+      >>> fit_format([p], multiple=1, numbers=10)  # each "-1" one token
+      CotFormat(source_len=78, target_len=146, numbers=10)
     """
     multiple = check_int(multiple, "multiple", "fit_format")
+    sizing = CotFormat(numbers=numbers)
     s = t = 0
     for p in problems:
         _check_problem(p, "fit_format")
-        s = max(s, encode_question(p.question).size)
-        t = max(t, encode_solution(p.solution_text()).size)
+        s = max(s, encode_question(p.question, sizing).size)
+        t = max(t, encode_solution(p.solution_text(), sizing).size)
     if not s:
         raise ValueError("fit_format: `problems` is empty (nothing to size the format by)")
-    return CotFormat(_round_up(s, multiple), _round_up(t, multiple))
+    return CotFormat(_round_up(s, multiple), _round_up(t, multiple), numbers)
 
 
 def _check_problem(p: Any, caller: str) -> linalg_cot.Problem:
@@ -198,9 +319,9 @@ def _check_problem(p: Any, caller: str) -> linalg_cot.Problem:
 
 
 def pack(problems: Iterable[linalg_cot.Problem], fmt: CotFormat) -> np.ndarray:
-    """Rows ``[N, S + T + 1]`` int32: the question's bytes padded to ``S``, then ``BOS``, the
-    solution's bytes and ``EOS``, padded to ``T + 1``. A problem that does not fit ``fmt``
-    raises ``ValueError`` (nothing is truncated).
+    """Rows ``[N, S + T + 1]`` int32: the question's tokens padded to ``S``, then ``BOS``, the
+    solution's tokens and ``EOS``, padded to ``T + 1`` (tokens as ``fmt`` writes them). A
+    problem that does not fit ``fmt`` raises ``ValueError`` (nothing is truncated).
 
     Example:
       >>> p = linalg_cot.Problem("rref", "rref of A = [[2]]?", ("R1 = (1/2)*R1 -> [[1]]",), "[[1]]")
@@ -216,10 +337,10 @@ def pack(problems: Iterable[linalg_cot.Problem], fmt: CotFormat) -> np.ndarray:
     s, t = fmt.source_len, fmt.target_len
     rows = np.full((len(problems), fmt.row_len), PAD_ID, np.int32)
     for i, p in enumerate(problems):
-        q, a = encode_question(p.question), encode_solution(p.solution_text())
+        q, a = encode_question(p.question, fmt), encode_solution(p.solution_text(), fmt)
         if q.size > s or a.size > t:
             raise ValueError(
-                f"pack: problem {i} ({p.kind}) has a {q.size}-byte question and a {a.size}-token "
+                f"pack: problem {i} ({p.kind}) has a {q.size}-token question and a {a.size}-token "
                 f"solution (with EOS); `fmt` holds at most source_len={s} and target_len={t}: "
                 "size the format with fit_format(problems) or leave such problems out"
             )
@@ -269,11 +390,11 @@ def length_buckets(
     problems = [_check_problem(p, "length_buckets") for p in problems]
     if not problems:
         raise ValueError("length_buckets: `problems` is empty")
-    q = np.array([encode_question(p.question).size for p in problems])
-    t = np.array([encode_solution(p.solution_text()).size for p in problems])
+    q = np.array([encode_question(p.question, fmt).size for p in problems])
+    t = np.array([encode_solution(p.solution_text(), fmt).size for p in problems])
     if q.max() > fmt.source_len or t.max() > fmt.target_len:
         raise ValueError(
-            f"length_buckets: `problems` hold a {q.max()}-byte question and a {t.max()}-token "
+            f"length_buckets: `problems` hold a {q.max()}-token question and a {t.max()}-token "
             f"solution; `fmt` holds {fmt.source_len} and {fmt.target_len}: size it with "
             "fit_format(problems)"
         )
@@ -305,7 +426,7 @@ def length_buckets(
         s, x = _round_up(int(q[idx].max()), multiple), _round_up(int(t[idx].max()), multiple)
         while used.setdefault(s + x + 1, s) != s:
             x += multiple
-        out.append((CotFormat(s, x), idx))
+        out.append((CotFormat(s, x, fmt.numbers), idx))
     return sorted(out, key=lambda bucket: (bucket[0].source_len, bucket[0].target_len))
 
 
@@ -325,7 +446,7 @@ def source_lengths(formats: Iterable[CotFormat]) -> dict[int, int]:
         if out.setdefault(f.row_len, f.source_len) != f.source_len:
             raise ValueError(
                 f"source_lengths: rows of length {f.row_len} would have a source of "
-                f"{out[f.row_len]} and of {f.source_len} bytes: formats must differ in S + T + 1"
+                f"{out[f.row_len]} and of {f.source_len} tokens: formats must differ in S + T + 1"
             )
     return out
 
@@ -344,7 +465,7 @@ class Batch(NamedTuple):
       (True, True)
     """
 
-    source: jax.Array  # [B, S] question bytes, PAD after them
+    source: jax.Array  # [B, S] question tokens, PAD after them
     source_lengths: jax.Array  # [B] question lengths
     target_in: jax.Array  # [B, T] BOS then the solution (the decoder's input)
     target_out: jax.Array  # [B, T] the solution then EOS (what it should write)
@@ -554,7 +675,7 @@ class Solver:
     :func:`~sparse_jax.data.linalg_cot.solve`).
 
     A question is decoded only when :func:`~sparse_jax.data.linalg_cot.parse_question` reads
-    it and its bytes fit ``fmt.source_len``; otherwise its :class:`Answer` says why (a non-str
+    it and its tokens fit ``fmt.source_len``; otherwise its :class:`Answer` says why (a non-str
     question raises ``TypeError``).
 
     Args:
@@ -576,7 +697,7 @@ class Solver:
       >>> answer.kind, answer.final, answer.tokens
       ('rref', None, 0)
       >>> print(answer.text)
-      Cannot answer: the question is 60 bytes long; this model reads at most 48 (the longest ...)
+      Cannot answer: the question is 60 tokens long; this model reads at most 48 (the longest ...)
     """
 
     def __init__(
@@ -592,6 +713,12 @@ class Solver:
     ):
         if not isinstance(fmt, CotFormat):
             raise TypeError(f"Solver: `fmt` must be a CotFormat; got {type(fmt).__name__}")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int) and vocab < fmt.vocab_size:
+            raise ValueError(
+                f"Solver: the model has a vocabulary of {vocab} ids; `fmt` (numbers="
+                f"{fmt.numbers}) writes {fmt.vocab_size}: pass the format it was trained with"
+            )
         self.model, self.fmt, self.name = model, fmt, str(name)
         self.batch_size = check_int(batch_size, "batch_size", "Solver")
         self.decoder = GreedyDecoder(model, max_len=fmt.target_len, chunk=chunk)
@@ -687,10 +814,10 @@ class Solver:
             kind = linalg_cot.parse_question(text).kind
         except ValueError as err:
             return None, _refusal(str(err))
-        ids = encode_question(text)
+        ids = encode_question(text, self.fmt)
         if ids.size > self.fmt.source_len:
             why = (
-                f"the question is {ids.size} bytes long; this model reads at most "
+                f"the question is {ids.size} tokens long; this model reads at most "
                 f"{self.fmt.source_len} (the longest question it was trained for)"
             )
             return None, _refusal(why, kind)
@@ -836,8 +963,8 @@ def reference_accuracy(
     fits = [
         p
         for p in problems
-        if encode_question(p.question).size <= fmt.source_len
-        and encode_solution(p.solution_text()).size <= fmt.target_len
+        if encode_question(p.question, fmt).size <= fmt.source_len
+        and encode_solution(p.solution_text(), fmt).size <= fmt.target_len
     ]
     counts: dict[str, dict[str, int]] = {}
     for start in range(0, len(fits), size):
@@ -847,7 +974,10 @@ def reference_accuracy(
         predicted = solver.next_tokens(batch.source, batch.source_lengths, batch.target_in)
         target = np.asarray(batch.target_out)
         for r, p in enumerate(part):
-            roles = (*linalg_cot.solution_roles(p.solution_text()), "answer")  # EOS last
+            # A token writes what its first byte does (a number's first digit); EOS last.
+            text = p.solution_text()
+            written = linalg_cot.solution_roles(text)
+            roles = (*(written[i] for i in fmt.tokens(text)[1].tolist()), "answer")
             right = predicted[r, : len(roles)] == target[r, : len(roles)]
             for role, ok in zip(roles, right.tolist(), strict=True):
                 entry = counts.setdefault(role, {"right": 0, "tokens": 0})
@@ -887,7 +1017,7 @@ def evaluate(
       length in step lines (the ``Answer:`` line not counted) and in tokens (EOS included);
     * ``seconds_per_question``: the decoding's wall time over the questions (each batch's time
       the median of ``repeats`` decodings);
-    * ``flops_per_question``: mean ``model.flops(question bytes, decoded tokens)["total"]``
+    * ``flops_per_question``: mean ``model.flops(question tokens, decoded tokens)["total"]``
       (a teacher-forced pass over the question and the chain of thought written; every entry
       a mask allows is counted);
     * ``attention``: ``model(..., return_stats=True)`` on what the decoder read (BOS and the
@@ -932,7 +1062,7 @@ def evaluate(
             decoded = solver._decode([problems[i].question for i in part], size, repeats)
             for i, (answer, _) in zip(part, decoded, strict=True):
                 p = problems[i]
-                ref = encode_solution(p.solution_text())
+                ref = encode_solution(p.solution_text(), fmt)
                 correct = answer.final is not None and linalg_cot.grade(answer.final, p.answer)
                 matched = _steps_matched(answer.steps, p.steps)
                 records[i] = {
@@ -954,7 +1084,9 @@ def evaluate(
                     "flops": (
                         None
                         if answer.error
-                        else flops(encode_question(p.question.strip()).size, max(answer.tokens, 1))
+                        else flops(
+                            encode_question(p.question.strip(), fmt).size, max(answer.tokens, 1)
+                        )
                     ),
                     "error": answer.error,
                 }
@@ -971,7 +1103,7 @@ def evaluate(
                 target_in = np.full((_STATS_ROWS, t), PAD_ID, np.int32)
                 for r in range(_STATS_ROWS):  # padding rows repeat the real ones
                     i, ids = rows[r % len(rows)]
-                    q = encode_question(problems[i].question.strip())
+                    q = encode_question(problems[i].question.strip(), fmt)
                     source[r, : q.size], lengths[r] = q, q.size
                     target_in[r, 0] = BOS_ID
                     target_in[r, 1 : ids.size] = ids[:-1]
@@ -1121,7 +1253,7 @@ def write_record(
         "format": dataclasses.asdict(fmt),
         "models": entries,
         "kinds": None if kinds is None else list(kinds),
-        "tokens": {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": VOCAB_SIZE},
+        "tokens": {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": fmt.vocab_size},
     }
     path = Path(folder) / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1147,7 +1279,7 @@ def read_record(folder: str | os.PathLike) -> dict[str, Any]:
       >>> _ = write_record(tmp.name, CotFormat(96, 64), {"sparse": (cfg, TrainConfig(steps=10))})
       >>> record = read_record(tmp.name)
       >>> CotFormat(**record["format"]), record["models"]["sparse"]["checkpoint"]
-      (CotFormat(source_len=96, target_len=64), 'checkpoints/sparse')
+      (CotFormat(source_len=96, target_len=64, numbers=0), 'checkpoints/sparse')
       >>> EncDecConfig(**record["models"]["sparse"]["model"]) == cfg
       True
       >>> read_record(Path(tmp.name) / "elsewhere")

@@ -1,8 +1,8 @@
-"""sparse_jax.cot and python -m experiments.cot: byte tokens round trip, the chunked decoder
-equals greedy_decode, a Solver restored from a tiny trained run answers with the model (its
-answers re-read and re-graded here), an untrained model does not pass, unreadable questions are
-answered with the reason, evaluate()'s figures recomputed independently, the experiment end to
-end (train, eval, ask, resume) and bad flags refused by name."""
+"""sparse_jax.cot and python -m experiments.cot: tokens (bytes, or whole numbers) round trip,
+the chunked decoder equals greedy_decode, a Solver restored from a tiny trained run answers with
+the model (its answers re-read and re-graded here), an untrained model does not pass, unreadable
+questions are answered with the reason, evaluate()'s figures recomputed independently, the
+experiment end to end (train, eval, ask, resume) and bad flags refused by name."""
 
 from __future__ import annotations
 
@@ -65,6 +65,117 @@ def test_tokens_round_trip_through_packed_rows():
     # Non-ASCII text survives; ids that are not bytes are dropped, EOS ends the text.
     ids = np.concatenate([cot.encode_question("x ≠ 0"), [cot.BOS_ID, cot.PAD_ID, 65]])
     assert cot.decode_tokens(np.append(ids, [cot.EOS_ID, 66])) == ("x ≠ 0A", ids.size + 1, True)
+
+
+def _token_bytes(ids) -> list[int]:
+    """How many bytes of text each id writes, read one id at a time (a byte id one)."""
+    return [
+        1 if i < cot.NUMBER_BASE else len(cot.decode_tokens([i])[0])
+        for i in np.asarray(ids).tolist()
+    ]
+
+
+@pytest.mark.parametrize("numbers", [1, 10, 100])
+def test_numbers_are_one_token_each_and_round_trip(numbers):
+    fmt = cot.CotFormat(numbers=numbers)
+    assert fmt.vocab_size == cot.VOCAB_SIZE + 2 * numbers - 1
+    # Every number -N < n < N has its own id, those ids fill the vocabulary, each reads back.
+    ids = [cot.number_token(n) for n in range(1 - numbers, numbers)]
+    assert sorted(ids) == list(range(cot.NUMBER_BASE, fmt.vocab_size))
+    assert [cot.decode_tokens([i])[0] for i in ids] == [str(n) for n in range(1 - numbers, numbers)]
+    config = dataclasses.replace(SMALL, arithmetic=True, products=True)
+    problems = [*_problems(30), *lc.make_splits(0, 0, 30, seed=4, config=config)["test"]]
+    for text in [t for p in problems for t in (p.question, p.solution_text())] + [
+        "x ≠ -0, 007, R2-1 = 3-12 = -9, (-1/2)*[-12, 123]"
+    ]:
+        ids, starts = fmt.tokens(text)
+        assert np.array_equal(ids, cot.encode_question(text, fmt))
+        assert cot.decode_tokens(np.append(ids, cot.EOS_ID)) == (text, ids.size + 1, True)
+        # Each token starts where the text of the tokens before it ends.
+        ends = np.cumsum(_token_bytes(ids))
+        assert np.array_equal(starts, np.concatenate([[0], ends[:-1]]))
+        data = text.encode()
+        for i, at in zip(ids.tolist(), starts.tolist(), strict=True):
+            if i >= cot.NUMBER_BASE:
+                n = int(cot.decode_tokens([i])[0])
+                assert abs(n) < numbers and data[at : at + len(str(n))] == str(n).encode()
+                # A minus is the number's unless it follows what a subtraction follows.
+                assert n >= 0 or at == 0 or not re.match(rb"[0-9A-Za-z)\]]", data[at - 1 : at])
+        # What stays bytes is no number below N: a digit byte is the start of one only when
+        # its run is too large or has a leading zero (or continues such a run).
+        for m in re.finditer(rb"[0-9]+", data):
+            j = m.start()
+            if j not in starts.tolist():
+                j -= 1  # the number starts at its sign
+            assert data[j : m.start()] in (b"", b"-")
+            token = ids[starts.tolist().index(j)]
+            small = int(m.group()) < numbers and (m.group() == b"0" or m.group()[:1] != b"0")
+            assert (token >= cot.NUMBER_BASE) == small, (text, m.group())
+    wide = cot.CotFormat(numbers=10)
+    assert wide.encode("3-2").tolist() == [cot.number_token(3), ord("-"), cot.number_token(2)]
+    assert wide.encode("[-2]").tolist() == [ord("["), cot.number_token(-2), ord("]")]
+    with pytest.raises(TypeError, match="`fmt` must be a CotFormat or None; got int"):
+        cot.encode_question("A", 10)
+    with pytest.raises(TypeError, match="`text` must be a str; got bytes"):
+        fmt.tokens(b"12")
+
+
+def test_bad_formats_are_refused_by_name():
+    allowed = re.escape(f"`numbers` must be an int in [0, {cot.MAX_NUMBERS}]; got")
+    with pytest.raises(ValueError, match=f"{allowed} -1"):
+        cot.CotFormat(numbers=-1)
+    with pytest.raises(ValueError, match=f"{allowed} {cot.MAX_NUMBERS + 1}"):
+        cot.CotFormat(numbers=cot.MAX_NUMBERS + 1)
+    with pytest.raises(TypeError, match=f"{allowed} True"):
+        cot.CotFormat(numbers=True)
+    model = EncoderDecoder(TINY, rngs=nnx.Rngs(0))  # 259 ids: bytes only
+    with pytest.raises(ValueError, match=r"vocabulary of 259 ids; `fmt` \(numbers=10\) writes 278"):
+        cot.Solver(model, cot.CotFormat(numbers=10))
+
+
+def test_with_numbers_the_rows_and_the_roles_are_the_tokens_of_numbers():
+    problems = _problems(24)
+    fmt = cot.fit_format(problems, numbers=10)
+    assert fmt.numbers == 10
+    assert any(fmt.encode(p.solution_text()).size < len(p.solution_text()) for p in problems)
+    b = cot.split_rows(jnp.asarray(cot.pack(problems, fmt)), fmt.source_len)
+    for i, p in enumerate(problems):
+        question = np.asarray(b.source[i, : int(b.source_lengths[i])])
+        assert np.array_equal(question, fmt.encode(p.question))
+        n = int(b.where[i].sum())
+        assert cot.decode_tokens(np.asarray(b.target_out[i])) == (p.solution_text(), n, True)
+    # Teacher-forced accuracy per role: a token is its first byte's role, counted one problem
+    # at a time with the model's forward pass.
+    config = dataclasses.replace(TINY, vocab_size=fmt.vocab_size)
+    solver = cot.Solver(EncoderDecoder(config, rngs=nnx.Rngs(1)), fmt, batch_size=4)
+    some = [p for p in problems if "-" in p.solution_text()][:5]  # one compilation each
+    assert cot.reference_accuracy(solver, some) == _reference_counts(solver, some)
+
+
+def _reference_counts(solver, problems) -> dict[str, dict[str, int]]:
+    """reference_accuracy one problem at a time, without padding; each token's role read at the
+    byte where the text of the tokens before it ends."""
+    fmt, mine = solver.fmt, {}
+    for p in problems:
+        question = cot.encode_question(p.question, fmt)
+        solution = cot.encode_solution(p.solution_text(), fmt)
+        if question.size > fmt.source_len or solution.size > fmt.target_len:
+            continue
+        source = np.full((1, fmt.source_len), cot.PAD_ID, np.int32)
+        source[0, : question.size] = question
+        target_in = np.append(cot.BOS_ID, solution[:-1])[None]  # no padding at all
+        logits = solver.model(jnp.asarray(source), jnp.asarray([question.size]),
+                              jnp.asarray(target_in))  # fmt: skip
+        right = np.asarray(jnp.argmax(logits[0], -1)) == solution
+        written, at, roles = lc.solution_roles(p.solution_text()), 0, []
+        for size in _token_bytes(solution[:-1]):
+            roles.append(written[at])
+            at += size
+        for role, ok in zip([*roles, "answer"], right.tolist(), strict=True):
+            entry = mine.setdefault(role, {"right": 0, "tokens": 0})
+            entry["right"] += ok
+            entry["tokens"] += 1
+    return {role: mine[role] for role in lc.ROLES if role in mine}
 
 
 def test_pack_refuses_what_does_not_fit():
@@ -192,7 +303,7 @@ LONG = "Find the reduced row echelon form R of A = [[" + ", ".join(["1"] * 60) +
             "Is b = [1, 2] in the column space of A = [[1, 2], [3]]?",
             "could not parse the question: the rows of the matrix A",
         ),
-        (LONG, rf"the question is {len(LONG)} bytes long; this model reads at most \d+ "),
+        (LONG, rf"the question is {len(LONG)} tokens long; this model reads at most \d+ "),
     ],
 )
 def test_unreadable_questions_are_answered_with_the_reason(question, reason):
@@ -401,29 +512,14 @@ def test_reference_accuracy_recomputed_one_problem_at_a_time(run):
     fmt = solver.fmt
     others = [p for p in _problems() if p.kind != "rref"]  # some too long for this run
     problems = [*run["train"], *run["test"], *others]
-    mine: dict[str, list[int]] = {}
-    left_out = 0
-    for p in problems:
-        question, solution = cot.encode_question(p.question), cot.encode_solution(p.solution_text())
-        if question.size > fmt.source_len or solution.size > fmt.target_len:
-            left_out += 1
-            continue
-        source = np.full((1, fmt.source_len), cot.PAD_ID, np.int32)
-        source[0, : question.size] = question
-        target_in = np.append(cot.BOS_ID, solution[:-1])[None]  # no padding at all
-        logits = solver.model(jnp.asarray(source), jnp.asarray([question.size]),
-                              jnp.asarray(target_in))  # fmt: skip
-        right = np.asarray(jnp.argmax(logits[0], -1)) == solution
-        roles = [*lc.solution_roles(p.solution_text()), "answer"]
-        for role, ok in zip(roles, right.tolist(), strict=True):
-            mine.setdefault(role, [0, 0])
-            mine[role][0] += ok
-            mine[role][1] += 1
-    assert left_out and mine
+    fits = [
+        cot.encode_question(p.question).size <= fmt.source_len
+        and cot.encode_solution(p.solution_text()).size <= fmt.target_len
+        for p in problems
+    ]
+    assert not all(fits) and any(fits)
     got = cot.reference_accuracy(solver, problems, batch_size=3)  # the last batch padded
-    assert {r: (c["right"], c["tokens"]) for r, c in got.items()} == {
-        r: tuple(v) for r, v in mine.items()
-    }
+    assert got == _reference_counts(solver, problems)
     assert list(got) == [r for r in lc.ROLES if r in got]
     # It learned its four training chains by heart: the tokens of their states are right.
     learned = cot.reference_accuracy(solver, run["train"])
@@ -586,11 +682,12 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
     # A run from before --train.buckets drew its batches in one format: it resumes as `1 1`;
     # one from before --data.arithmetic wrote no arithmetic: it resumes as --data.no-arithmetic
-    # (and --data.no-products).
+    # (and --data.no-products); one from before --model.numbers wrote bytes: --model.numbers 0.
     old = tmp_path / "old"
     shutil.copytree(folder, old)
     record = json.loads((old / "config.json").read_text())
     del record["train"]["buckets"], record["data"]["arithmetic"], record["data"]["products"]
+    del record["model"]["numbers"]
     (old / "config.json").write_text(json.dumps(record))
     args = [*RUN_FLAGS, "--run.dir", str(old), "--run.cache-dir", str(folder.parent),
             "--run.resume"]  # fmt: skip
@@ -599,6 +696,9 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     with pytest.raises(ValueError, match=r"--data\.arithmetic \(run: False, now: True\)"):
         experiment.run(experiment.parse(
             ["train", *args, "--train.buckets", "1", "1", "--data.arithmetic"]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"--model\.numbers \(run: 0, now: 10\)"):
+        experiment.run(experiment.parse(
+            ["train", *args, "--train.buckets", "1", "1", "--model.numbers", "10"]))  # fmt: skip
     experiment.run(experiment.parse(["train", *args, "--train.buckets", "1", "1"]))
 
 
@@ -608,7 +708,7 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
     top = tmp_path / "seeds"
     flags = [*RUN_FLAGS, "--train.steps", "30", "--run.checkpoint-every", "15",
              "--eval.batch-size", "4", "--eval.repeats", "1", "--run.cache-dir", str(tmp_path),
-             "--run.dir", str(top)]  # fmt: skip
+             "--run.dir", str(top), "--model.numbers", "10"]  # fmt: skip
     summary = experiment.run(experiment.parse(["seeds", "--seeds", "3", "0", *flags]))
     printed = capsys.readouterr().out
     generator = lc.GeneratorConfig(kinds=("rref",), **experiment.SIZES["small"])
@@ -622,7 +722,9 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
         folder = top / f"seed-{r['seed']}"
         config = json.loads((folder / "config.json").read_text())
         assert config["run"]["seed"] == r["seed"] and config["train"]["steps"] == 30
-        assert _trained(folder, r["model"]).step == 30
+        solver = _trained(folder, r["model"])
+        assert solver.step == 30 and solver.fmt.numbers == 10  # numbers as tokens, restored
+        assert solver.model.config.vocab_size == cot.CotFormat(numbers=10).vocab_size
         rows = [json.loads(line) for line in (folder / f"answers-{r['model']}.jsonl").open()]
         assert [row["question"] for row in rows] == [p.question for p in test]
         graded = [
@@ -861,6 +963,7 @@ def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_t
         (["--preset", "huge"], "--preset"),
         (["--model.positions", "learned"], "--model.positions"),
         (["--model.cross-queries", "output"], "--model.cross-queries"),
+        (["--model.numbers", "-2"], r"--model.numbers: .*`numbers` must be an int in \[0, "),
         (["eval"], "--run.dir is required"),
         (["eval", "--run.dir", "/nonexistent/run"], "is not a chain-of-thought run folder"),
         (["ask", "What is rref(A)?"], "--run.dir is required"),
