@@ -132,7 +132,7 @@ class CotFormat:
 
     source_len: int = 192  # S: question tokens the encoder reads at most
     target_len: int = 320  # T: solution tokens plus the EOS the decoder writes at most
-    numbers: int = 0  # N: the integers 0..N-1 are each one token (0: every byte a token)
+    numbers: int = 0  # N: each integer -N < n < N one token (0: every byte a token)
 
     def __post_init__(self):
         check_int(self.source_len, "source_len", "CotFormat")
