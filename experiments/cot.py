@@ -7,6 +7,7 @@ its dense baseline of the same size, data, steps and seed (issue 16, the GiantRa
     python -m experiments.cot eval --run.dir R       # evaluate R's models on its test split
     python -m experiments.cot ask "What is rref(A) for A = [[2, 4], [1, 3]]?" --run.dir R
     python -m experiments.cot seeds --seeds 0 1 2    # each model at each seed: the spread
+    python -m experiments.cot roles --run.dir R      # teacher-forced accuracy per number
 
 The task is :mod:`sparse_jax.data.linalg_cot` (the question as tokens into the encoder, the worked
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
@@ -55,7 +56,13 @@ import tyro
 from flax import nnx
 
 from experiments.distill_run import write_text_atomically
-from experiments.flags import check_max_minutes, check_resume, flag_name, set_ints_at_least
+from experiments.flags import (
+    check_max_minutes,
+    check_resume,
+    flag_name,
+    int_at_least,
+    set_ints_at_least,
+)
 from experiments.phase import RunStopped, main_of, stop_request, train_phase
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
@@ -418,6 +425,22 @@ class AskCommand:
         _check_run_dir(self.run)
 
 
+@dataclasses.dataclass(frozen=True)
+class RolesCommand:
+    """Teacher-forced accuracy of the trained models of a run folder on its test split by
+    role, each number counted once whatever the models' tokens (runs with and without
+    --model.numbers compare alike), the terms' results split by sign."""
+
+    run: RunDir = RunDir()
+    numbers: int = 100
+    """The units counted: each integer |n| < this many once, other bytes one by one
+    (sparse_jax.cot.CotFormat.numbers; 0: every byte)."""
+
+    def __post_init__(self):
+        _check_run_dir(self.run)
+        object.__setattr__(self, "numbers", int_at_least(self.numbers, "--numbers", 0))
+
+
 def study() -> AllCommand:
     """``python -m experiments.cot --preset study``: all six kinds at linalg_cot's default sizes
     (matrices up to 4 x 5, solutions up to ~1,100 bytes), 100,000 training problems, a model of
@@ -470,7 +493,9 @@ def _preset(argv: list[str]) -> str:
     return "default"
 
 
-Command = Union[AllCommand, TrainCommand, EvalCommand, AskCommand, SeedsCommand]  # noqa: UP007
+Command = Union[  # noqa: UP007
+    AllCommand, TrainCommand, EvalCommand, AskCommand, SeedsCommand, RolesCommand
+]
 
 
 def parse(argv: list[str] | None = None) -> Command:
@@ -490,6 +515,7 @@ def parse(argv: list[str] | None = None) -> Command:
         Annotated[EvalCommand, tyro.conf.subcommand("eval")],
         Annotated[AskCommand, tyro.conf.subcommand("ask")],
         Annotated[SeedsCommand, tyro.conf.subcommand("seeds", default=seeds_base)],
+        Annotated[RolesCommand, tyro.conf.subcommand("roles")],
     ]
     return tyro.cli(spec, args=argv, description=__doc__.split("\n\n")[0])
 
@@ -1173,9 +1199,52 @@ def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
     return answers
 
 
+def _by_sign(role: str, text: str) -> str:
+    if role != "term result":
+        return role
+    return f"{role}, {'negative' if text.startswith('-') else 'non-negative'}"
+
+
+def roles(cmd: RolesCommand) -> dict[str, dict[str, dict[str, int]]]:
+    """Prints, and returns per model, ``cot.reference_accuracy`` on the run's test split per
+    unit of ``CotFormat(numbers=cmd.numbers)``, the terms' results split by sign."""
+    folder = pathlib.Path(cmd.run.dir)
+    test = list(_data(_read_config(folder), cmd.run.cache_dir).test)
+    units = cot.CotFormat(numbers=cmd.numbers)
+    out = {}
+    for name in MODELS:
+        solver = cot.Solver.load(folder, name)
+        counts = cot.reference_accuracy(solver, test, units=units, group=_by_sign)
+        out[name] = {}
+        for group, count in counts.items():  # the terms' results in all, then by sign
+            if group.startswith("term result, ") and "term result" not in out[name]:
+                out[name]["term result"] = _sum_counts(counts, "term result, ")
+            out[name][group] = count
+    unit = f"number (|n| < {cmd.numbers})" if cmd.numbers else "byte"
+    print(
+        f"Teacher-forced accuracy on the {len(test)} test problems of {folder}, per {unit}: "
+        "right / counted (%), sparse and dense.\n"
+    )
+    print("| what the unit writes | sparse | dense |\n|:--|--:|--:|")
+    for group in out["sparse"]:
+        cells = [
+            f"{c['right']} / {c['tokens']} ({100 * c['right'] / c['tokens']:.1f}%)"
+            if (c := out[name].get(group, {})).get("tokens")
+            else "-"
+            for name in MODELS
+        ]
+        print(f"| {group} | {' | '.join(cells)} |")
+    return out
+
+
+def _sum_counts(counts: dict[str, dict[str, int]], prefix: str) -> dict[str, int]:
+    parts = [c for group, c in counts.items() if group.startswith(prefix)]
+    return {k: sum(c[k] for c in parts) for k in ("right", "tokens")}
+
+
 def run(cmd: Command) -> Any:
-    """Runs a parsed command: the summary (all, eval, seeds), the run folder (train) or the
-    answers (ask).
+    """Runs a parsed command: the summary (all, eval, seeds), the run folder (train), the
+    answers (ask) or the counts (roles).
 
     Training stops early, with a checkpoint of the step each model reached, on SIGTERM or
     SIGINT (Ctrl-C, a notebook's interrupt) or after ``--run.max-minutes``: it raises
@@ -1184,6 +1253,8 @@ def run(cmd: Command) -> Any:
     started = time.perf_counter()
     if isinstance(cmd, AskCommand):
         return ask(cmd)
+    if isinstance(cmd, RolesCommand):
+        return roles(cmd)
     if isinstance(cmd, EvalCommand):
         return evaluate_run(pathlib.Path(cmd.run.dir), cmd.eval, cmd.run.cache_dir, started)
     with stop_request(cmd.run.max_minutes, log) as stop:

@@ -46,7 +46,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -930,7 +930,12 @@ def _first_step_right(record: Mapping[str, Any]) -> bool:
 
 
 def reference_accuracy(
-    solver: Solver, problems: Iterable[linalg_cot.Problem], *, batch_size: int | None = None
+    solver: Solver,
+    problems: Iterable[linalg_cot.Problem],
+    *,
+    batch_size: int | None = None,
+    units: CotFormat | None = None,
+    group: Callable[[str, str], str] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Teacher-forced next-token accuracy on the reference solutions, by what each token
     writes: ``{role: {"right": n, "tokens": m}}`` over the roles of
@@ -941,6 +946,13 @@ def reference_accuracy(
     entries it computes, the state after). Problems that do not fit ``solver.fmt`` are left
     out.
 
+    ``units`` counts the tokens of another format instead of the model's own (e.g.
+    ``CotFormat(numbers=100)``: each number once, so that models with and without numbers as
+    tokens compare alike): a unit is right when every model token that overlaps it is.
+    ``group(role, text)`` names the count a unit goes to (default: its role; e.g. the terms'
+    negative results apart); the groups come in the order of their units' roles in ``ROLES``
+    (groups of one role in the order first met).
+
     Example:
       >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
       >>> problems = [linalg_cot.generate("rref", seed) for seed in range(2)]
@@ -949,6 +961,12 @@ def reference_accuracy(
       >>> counts = reference_accuracy(untrained, problems)
       >>> sum(c["tokens"] for c in counts.values()) == sum(
       ...     encode_solution(p.solution_text()).size for p in problems)
+      True
+      >>> def sign(role, text):  # the entries that are negative numbers, apart
+      ...     return f"{role}, negative" if text.startswith("-") else role
+      >>> per_number = reference_accuracy(untrained, problems, units=CotFormat(numbers=10),
+      ...                                 group=sign)
+      >>> per_number["state, negative"]["tokens"] < counts["state"]["tokens"]
       True
     """
     if not isinstance(solver, Solver):
@@ -959,7 +977,10 @@ def reference_accuracy(
     size = check_int(
         solver.batch_size if batch_size is None else batch_size, "batch_size", "reference_accuracy"
     )
+    if group is not None and not callable(group):
+        raise TypeError(f"reference_accuracy: `group` must be callable; got {type(group).__name__}")
     fmt = solver.fmt
+    units = fmt if units is None else _format(units, "reference_accuracy")
     fits = [
         p
         for p in problems
@@ -967,6 +988,7 @@ def reference_accuracy(
         and encode_solution(p.solution_text(), fmt).size <= fmt.target_len
     ]
     counts: dict[str, dict[str, int]] = {}
+    roles: dict[str, int] = {}  # each group's role, as its place in ROLES
     for start in range(0, len(fits), size):
         part = fits[start : start + size]
         rows = pack([part[r % len(part)] for r in range(size)], fmt)  # one compiled shape
@@ -974,16 +996,28 @@ def reference_accuracy(
         predicted = solver.next_tokens(batch.source, batch.source_lengths, batch.target_in)
         target = np.asarray(batch.target_out)
         for r, p in enumerate(part):
-            # A token writes what its first byte does (a number's first digit); EOS last.
             text = p.solution_text()
-            written = linalg_cot.solution_roles(text)
-            roles = (*(written[i] for i in fmt.tokens(text)[1].tolist()), "answer")
-            right = predicted[r, : len(roles)] == target[r, : len(roles)]
-            for role, ok in zip(roles, right.tolist(), strict=True):
-                entry = counts.setdefault(role, {"right": 0, "tokens": 0})
-                entry["right"] += ok
+            data, written = text.encode("utf-8"), linalg_cot.solution_roles(text)
+            own = fmt.tokens(text)[1]
+            right = predicted[r, : own.size + 1] == target[r, : own.size + 1]  # EOS last
+            starts = units.tokens(text)[1]
+            ends = np.append(starts[1:], len(data))
+            # The model tokens that overlap each unit: from the last starting at or before
+            # its first byte to the last starting before its end.
+            first = np.searchsorted(own, starts, side="right") - 1
+            last = np.searchsorted(own, ends, side="left") - 1
+            found = [
+                (written[a], data[a:b].decode("utf-8", errors="replace"), right[i : j + 1].all())
+                for a, b, i, j in zip(starts, ends, first, last, strict=True)
+            ]
+            # A unit writes what its first byte does (a number's first digit).
+            for role, piece, ok in [*found, ("answer", "", right[own.size])]:
+                name = role if group is None else str(group(role, piece))
+                entry = counts.setdefault(name, {"right": 0, "tokens": 0})
+                entry["right"] += bool(ok)
                 entry["tokens"] += 1
-    return {role: counts[role] for role in linalg_cot.ROLES if role in counts}
+                roles.setdefault(name, linalg_cot.ROLES.index(role))
+    return {name: counts[name] for name in sorted(counts, key=roles.__getitem__)}
 
 
 def evaluate(

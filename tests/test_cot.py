@@ -151,11 +151,27 @@ def test_with_numbers_the_rows_and_the_roles_are_the_tokens_of_numbers():
     some = [p for p in problems if "-" in p.solution_text()][:5]  # one compilation each
     assert cot.reference_accuracy(solver, some) == _reference_counts(solver, some)
 
+    # Counted per byte instead (a number right when all its bytes are), and per number with
+    # negative numbers apart.
+    def sign(role, text):
+        return f"{role}, {'negative' if text.startswith('-') else 'other'}"
 
-def _reference_counts(solver, problems) -> dict[str, dict[str, int]]:
+    for units, group in [(cot.CotFormat(), None), (cot.CotFormat(numbers=10), sign)]:
+        got = cot.reference_accuracy(solver, some, units=units, group=group)
+        assert got == _reference_counts(solver, some, units, group)
+    places = [lc.ROLES.index(name.split(",")[0]) for name in got]  # in the order of ROLES
+    assert "state, negative" in got and places == sorted(places)
+    with pytest.raises(TypeError, match="`group` must be callable; got str"):
+        cot.reference_accuracy(solver, some, group="sign")
+    with pytest.raises(TypeError, match="`fmt` must be a CotFormat or None; got int"):
+        cot.reference_accuracy(solver, some, units=10)
+
+
+def _reference_counts(solver, problems, units=None, group=None) -> dict[str, dict[str, int]]:
     """reference_accuracy one problem at a time, without padding; each token's role read at the
-    byte where the text of the tokens before it ends."""
-    fmt, mine = solver.fmt, {}
+    byte where the text of the tokens before it ends. With ``units``, a unit (a token of that
+    format) is right when every model token whose bytes overlap its bytes is."""
+    fmt, mine, order = solver.fmt, {}, {}
     for p in problems:
         question = cot.encode_question(p.question, fmt)
         solution = cot.encode_solution(p.solution_text(), fmt)
@@ -167,15 +183,25 @@ def _reference_counts(solver, problems) -> dict[str, dict[str, int]]:
         logits = solver.model(jnp.asarray(source), jnp.asarray([question.size]),
                               jnp.asarray(target_in))  # fmt: skip
         right = np.asarray(jnp.argmax(logits[0], -1)) == solution
-        written, at, roles = lc.solution_roles(p.solution_text()), 0, []
-        for size in _token_bytes(solution[:-1]):
-            roles.append(written[at])
-            at += size
-        for role, ok in zip([*roles, "answer"], right.tolist(), strict=True):
-            entry = mine.setdefault(role, {"right": 0, "tokens": 0})
-            entry["right"] += ok
+        text = p.solution_text()
+        written, data = lc.solution_roles(text), text.encode()
+        ends = np.cumsum(_token_bytes(solution[:-1]))
+        spans = list(zip(np.concatenate([[0], ends[:-1]]).tolist(), ends.tolist(), strict=True))
+        found = []
+        if units is None:
+            found = [(written[a], data[a:b], ok) for (a, b), ok in zip(spans, right, strict=False)]
+        else:
+            bounds = np.cumsum(_token_bytes(units.encode(text))).tolist()
+            for a, b in zip([0, *bounds[:-1]], bounds, strict=True):
+                ok = all(r for (x, y), r in zip(spans, right, strict=False) if x < b and y > a)
+                found.append((written[a], data[a:b], ok))
+        for role, piece, ok in [*found, ("answer", b"", right[-1])]:
+            name = role if group is None else group(role, piece.decode())
+            entry = mine.setdefault(name, {"right": 0, "tokens": 0})
+            entry["right"] += bool(ok)
             entry["tokens"] += 1
-    return {role: mine[role] for role in lc.ROLES if role in mine}
+            order.setdefault(name, lc.ROLES.index(role))
+    return {name: mine[name] for name in sorted(mine, key=order.__getitem__)}
 
 
 def test_pack_refuses_what_does_not_fit():
@@ -702,6 +728,28 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     experiment.run(experiment.parse(["train", *args, "--train.buckets", "1", "1"]))
 
 
+def test_roles_counts_each_models_test_split_per_number(run, capsys):
+    from experiments import cot as experiment
+
+    cache = run["args"][run["args"].index("--run.cache-dir") + 1]
+    flags = ["roles", "--run.dir", str(run["folder"]), "--run.cache-dir", cache]
+    out = experiment.run(experiment.parse([*flags, "--numbers", "10"]))
+    printed = capsys.readouterr().out
+    units = cot.CotFormat(numbers=10)
+    for name in ("sparse", "dense"):  # plain chains: no terms, so the groups are the roles
+        solver = _trained(run["folder"], name)
+        assert out[name] == cot.reference_accuracy(solver, run["test"], units=units)
+    for group, c in out["sparse"].items():
+        d = out["dense"][group]
+        cells = [f"{x['right']} / {x['tokens']} ({100 * x['right'] / x['tokens']:.1f}%)"
+                 for x in (c, d)]  # fmt: skip
+        assert f"| {group} | {cells[0]} | {cells[1]} |" in printed
+    assert "per number (|n| < 10)" in printed
+    with pytest.raises(SystemExit):
+        experiment.parse([*flags, "--numbers", "-1"])
+    assert "--numbers must be an int >= 0; got -1" in capsys.readouterr().err
+
+
 def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
     from experiments import cot as experiment
 
@@ -967,6 +1015,7 @@ def test_the_defaults_training_split_teaches_every_kind_more_questions_than_it_t
         (["eval"], "--run.dir is required"),
         (["eval", "--run.dir", "/nonexistent/run"], "is not a chain-of-thought run folder"),
         (["ask", "What is rref(A)?"], "--run.dir is required"),
+        (["roles"], "--run.dir is required"),
         (["seeds", "--seeds", "1", "1"], r"--seeds must be distinct ints >= 0; got \[1, 1\]"),
         (["seeds", "--run.seed", "2"], "--run.seed 2: the seeds command takes its seeds from"),
         (["seeds", "--models", "dense", "dense"], "--models must be distinct models"),
