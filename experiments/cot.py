@@ -1206,32 +1206,40 @@ def _by_sign(role: str, text: str) -> str:
 
 
 def roles(cmd: RolesCommand) -> dict[str, dict[str, dict[str, int]]]:
-    """Prints, and returns per model, ``cot.reference_accuracy`` on the run's test split per
-    unit of ``CotFormat(numbers=cmd.numbers)``, the terms' results split by sign."""
+    """Prints, and returns per trained model, ``cot.reference_accuracy`` on the run's test
+    split per unit of ``CotFormat(numbers=cmd.numbers)``, the terms' results split by sign (a
+    run of `seeds --models` may hold one model)."""
     folder = pathlib.Path(cmd.run.dir)
     test = list(_data(_read_config(folder), cmd.run.cache_dir).test)
     units = cot.CotFormat(numbers=cmd.numbers)
     out = {}
     for name in MODELS:
-        solver = cot.Solver.load(folder, name)
+        try:
+            solver = cot.Solver.load(folder, name)
+        except FileNotFoundError:
+            log(f"{folder}: no trained {name} model")
+            continue
         counts = cot.reference_accuracy(solver, test, units=units, group=_by_sign)
         out[name] = {}
         for group, count in counts.items():  # the terms' results in all, then by sign
             if group.startswith("term result, ") and "term result" not in out[name]:
                 out[name]["term result"] = _sum_counts(counts, "term result, ")
             out[name][group] = count
+    if not out:
+        raise ValueError(f"--run.dir {str(folder)!r} holds no trained model")
     unit = f"number (|n| < {cmd.numbers})" if cmd.numbers else "byte"
     print(
         f"Teacher-forced accuracy on the {len(test)} test problems of {folder}, per {unit}: "
-        "right / counted (%), sparse and dense.\n"
+        f"right / counted (%), {' and '.join(out)}.\n"
     )
-    print("| what the unit writes | sparse | dense |\n|:--|--:|--:|")
-    for group in out["sparse"]:
+    print(f"| what the unit writes | {' | '.join(out)} |\n|:--|{'--:|' * len(out)}")
+    groups = list(dict.fromkeys(g for counts in out.values() for g in counts))
+    for group in groups:
         cells = [
             f"{c['right']} / {c['tokens']} ({100 * c['right'] / c['tokens']:.1f}%)"
-            if (c := out[name].get(group, {})).get("tokens")
+            if (c := counts.get(group, {})).get("tokens")
             else "-"
-            for name in MODELS
+            for counts in out.values()
         ]
         print(f"| {group} | {' | '.join(cells)} |")
     return out

@@ -728,7 +728,7 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     experiment.run(experiment.parse(["train", *args, "--train.buckets", "1", "1"]))
 
 
-def test_roles_counts_each_models_test_split_per_number(run, capsys):
+def test_roles_counts_each_models_test_split_per_number(run, capsys, tmp_path):
     from experiments import cot as experiment
 
     cache = run["args"][run["args"].index("--run.cache-dir") + 1]
@@ -745,6 +745,12 @@ def test_roles_counts_each_models_test_split_per_number(run, capsys):
                  for x in (c, d)]  # fmt: skip
         assert f"| {group} | {cells[0]} | {cells[1]} |" in printed
     assert "per number (|n| < 10)" in printed
+    # A run that trained one model (seeds --models dense): that model's column only.
+    one = tmp_path / "one"
+    shutil.copytree(run["folder"], one, ignore=shutil.ignore_patterns("sparse"))
+    flags[2] = str(one)
+    assert list(experiment.run(experiment.parse(flags))) == ["dense"]
+    assert "| what the unit writes | dense |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         experiment.parse([*flags, "--numbers", "-1"])
     assert "--numbers must be an int >= 0; got -1" in capsys.readouterr().err
