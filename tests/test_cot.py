@@ -196,7 +196,7 @@ def _reference_counts(solver, problems, units=None, group=None) -> dict[str, dic
                 ok = all(r for (x, y), r in zip(spans, right, strict=False) if x < b and y > a)
                 found.append((written[a], data[a:b], ok))
         for role, piece, ok in [*found, ("answer", b"", right[-1])]:
-            name = role if group is None else group(role, piece.decode())
+            name = role if group is None else group(role, piece.decode(errors="replace"))
             entry = mine.setdefault(name, {"right": 0, "tokens": 0})
             entry["right"] += bool(ok)
             entry["tokens"] += 1
