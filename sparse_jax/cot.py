@@ -713,15 +713,15 @@ class Solver:
     ):
         if not isinstance(fmt, CotFormat):
             raise TypeError(f"Solver: `fmt` must be a CotFormat; got {type(fmt).__name__}")
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if isinstance(vocab, int) and vocab < fmt.vocab_size:
-            raise ValueError(
-                f"Solver: the model has a vocabulary of {vocab} ids; `fmt` (numbers="
-                f"{fmt.numbers}) writes {fmt.vocab_size}: pass the format it was trained with"
-            )
         self.model, self.fmt, self.name = model, fmt, str(name)
         self.batch_size = check_int(batch_size, "batch_size", "Solver")
-        self.decoder = GreedyDecoder(model, max_len=fmt.target_len, chunk=chunk)
+        self.decoder = GreedyDecoder(model, max_len=fmt.target_len, chunk=chunk)  # checks model
+        if model.config.vocab_size < fmt.vocab_size:
+            raise ValueError(
+                f"Solver: the model has a vocabulary of {model.config.vocab_size} ids; `fmt` "
+                f"(numbers={fmt.numbers}) writes {fmt.vocab_size}: pass the format it was "
+                "trained with"
+            )
         self.kinds = None if kinds is None else tuple(kinds)
         self.step = step
         self._stats_fn = self._next_fn = None
@@ -1000,7 +1000,7 @@ def reference_accuracy(
             data, written = text.encode("utf-8"), linalg_cot.solution_roles(text)
             own = fmt.tokens(text)[1]
             right = predicted[r, : own.size + 1] == target[r, : own.size + 1]  # EOS last
-            starts = units.tokens(text)[1]
+            starts = own if units == fmt else units.tokens(text)[1]
             ends = np.append(starts[1:], len(data))
             # The model tokens that overlap each unit: from the last starting at or before
             # its first byte to the last starting before its end.
