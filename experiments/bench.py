@@ -9,6 +9,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench hardening --lengths 1024
     python -m experiments.bench kernels    # fused kernels and, on a GPU, the PyTorch peers
     python -m experiments.bench forward_passes   # what a pass of the sparse forward costs
+    python -m experiments.bench query_chunks     # impl='xla': query rows per chunk
 
 The default ``normalizers`` run takes about 8 minutes on a 2-core CPU, most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
@@ -51,7 +52,7 @@ from experiments.bench_kernels import (
 )
 from sparse_jax import masks
 from sparse_jax.blocksparse import blocksparse_cost
-from sparse_jax.dispatch import attention
+from sparse_jax.dispatch import attention, default_query_chunk
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
 from sparse_jax.models.flops import model_flops
 
@@ -363,6 +364,132 @@ def run_normalizers(config: NormalizersConfig, command: str) -> str:
         "arguments + outputs + temporaries of XLA's compiled buffer assignment, not RSS.",
         f"mask_mode={config.mask_mode}; projection_simplex = optax.projections."
         "projection_simplex vmapped over rows, masked scores set to row min - 1e4.",
+        *notes,
+        f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
+    ]
+    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# query_chunks: how many query rows impl="xla" should take at once
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    """``"BxNxTxH"`` -> (batch, heads, length, head dim)."""
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(
+            f"shapes must be 'BxNxTxH' (batch x heads x length x head dim, integers >= 1); "
+            f"got {text!r}"
+        )
+    b, n, t, h = (int(p) for p in parts)
+    return b, n, t, h
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryChunksConfig:
+    """impl='xla' (query-chunked dense attention) under the causal mask at several chunk budgets
+    and at the default's chunk (sparse_jax.dispatch.default_query_chunk): a budget's chunk takes
+    as many query rows as keep its scores [B, N, rows, Tk] within it, at least 8;
+    forward+backward, the chunks of a cell timed in alternation
+    (experiments.timing.time_interleaved)."""
+
+    shapes: tuple[str, ...] = (
+        "12x4x144x16",  # the chain-of-thought default: encoder, question bucket of 144 tokens
+        "12x4x208x16",  # ... its decoder: solution buckets of 208 and 264 tokens
+        "12x4x264x16",
+        "8x12x128x64",  # the main job: GPT-2 small, windows of 128
+        "2x12x1024x64",  # the WikiText-2 study's length
+        "1x8x2048x64",  # the normalizers benchmark (b)
+        "1x8x4096x64",
+    )
+    """Self-attention shapes 'BxNxTxH' (batch x heads x length x head dim)."""
+    budgets: tuple[int, ...] = (2**19, 2**20, 2**21, 2**22)
+    """Scores per chunk (elements of [B, N, rows, Tk]); rows = max(8, budget // (B·N·Tk))."""
+    normalizers: tuple[Literal["softmax", "sparsemax", "entmax15"], ...] = ("softmax", "sparsemax")
+    """Normalizers to time at each shape."""
+    rounds: int = 10
+    """Rounds of the alternation (one call of each budget per round; median reported)."""
+    budget_s: float = 20.0
+    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
+    seed: int = 0
+    """Seed of the random inputs."""
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        timing.check_count_tuples(self, "budgets")
+        timing.check_counts(self, "rounds")
+        if not self.shapes:
+            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
+        for text in self.shapes:
+            _shape(text)
+        if not self.normalizers:
+            raise ValueError("normalizers must name at least one normalizer, got ()")
+        timing.check_seconds(self, "budget_s")
+
+
+@benchmark("query_chunks", QueryChunksConfig)
+def run_query_chunks(config: QueryChunksConfig, command: str) -> str:
+    """Returns the markdown of the query-chunk benchmark (see QueryChunksConfig)."""
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    timing.log(header)
+    headers = ["shape B x N x T x H", "normalizer"]
+    headers += [f"2^{int(math.log2(c))}" if c & (c - 1) == 0 else str(c) for c in config.budgets]
+    headers += ["default", "fastest", "default / fastest"]
+    rows, notes = [], []
+    for text in config.shapes:
+        b, n, t, h = _shape(text)
+        keys = jax.random.split(jax.random.key(config.seed + t), 4)
+        q, k, v, go = (jax.random.normal(kk, (b, t, n, h), jnp.float32) for kk in keys)
+        # query rows per chunk of each budget (T: one chunk); budgets giving the same are timed once
+        chunks = [min(t, max(8, c // (b * n * t))) for c in config.budgets]
+        own = min(t, default_query_chunk(b, n, t, h))
+        distinct = sorted(set(chunks) | {own}, key=[*chunks, own].index)
+        for normalizer in config.normalizers:
+            calls = []
+            for rows_per_chunk in distinct:
+
+                def loss(q, k, v, g, rows_per_chunk=rows_per_chunk, normalizer=normalizer):
+                    out = attention(
+                        q, k, v, mask=masks.causal(), normalizer=normalizer, impl="xla",
+                        query_chunk=rows_per_chunk,
+                    )  # fmt: skip
+                    return jnp.sum(out * g)
+
+                calls.append((jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, go)))
+            timed = timing.time_interleaved(
+                calls, rounds=config.rounds, min_rounds=min(3, config.rounds),
+                budget_s=config.budget_s,
+            )  # fmt: skip
+            stats = dict(zip(distinct, timed, strict=True))
+            best = min(distinct, key=lambda c: stats[c].median_s)
+            row = [text, normalizer]
+            for c in chunks:
+                cell = f"{timing.format_ms(stats[c])} ({c} rows)"
+                row.append(f"**{cell}**" if c == best else cell)
+            cell = f"{timing.format_ms(stats[own])} ({own} rows)"
+            row.append(f"**{cell}**" if own == best else cell)
+            row.append(f"{best} rows")
+            row.append(f"{stats[own].median_s / stats[best].median_s:.2f}x")
+            rows.append(row)
+            timing.log(
+                f"[{time.perf_counter() - start:6.0f} s] {text} {normalizer}: "
+                + ", ".join(f"{c} rows {stats[c].median_ms:.1f}" for c in distinct)
+                + " ms"
+            )
+    table = timing.markdown_table(headers, rows, align="ll" + "r" * (len(headers) - 2))
+    elapsed = time.perf_counter() - start
+    notes = [
+        "impl='xla' under masks.causal(), float32; fwd+bwd = gradient of sum(out * g) w.r.t. q, "
+        "k, v; each cell: the median of its calls, the budgets of a row timed in alternation "
+        f"(up to {config.rounds} rounds, after compilation and a warm-up call), with the query "
+        "rows per chunk that budget gives (T rows: one chunk, no loop; budgets that give the "
+        "same rows share one timing).",
+        "default: the rows sparse_jax.dispatch.default_query_chunk gives on this backend "
+        f"({jax.default_backend()}), those of attention(query_chunk=None).",
         *notes,
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
     ]

@@ -19,8 +19,9 @@ Implementations and dispatch
 
 * ``"xla"`` (implemented): the dense reference in plain ``jax.numpy``, **chunked over
   queries**. The queries are cut into equal chunks of a static size of at most
-  ``query_chunk`` rows (by default as many as keep one chunk's scores within
-  ``CHUNK_SCORES`` = 2**22 elements; Tq is padded internally to a multiple, padded rows are
+  ``query_chunk`` rows (by default :func:`default_query_chunk`: as many as keep one chunk's
+  scores within ``CHUNK_SCORES`` = 2**22 elements, on CPU within ``CPU_CHUNK_SCORES`` = 2**20
+  and at least twice the head dim; Tq is padded internally to a multiple, padded rows are
   masked and dropped) and ``jax.lax.map`` runs one chunk at a time (a problem that fits in one
   chunk runs without the loop). Each chunk forms its ``[B, N, chunk, Tk]`` scores,
   evaluates its part of the mask *inside the chunk* (from ``Mask.predicate`` on ``iota``
@@ -115,20 +116,55 @@ from sparse_jax.validation import (
 __all__ = [
     "BLOCKSPARSE_MAX_FRACTION",
     "CHUNK_SCORES",
+    "CPU_CHUNK_SCORES",
     "IMPLS",
     "NORMALIZERS",
     "ImplChoice",
     "attention",
     "attention_fn",
     "attention_impl",
+    "default_query_chunk",
 ]
 
 #: Values of ``impl=``.
 IMPLS = ("auto", "xla", "blocksparse", "pallas", "splash", "cudnn")
 #: With ``query_chunk=None``, ``impl="xla"`` takes as many query rows per chunk as keep one
 #: chunk's scores ``[B, N, chunk, Tk]`` within this many elements (16 MiB in float32), and at
-#: least 8 rows.
+#: least 8 rows, on a GPU or TPU (:func:`default_query_chunk`).
 CHUNK_SCORES = 2**22
+#: The same budget on CPU (4 MiB of float32 scores), where the chunk also takes at least twice
+#: the head dim in rows (:func:`default_query_chunk`).
+CPU_CHUNK_SCORES = 2**20
+
+
+def default_query_chunk(
+    batch: int, heads: int, kv_len: int, head_dim: int, backend: str | None = None
+) -> int:
+    """The query rows ``impl="xla"`` takes per chunk when ``query_chunk`` is None, for
+    ``[batch, *, heads, head_dim]`` queries against ``kv_len`` keys on ``backend`` (default:
+    jax's default backend): as many as keep the chunk's scores within :data:`CHUNK_SCORES`, at
+    least 8. On CPU within :data:`CPU_CHUNK_SCORES`, and at least ``2 * head_dim`` rows.
+
+    Why (``python -m experiments.bench query_chunks``, docs/benchmarks.md): on a CPU the
+    backward pass of a chunk makes several passes over its scores, which run several times
+    faster while they stay in the cache (fwd+bwd of ``[12, 264, 4, 16]`` queries under a causal
+    mask: 1.5-1.9x faster in chunks of 41-82 rows than in one); but every chunk also reads all
+    of ``k`` and ``v`` and adds into their whole gradients, work that grows with the head dim
+    and the number of chunks, so at a head dim of 64 chunks of fewer than ~128 rows lose.
+
+    Example:
+      >>> default_query_chunk(12, 4, 264, 16, backend="cpu")  # 2**20 // (12 * 4 * 264)
+      82
+      >>> default_query_chunk(2, 12, 1024, 64, backend="cpu")  # 42 by the budget; 2 * 64
+      128
+      >>> default_query_chunk(2, 12, 1024, 64, backend="gpu")  # 2**22 // (2 * 12 * 1024)
+      170
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return max(8, 2 * head_dim, CPU_CHUNK_SCORES // (batch * heads * kv_len))
+    return max(8, CHUNK_SCORES // (batch * heads * kv_len))
+
 
 _NAME = "attention"
 
@@ -269,7 +305,7 @@ def _check_all(
             "pattern with sparse_jax.masks (masks.from_array for a fixed numpy array)."
         )
     if query_chunk is None:
-        query_chunk = max(8, CHUNK_SCORES // (b * n * k.shape[1]))
+        query_chunk = default_query_chunk(b, n, k.shape[1], h)
     query_chunk = check_int(query_chunk, "query_chunk", caller)
     if not isinstance(return_weights, (bool, np.bool_)):
         raise TypeError(f"{caller}: `return_weights` must be a bool; got {return_weights!r}")
@@ -583,8 +619,9 @@ def attention(
         ``B·N·query_chunk·Tk`` floats times a small constant (about 1 forward, 5-6 for
         forward+backward), independent of ``Tq``. ``Tq`` is split into equal chunks of at
         most this size (a multiple of 8 where possible) and padded internally. Default (None):
-        as many rows as keep ``B·N·chunk·Tk <= CHUNK_SCORES`` (2**22), at least 8, so small
-        problems run as one chunk (no loop, no recomputation in the backward pass).
+        :func:`default_query_chunk`, as many rows as keep ``B·N·chunk·Tk <= CHUNK_SCORES``
+        (2**22; on CPU ``CPU_CHUNK_SCORES``, 2**20, and at least ``2·H`` rows), at least 8, so
+        small problems run as one chunk (no loop, no recomputation in the backward pass).
       precision: passed to the two einsums (``jax.lax.Precision``), as in flax.
 
     Returns:

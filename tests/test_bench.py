@@ -111,6 +111,38 @@ def test_attention_benchmark_prints_every_mask_and_normalizer(capsys):
     assert "density ratio" in printed
 
 
+def test_the_query_chunks_benchmark_times_each_budgets_rows_and_the_default(capsys):
+    bench.main(["query_chunks", "--shapes", "2x2x64x8", "--budgets", "1024", "4096", "262144",
+                "--normalizers", "softmax", "--rounds", "2"])  # fmt: skip
+    printed = capsys.readouterr().out
+    rows = [
+        [cell.strip().strip("*") for cell in line.split("|")[1:-1]]
+        for line in printed.splitlines()
+        if line.startswith("| 2x2x64x8")
+    ]
+    assert len(rows) == 1
+    row = rows[0]
+    # rows per chunk: max(8, budget // (2 * 2 * 64)), at most T = 64; on CPU the default takes
+    # 2**20 // 256 = 4096 rows, at least 2 * 8: the whole 64, one chunk
+    assert [re.search(r"\((\d+) rows\)", c).group(1) for c in row[2:6]] == ["8", "16", "64", "64"]
+    fastest_ms = _ms(row, int(row[6].split()[0]))  # "fastest": rows of the least time
+    assert fastest_ms <= min(_ms(row, r) for r in (8, 16, 64))
+    assert float(row[7].rstrip("x")) == pytest.approx(_ms(row, 64) / fastest_ms, abs=0.06)
+
+
+def _ms(row: list[str], rows: int) -> float:
+    """The milliseconds of the first cell of ``row`` timed at ``rows`` rows per chunk."""
+    cell = next(c for c in row[2:6] if c.endswith(f"({rows} rows)"))
+    return float(cell.split()[0].split("†")[0])
+
+
+def test_bad_query_chunks_flags_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["query_chunks", "--shapes", "2x2x64"])
+    assert exit_info.value.code == 2
+    assert "shapes must be 'BxNxTxH'" in capsys.readouterr().err
+
+
 def test_bad_attention_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["attention", "--block", "0"])

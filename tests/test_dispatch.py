@@ -5,6 +5,7 @@ the flax adapter, argument errors and the memory bound of the chunking."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import sparse_jax as sj
 from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.masks import causal, from_array, local, padding, per_head, sink, strided
 from tests.conftest import jit_fast
-from tests.engines import assert_engine
+from tests.engines import _sub_jaxprs, assert_engine
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
 
@@ -561,6 +562,50 @@ def test_chunked_path_memory_is_far_below_naive():
     assert temp_bytes(naive) >= scores  # the reference does materialise the scores
     assert temp_bytes(chunked) < temp_bytes(naive) / 3
     assert temp_bytes(with_grad(chunked)) < temp_bytes(with_grad(naive)) / 3
+
+
+def _chunking(fn, *args) -> tuple[list[int], set[tuple[int, ...]]]:
+    """(lengths of the scans, shapes of the dot_general outputs) in ``fn``'s jaxpr, nested
+    jaxprs included: the chunks impl='xla' ran and the scores each one formed."""
+    lengths, shapes = [], set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                lengths.append(eqn.params["length"])
+            if eqn.primitive.name == "dot_general":
+                shapes.add(tuple(eqn.outvars[0].aval.shape))
+            for value in eqn.params.values():
+                for sub in _sub_jaxprs(value):
+                    walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return lengths, shapes
+
+
+@pytest.mark.parametrize(
+    "backend, shape, chunks, rows",
+    [
+        # 2**20 // (12 * 4 * 264) = 82 rows at most: 4 equal chunks of 72 (a multiple of 8)
+        ("cpu", (12, 264, 4, 16), 4, 72),
+        # 2**20 // (2 * 12 * 1024) = 42, but at least 2 * 64 rows: 8 chunks of 128
+        ("cpu", (2, 1024, 12, 64), 8, 128),
+        ("cpu", (8, 128, 12, 64), 1, 128),  # 2**20 // (8 * 12 * 128) = 85 < 2 * 64: one chunk
+        ("gpu", (12, 264, 4, 16), 1, 264),  # 2**22 // (12 * 4 * 264) = 331: one chunk
+        ("gpu", (2, 1024, 12, 64), 7, 152),  # 2**22 // (2 * 12 * 1024) = 170: 7 chunks of 152
+    ],
+)
+def test_default_query_chunk_is_the_chunking_used(monkeypatch, backend, shape, chunks, rows):
+    # query_chunk=None takes default_query_chunk's rows for the backend; counted in the traced
+    # program (its scan and the scores' shape), not from the function itself
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    b, t, n, h = shape
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    lengths, shapes = _chunking(lambda q: attention(q, q, q, mask=causal(), impl="xla"), spec)
+    assert lengths == ([chunks] if chunks > 1 else [])
+    # the scores of one chunk, [B, N, rows, Tk] in the dot's own order of axes
+    assert any(math.prod(s) == b * n * rows * t and {rows, t} <= set(s) for s in shapes)
+    assert sj.dispatch.default_query_chunk(b, n, t, h, backend=backend) >= rows
 
 
 def test_auto_dispatch_follows_the_mask_density(monkeypatch):
