@@ -55,6 +55,7 @@ import numpy as np
 import tyro
 from flax import nnx
 
+from experiments import stats
 from experiments.distill_run import write_text_atomically
 from experiments.flags import (
     check_max_minutes,
@@ -664,11 +665,12 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     training_file = folder / "training.json"  # written when both models have trained
     training = json.loads(training_file.read_text()) if training_file.exists() else {}
     seconds = dict(training.get("phase_seconds", {}))
-    results, models = {}, {}
+    results, models, correct = {}, {}, {}
     record = cot.read_record(folder)
     for name in MODELS:
-        solver, result = _decode_test(folder, name, test, ev)
+        solver, result, records = _decode_test(folder, name, test, ev)
         results[name] = result
+        correct[name] = [(r["kind"], r["correct"]) for r in records]
         config = solver.model.config
         models[name] = {
             "switches": describe(config),
@@ -682,13 +684,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
         }
         seconds[f"eval_{name}"] = time.perf_counter() - lap
         lap = time.perf_counter()
-    comparison = {}
-    for kind in results["sparse"]["kinds"]:
-        s, d = results["sparse"]["kinds"][kind], results["dense"]["kinds"][kind]
-        comparison[kind] = {
-            "exact_match_points": 100 * (s["exact_match"] - d["exact_match"]),
-            "seconds_ratio": s["seconds_per_question"] / d["seconds_per_question"],
-        }
+    comparison = _comparison(results, correct)
     summary = {
         "kinds": list(data_cfg.kinds),
         "most_frequent_answer": cot.most_frequent_answers(train, test),
@@ -714,15 +710,44 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     return summary
 
 
-def _decode_test(folder: pathlib.Path, name: str, test: list, ev: Eval) -> tuple[cot.Solver, dict]:
+def _decode_test(
+    folder: pathlib.Path, name: str, test: list, ev: Eval
+) -> tuple[cot.Solver, dict, list[dict]]:
     """Decodes ``test`` with the trained model ``name`` of ``folder`` (``cot.evaluate``) and
-    writes its ``answers-<name>.jsonl``; the solver and the result without its records."""
+    writes its ``answers-<name>.jsonl``; the solver, the result without its records, and the
+    records (one per test question, in order)."""
     solver = cot.Solver.load(folder, name, batch_size=ev.batch_size, chunk=ev.chunk)
     log(f"{folder.name}, {name}: decoding {len(test)} test questions")
     result = cot.evaluate(solver, test, repeats=ev.repeats)
-    lines = "".join(json.dumps(r) + "\n" for r in result.pop("records"))
+    records = result.pop("records")
+    lines = "".join(json.dumps(r) + "\n" for r in records)
     write_text_atomically(folder / f"answers-{name}.jsonl", lines)
-    return solver, result
+    return solver, result, records
+
+
+def _comparison(results: dict, correct: dict[str, list[tuple[str, bool]]]) -> dict:
+    """Per kind and ``overall``: sparse minus dense exact match in points, paired on the same
+    questions (:func:`experiments.stats.paired`: its 95% interval in points, the questions only
+    one model answered right, McNemar's p), each model's exact match with its 95% Wilson
+    interval, and the ratio of their decoding times per question."""
+    out = {}
+    for kind in [*results["sparse"]["kinds"], "overall"]:
+        right = {name: [ok for k, ok in correct[name] if kind in (k, "overall")] for name in MODELS}
+        pair = stats.paired(right["sparse"], right["dense"])
+        s, d = (_figures(results[name], kind) for name in MODELS)
+        out[kind] = {
+            "exact_match_points": 100 * (s["exact_match"] - d["exact_match"]),
+            "exact_match_points_ci95": [100 * x for x in pair["ci95"]],
+            "only_sparse_right": pair["a_only"],
+            "only_dense_right": pair["b_only"],
+            "mcnemar_p": pair["p_value"],
+            "exact_match_ci95": {
+                name: list(stats.proportion(sum(right[name]), len(right[name]))["ci95"])
+                for name in MODELS
+            },
+            "seconds_ratio": s["seconds_per_question"] / d["seconds_per_question"],
+        }
+    return out
 
 
 def _final_loss(folder: pathlib.Path, name: str) -> float | None:
@@ -732,6 +757,50 @@ def _final_loss(folder: pathlib.Path, name: str) -> float | None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("phase") == name and "loss" in r]
     return rows[-1]["loss"] if rows else None
+
+
+_COMPARISON_TEXT = (
+    "Sparse against dense on the same test questions (experiments.stats). Exact match with its "
+    "95% interval (Wilson); sparse minus dense in points with its 95% interval (Newcombe's "
+    "interval for paired proportions); the questions that only one of the two answers right, "
+    "each way, and McNemar's exact p-value on them: how often a fair coin would split them at "
+    "least this unevenly (small when one model is really the better); the ratio of decoding "
+    "times per question."
+)
+
+
+def _comparison_lines(cmp: dict) -> list[str]:
+    """The report's paragraph and table comparing the two models (see :func:`_comparison`);
+    none for a summary written before the intervals (only its points and time ratios)."""
+    if not all("exact_match_points_ci95" in v for v in cmp.values()):
+        return [
+            "Sparse minus dense exact match: "
+            + ", ".join(f"{k} {v['exact_match_points']:+.1f} points" for k, v in cmp.items())
+            + "; decoding time per question, sparse / dense: "
+            + ", ".join(f"{k} {v['seconds_ratio']:.2f}x" for k, v in cmp.items())
+            + "."
+        ]
+    lines = [
+        _COMPARISON_TEXT,
+        "",
+        "| kind | exact match sparse, 95% interval | dense | sparse − dense, points (95%) | "
+        "right only sparse / only dense | McNemar p | decode time sparse / dense |",
+        "|:--|--:|--:|--:|--:|--:|--:|",
+    ]
+
+    def interval(ci: list[float]) -> str:
+        return f"{100 * ci[0]:.1f}–{100 * ci[1]:.1f}"
+
+    for k, v in cmp.items():
+        lo, hi = v["exact_match_points_ci95"]
+        sparse_ci, dense_ci = v["exact_match_ci95"]["sparse"], v["exact_match_ci95"]["dense"]
+        lines.append(
+            f"| {k} | {interval(sparse_ci)} | {interval(dense_ci)} | "
+            f"{v['exact_match_points']:+.1f} ({lo:+.1f} to {hi:+.1f}) | "
+            f"{v['only_sparse_right']} / {v['only_dense_right']} | {v['mcnemar_p']:.3f} | "
+            f"{v['seconds_ratio']:.2f}x |"
+        )
+    return lines
 
 
 def _alpha_lines(alphas: dict[str, list[float]] | None) -> list[str]:
@@ -967,15 +1036,7 @@ def _report(folder: pathlib.Path, s: dict) -> None:
             f"{1e3 * a['seconds_per_question']:.2f} | {1e3 * b['seconds_per_question']:.2f} | "
             f"{a['flops_per_question'] / 1e9:.3f} | {b['flops_per_question'] / 1e9:.3f} |"
         )
-    cmp = s["comparison"]
-    lines += [
-        "",
-        "Sparse minus dense exact match: "
-        + ", ".join(f"{k} {v['exact_match_points']:+.1f} points" for k, v in cmp.items())
-        + "; decoding time per question, sparse / dense: "
-        + ", ".join(f"{k} {v['seconds_ratio']:.2f}x" for k, v in cmp.items())
-        + ".",
-    ]
+    lines += ["", *_comparison_lines(s["comparison"])]
     lines += [
         "",
         "Attention density: the fraction of keys with a non-zero weight (of those the masks "
@@ -1066,7 +1127,7 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
         for name in cmd.models:
             path = folder / f"eval-{name}.json"
             if name in pending:
-                _, result = _decode_test(folder, name, test, cmd.eval)
+                _, result, _ = _decode_test(folder, name, test, cmd.eval)
                 result["train_seconds"] = trained[f"train_{name}"]
                 write_text_atomically(path, json.dumps(result, indent=2) + "\n")
             rows.append({"seed": seed, "model": name, **json.loads(path.read_text())})

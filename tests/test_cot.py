@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 import json
+import math
 import re
 import shutil
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 from flax import nnx
 
 from sparse_jax import cot
@@ -572,6 +574,7 @@ def test_reference_accuracy_recomputed_one_problem_at_a_time(run):
 
 def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     from experiments import cot as experiment
+    from experiments import stats
     from sparse_jax.models.encdec import describe
 
     folder = run["folder"]
@@ -649,6 +652,36 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
         f"| rref | {100 * em['sparse']:.1f}% | {100 * em['dense']:.1f}% | {100 * prior:.1f}% | "
         f"{100 * chains['sparse']:.1f}% | {100 * chains['dense']:.1f}% |"
     ) in report
+    # Sparse against dense, recounted question by question from the answers files: the
+    # questions only one model answers right, McNemar's exact p (binomial sums), Wilson's
+    # intervals; the paired interval is experiments.stats' (tested against its formula there).
+    right = {
+        name: [json.loads(line)["correct"] for line in (folder / f"answers-{name}.jsonl").open()]
+        for name in ("sparse", "dense")
+    }
+    n = len(right["sparse"])
+    pairs = ((right["sparse"], right["dense"]), (right["dense"], right["sparse"]))
+    only = [sum(x and not y for x, y in zip(*pair, strict=True)) for pair in pairs]
+    disagree = sum(only)
+    tail = sum(math.comb(disagree, i) for i in range(min(only) + 1)) / 2**disagree
+    p_value = 1.0 if only[0] == only[1] else min(1.0, 2 * tail)
+    ci = [100 * x for x in stats.paired(right["sparse"], right["dense"])["ci95"]]
+    for kind in ("rref", "overall"):  # one kind: the overall figures are its own
+        compared = saved["comparison"][kind]
+        assert [compared["only_sparse_right"], compared["only_dense_right"]] == only
+        assert compared["mcnemar_p"] == pytest.approx(p_value)
+        assert compared["exact_match_points_ci95"] == pytest.approx(ci)
+        assert compared["exact_match_points"] == pytest.approx(100 * (only[0] - only[1]) / n)
+        for name in ("sparse", "dense"):
+            k, z = sum(right[name]), scipy.stats.norm.ppf(0.975)
+            centre = (k + z * z / 2) / (n + z * z)
+            half = z / (n + z * z) * math.sqrt(k * (n - k) / n + z * z / 4)
+            assert compared["exact_match_ci95"][name] == pytest.approx(
+                [centre - half, centre + half]
+            )
+    low, high = saved["comparison"]["rref"]["exact_match_ci95"]["sparse"]
+    assert f"| rref | {100 * low:.1f}–{100 * high:.1f} | " in report
+    assert f" | {only[0]} / {only[1]} | {p_value:.3f} | " in report
     # Where the chains leave the reference, recounted from the answers files.
     cells = []
     for name in ("sparse", "dense"):
