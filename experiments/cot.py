@@ -1140,12 +1140,41 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
         "runs": rows,
         "exact_match": _seed_spread(rows, cmd.models, [*kinds, "overall"]),
     }
+    if set(cmd.models) == set(MODELS):
+        summary["pooled"] = _pooled(top, cmd.seeds, [*kinds, "overall"])
     write_text_atomically(top / "seeds.json", json.dumps(summary, indent=2) + "\n")
     table = _seeds_table(summary)
     write_text_atomically(top / "seeds.md", table)
     print(table)
     log(f"table: {top / 'seeds.md'}")
     return summary
+
+
+def _pooled(top: pathlib.Path, seed_list, kinds: list[str]) -> dict:
+    """Per kind (and ``overall``): sparse minus dense over every seed's answers, the questions
+    resampled with their answers in every seed (:func:`experiments.stats.clustered_difference`),
+    read from each seed's ``answers-<model>.jsonl``."""
+    answers = {
+        (seed, name): [
+            json.loads(line) for line in (top / f"seed-{seed}" / f"answers-{name}.jsonl").open()
+        ]
+        for seed in seed_list
+        for name in MODELS
+    }
+    out = {}
+    for kind in kinds:
+        a, b, questions = [], [], []
+        for seed in seed_list:
+            pairs = zip(answers[seed, "sparse"], answers[seed, "dense"], strict=True)
+            for i, (x, y) in enumerate(pairs):
+                if x["question"] != y["question"]:
+                    raise ValueError(f"seed {seed}: the two models' answers are not in one order")
+                if kind in (x["kind"], "overall"):
+                    a.append(x["correct"])
+                    b.append(y["correct"])
+                    questions.append(i)
+        out[kind] = stats.clustered_difference(a, b, questions)
+    return out
 
 
 def _exact(row: dict, kind: str) -> float:
@@ -1224,6 +1253,22 @@ def _seeds_table(s: dict) -> str:
             + ", ".join(f"seed {k} {v:+.1f}" for k, v in gap["per_seed"].items())
             + f"; mean {gap['mean']:+.1f} points.",
         ]
+    if pooled := s.get("pooled"):
+        lines += [
+            "",
+            "Sparse minus dense over all the seeds' answers, in points, with a 95% interval from "
+            "resampling the test questions (each with its answers at every seed, 10,000 times: "
+            "experiments.stats.clustered_difference), and the answers only one model got right:",
+            "",
+            "| kind | sparse − dense, points (95%) | right only sparse / only dense | answers |",
+            "|:--|--:|--:|--:|",
+        ]
+        for k, v in pooled.items():
+            lo, hi = (100 * x for x in v["ci95"])
+            lines.append(
+                f"| {k} | {100 * v['difference']:+.1f} ({lo:+.1f} to {hi:+.1f}) | "
+                f"{v['a_only']} / {v['b_only']} | {v['n']} |"
+            )
     by_model = {name: [r for r in s["runs"] if r["model"] == name] for name in s["models"]}
     divergences = _divergence_table(by_model, s["kinds"])
     if divergences:

@@ -7,13 +7,16 @@ Example::
 
     stats.proportion(41, 50)  # rate 0.82, ci95 (0.692, 0.902)
     stats.paired([True, False, True], [True, True, False])  # sparse vs dense, question by question
+    stats.clustered_difference(a, b, questions)  # over several seeds' runs: questions resampled
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 from scipy import stats as scipy_stats
 
 
@@ -81,4 +84,64 @@ def paired(a: Sequence[bool], b: Sequence[bool]) -> dict:
         "difference": difference,
         "ci95": (difference - math.sqrt(max(below, 0.0)), difference + math.sqrt(max(above, 0.0))),
         "p_value": p_value,
+    }
+
+
+def clustered_difference(
+    a: Sequence[bool],
+    b: Sequence[bool],
+    clusters: Sequence[Any],
+    *,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> dict:
+    """Model ``a`` against model ``b`` over several runs on the same questions: ``a[i]``,
+    ``b[i]`` grade one answer each (one run's pair of models on one question) and
+    ``clusters[i]`` names the question, so that a question answered in several runs counts as
+    one draw. The difference of the rates over all answers, with a 95% percentile interval from
+    resampling the questions (with their answers in every run) ``resamples`` times (numpy's
+    generator seeded by ``seed``: the same answers give the same interval).
+
+    Returns ``{"n", "clusters", "a_only", "b_only", "difference", "ci95"}`` (fractions).
+
+    Example:
+      >>> a = [True, True, False, True, True, True]  # two runs on questions q1, q2, q3
+      >>> b = [True, False, False, True, False, True]
+      >>> r = clustered_difference(a, b, ["q1", "q2", "q3"] * 2, resamples=2000)
+      >>> r["difference"], r["a_only"], r["b_only"], r["clusters"]
+      (0.3333333333333333, 2, 0, 3)
+    """
+    if not (len(a) == len(b) == len(clusters)):
+        raise ValueError(
+            f"clustered_difference: `a`, `b` and `clusters` grade the same answers; got lengths "
+            f"{len(a)}, {len(b)} and {len(clusters)}"
+        )
+    if not (isinstance(resamples, int) and resamples >= 1):
+        raise ValueError(
+            f"clustered_difference: `resamples` must be an int >= 1; got {resamples!r}"
+        )
+    n = len(a)
+    a_only = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    b_only = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    names = sorted(set(clusters), key=list(clusters).index)
+    if n == 0:
+        return {"n": 0, "clusters": 0, "a_only": 0, "b_only": 0, "difference": math.nan,
+                "ci95": (math.nan, math.nan)}  # fmt: skip
+    index = {name: i for i, name in enumerate(names)}
+    # per question: the sum of (a - b) over its answers, and how many answers it has
+    gain = np.zeros(len(names))
+    count = np.zeros(len(names))
+    for x, y, c in zip(a, b, clusters, strict=True):
+        gain[index[c]] += int(bool(x)) - int(bool(y))
+        count[index[c]] += 1
+    draws = np.random.default_rng(seed).integers(0, len(names), size=(resamples, len(names)))
+    differences = gain[draws].sum(axis=1) / count[draws].sum(axis=1)
+    low, high = np.quantile(differences, [0.025, 0.975])
+    return {
+        "n": n,
+        "clusters": len(names),
+        "a_only": a_only,
+        "b_only": b_only,
+        "difference": (a_only - b_only) / n,
+        "ci95": (float(low), float(high)),
     }

@@ -865,6 +865,27 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
         want = 100 * (exact[seed, "sparse"] - exact[seed, "dense"])
         assert gap["per_seed"][str(seed)] == pytest.approx(want)
     assert f"mean {gap['mean']:+.1f} points" in printed
+    # Pooled over the seeds, recounted from the answers files: the answers only one model got
+    # right and the difference (the interval is experiments.stats', tested there).
+    right = {
+        (seed, name): [json.loads(line)["correct"]
+                       for line in (top / f"seed-{seed}" / f"answers-{name}.jsonl").open()]
+        for seed in (3, 0) for name in ("sparse", "dense")
+    }  # fmt: skip
+    sparse = [x for seed in (3, 0) for x in right[seed, "sparse"]]
+    dense = [x for seed in (3, 0) for x in right[seed, "dense"]]
+    pooled = summary["pooled"]["overall"]
+    only = [sum(x and not y for x, y in zip(sparse, dense, strict=True)),
+            sum(y and not x for x, y in zip(sparse, dense, strict=True))]  # fmt: skip
+    assert [pooled["a_only"], pooled["b_only"], pooled["n"]] == [*only, 2 * len(test)]
+    assert pooled["clusters"] == len(test)  # each question once, whatever the seeds
+    assert pooled["difference"] == pytest.approx((only[0] - only[1]) / (2 * len(test)))
+    assert summary["pooled"]["rref"] == pooled  # one kind: its figures are the overall ones
+    lo, hi = (100 * x for x in pooled["ci95"])
+    assert (
+        f"| overall | {100 * pooled['difference']:+.1f} ({lo:+.1f} to {hi:+.1f}) | "
+        f"{only[0]} / {only[1]} | {2 * len(test)} |"
+    ) in printed
     assert json.loads((top / "seeds.json").read_text()) == json.loads(json.dumps(summary))
     # A second call on the folder is refused without --run.resume; with it, what was evaluated
     # is read back and a missing evaluation is made again, training nothing.

@@ -70,3 +70,31 @@ def test_paired_models_that_never_disagree_or_grade_different_questions():
         ValueError, match=r"paired: `a` and `b` grade the same questions; got 2 and 3"
     ):
         stats.paired([True, False], [True, False, True])
+
+
+def test_the_clustered_interval_resamples_whole_questions():
+    # three runs of two models on four questions; question q0 decides everything
+    a = [True, False, True, True] * 3
+    b = [False, False, True, True] * 3
+    questions = ["q0", "q1", "q2", "q3"] * 3
+    got = stats.clustered_difference(a, b, questions, resamples=4000, seed=1)
+    assert (got["n"], got["clusters"], got["a_only"], got["b_only"]) == (12, 4, 3, 0)
+    assert got["difference"] == pytest.approx(0.25)
+    # by hand: a resample of 4 questions holds q0 k times (k ~ Binomial(4, 1/4)): its
+    # difference is k / 4, whatever the seeds; the 2.5% and 97.5% points of k / 4 are 0 and 0.75
+    assert got["ci95"] == (0.0, 0.75)
+    assert stats.clustered_difference(a, b, questions, resamples=4000, seed=1) == got
+    same = stats.clustered_difference(a, a, questions)
+    assert same["difference"] == 0.0 and same["ci95"] == (0.0, 0.0)
+    # answers counted one by one (each its own cluster) give a narrower interval here
+    single = stats.clustered_difference(a, b, list(range(12)), resamples=4000, seed=1)
+    assert single["ci95"][1] - single["ci95"][0] < got["ci95"][1] - got["ci95"][0]
+
+
+def test_bad_clustered_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"`a`, `b` and `clusters` grade the same answers"):
+        stats.clustered_difference([True], [True, False], [0, 1])
+    with pytest.raises(ValueError, match=r"`resamples` must be an int >= 1; got 0"):
+        stats.clustered_difference([True], [False], [0], resamples=0)
+    empty = stats.clustered_difference([], [], [])
+    assert empty["n"] == 0 and math.isnan(empty["difference"])
