@@ -439,7 +439,7 @@ def run_query_chunks(config: QueryChunksConfig, command: str) -> str:
     headers = ["shape B x N x T x H", "normalizer"]
     headers += [f"2^{int(math.log2(c))}" if c & (c - 1) == 0 else str(c) for c in config.budgets]
     headers += ["default", "fastest", "default / fastest"]
-    rows, notes = [], []
+    rows = []
     for text in config.shapes:
         b, n, t, h = _shape(text)
         keys = jax.random.split(jax.random.key(config.seed + t), 4)
@@ -490,7 +490,6 @@ def run_query_chunks(config: QueryChunksConfig, command: str) -> str:
         "same rows share one timing).",
         "default: the rows sparse_jax.dispatch.default_query_chunk gives on this backend "
         f"({jax.default_backend()}), those of attention(query_chunk=None).",
-        *notes,
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
     ]
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"

@@ -770,16 +770,7 @@ _COMPARISON_TEXT = (
 
 
 def _comparison_lines(cmp: dict) -> list[str]:
-    """The report's paragraph and table comparing the two models (see :func:`_comparison`);
-    none for a summary written before the intervals (only its points and time ratios)."""
-    if not all("exact_match_points_ci95" in v for v in cmp.values()):
-        return [
-            "Sparse minus dense exact match: "
-            + ", ".join(f"{k} {v['exact_match_points']:+.1f} points" for k, v in cmp.items())
-            + "; decoding time per question, sparse / dense: "
-            + ", ".join(f"{k} {v['seconds_ratio']:.2f}x" for k, v in cmp.items())
-            + "."
-        ]
+    """The report's paragraph and table comparing the two models (see :func:`_comparison`)."""
     lines = [
         _COMPARISON_TEXT,
         "",

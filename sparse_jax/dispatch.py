@@ -145,12 +145,11 @@ def default_query_chunk(
     jax's default backend): as many as keep the chunk's scores within :data:`CHUNK_SCORES`, at
     least 8. On CPU within :data:`CPU_CHUNK_SCORES`, and at least ``2 * head_dim`` rows.
 
-    Why (``python -m experiments.bench query_chunks``, docs/benchmarks.md): on a CPU the
-    backward pass of a chunk makes several passes over its scores, which run several times
-    faster while they stay in the cache (fwd+bwd of ``[12, 264, 4, 16]`` queries under a causal
-    mask: 1.5-1.9x faster in chunks of 41-82 rows than in one); but every chunk also reads all
-    of ``k`` and ``v`` and adds into their whole gradients, work that grows with the head dim
-    and the number of chunks, so at a head dim of 64 chunks of fewer than ~128 rows lose.
+    Why (measured by ``python -m experiments.bench query_chunks``, figures in
+    docs/benchmarks.md): on a CPU the backward pass of a chunk makes several passes over its
+    scores, which run faster while they stay in the cache; but every chunk also reads all of
+    ``k`` and ``v`` and adds into their whole gradients, work that grows with the head dim and
+    the number of chunks, so at a large head dim short chunks lose.
 
     Example:
       >>> default_query_chunk(12, 4, 264, 16, backend="cpu")  # 2**20 // (12 * 4 * 264)
