@@ -159,6 +159,16 @@ def default_query_chunk(
       >>> default_query_chunk(2, 12, 1024, 64, backend="gpu")  # 2**22 // (2 * 12 * 1024)
       170
     """
+    caller = "default_query_chunk"
+    batch = check_int(batch, "batch", caller)
+    heads = check_int(heads, "heads", caller)
+    kv_len = check_int(kv_len, "kv_len", caller)
+    head_dim = check_int(head_dim, "head_dim", caller)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"{caller}: `backend` must be a platform name ('cpu', 'gpu', 'tpu') or None; "
+            f"got {backend!r}"
+        )
     backend = jax.default_backend() if backend is None else backend
     if backend == "cpu":
         return max(8, 2 * head_dim, CPU_CHUNK_SCORES // (batch * heads * kv_len))

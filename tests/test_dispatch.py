@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -606,6 +607,22 @@ def test_default_query_chunk_is_the_chunking_used(monkeypatch, backend, shape, c
     # the scores of one chunk, [B, N, rows, Tk] in the dot's own order of axes
     assert any(math.prod(s) == b * n * rows * t and {rows, t} <= set(s) for s in shapes)
     assert sj.dispatch.default_query_chunk(b, n, t, h, backend=backend) >= rows
+
+
+@pytest.mark.parametrize(
+    "args, error, named",
+    [
+        ((0, 4, 264, 16), ValueError, "`batch` must be an int >= 1; got 0"),
+        ((12, 4.0, 264, 16), TypeError, "`heads` must be an int >= 1; got 4.0"),
+        ((12, 4, True, 16), TypeError, "`kv_len` must be an int >= 1; got True"),
+        ((12, 4, 264, -1), ValueError, "`head_dim` must be an int >= 1; got -1"),
+    ],
+)
+def test_default_query_chunk_refuses_bad_arguments(args, error, named):
+    with pytest.raises(error, match=re.escape(f"default_query_chunk: {named}")):
+        sj.dispatch.default_query_chunk(*args, backend="cpu")
+    with pytest.raises(TypeError, match="`backend` must be a platform name"):
+        sj.dispatch.default_query_chunk(12, 4, 264, 16, backend=jax.devices()[0])
 
 
 def test_auto_dispatch_follows_the_mask_density(monkeypatch):
