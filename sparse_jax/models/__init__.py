@@ -9,7 +9,7 @@ from sparse_jax.models.gpt2 import (
     generate,
     student_from_teacher,
 )
-from sparse_jax.models.harden import HardenReport, harden, harden_plan
+from sparse_jax.models.hardening import HardenReport, harden, harden_plan
 from sparse_jax.models.hf import from_pretrained, save_pretrained
 from sparse_jax.models.layers import CandidateMaskAttention, FixedAttention, Gate
 
