@@ -2238,7 +2238,7 @@ def prepare(
     False
     >>> tmp.cleanup()
     """
-    from sparse_jax.data.text import _prepare_once, _quiet_tfds, default_data_dir
+    from sparse_jax.data.tfds_store import default_data_dir, prepare_once, quiet_tfds
 
     sizes = {
         name: check_int(value, name, "prepare", low=1)
@@ -2264,7 +2264,7 @@ def prepare(
     config_name = f"s{seed}_{key[:16]}"
     SparseJaxLinalgCot, SparseJaxLinalgCotConfig = _builder_classes()
     builder_config = SparseJaxLinalgCotConfig(name=config_name, details=json.dumps(details))
-    with _quiet_tfds(verbose):
+    with quiet_tfds(verbose):
         builder = SparseJaxLinalgCot(
             config=builder_config, data_dir=root, file_format="array_record"
         )
@@ -2276,7 +2276,7 @@ def prepare(
                 file_format="array_record",
                 problems=make_splits(**sizes, seed=seed, config=cfg),
             )
-            _prepare_once(builder)
+            prepare_once(builder)
         sources = builder.as_data_source()
     return LinalgCotData(
         **{split: ProblemSource(sources[split], split) for split in SPLITS},

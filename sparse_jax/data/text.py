@@ -61,7 +61,6 @@ False
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -74,8 +73,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from absl import logging as absl_logging
 
+from sparse_jax.data.tfds_store import default_data_dir, prepare_once, quiet_tfds
 from sparse_jax.data.tokenizers import Tokenizer, get_tokenizer
 from sparse_jax.validation import check_bool, check_int
 
@@ -202,7 +201,7 @@ def _open_tfds(name: str, data_dir: str | None) -> Any:
         f"machine with network run `tfds build {name} --data_dir {where}` (or "
         f"tfds.builder({name!r}, data_dir=...).download_and_prepare()) and copy the folder here"
     )
-    with _quiet_tfds(False):
+    with quiet_tfds(False):
         try:
             builder = tfds.builder(name, data_dir=data_dir)
         except Exception as e:  # unknown names, unreadable files: TFDS raises several kinds
@@ -685,23 +684,6 @@ def __getattr__(name: str) -> Any:
 # Prepared data.
 
 
-def default_data_dir() -> Path:
-    """``$SPARSE_JAX_DATA_DIR`` if set, else ``~/.cache/sparse_jax/tfds``.
-
-    Example:
-      >>> from unittest import mock
-      >>> with mock.patch.dict(os.environ, {"SPARSE_JAX_DATA_DIR": "/data/tfds"}):
-      ...     print(default_data_dir())
-      /data/tfds
-      >>> unset = {k: v for k, v in os.environ.items() if k != "SPARSE_JAX_DATA_DIR"}
-      >>> with mock.patch.dict(os.environ, unset, clear=True):
-      ...     default_data_dir() == Path.home() / ".cache" / "sparse_jax" / "tfds"
-      True
-    """
-    env = os.environ.get("SPARSE_JAX_DATA_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sparse_jax" / "tfds"
-
-
 class WindowSource:
     """Random access to the windows of one split: ``len``, ``[i]`` -> int32 ``[seq_len + 1]``.
 
@@ -817,48 +799,6 @@ class PreparedData:
         )
 
 
-def _prepare_once(builder) -> None:
-    """``builder.download_and_prepare()`` (local files only), tolerating a process that prepared
-    the same dataset meanwhile: two runs started together on one cache both build it, and TFDS's
-    final rename then fails in the later one with ``FileExistsError`` although the folder it
-    wanted is there, complete. Any other failure, or that error without a prepared dataset,
-    propagates.
-    """
-    import tensorflow_datasets as tfds
-
-    try:
-        builder.download_and_prepare(
-            download_config=tfds.download.DownloadConfig(try_download_gcs=False)
-        )
-    except FileExistsError:
-        if not builder.is_prepared():
-            raise
-
-
-@contextlib.contextmanager
-def _quiet_tfds(verbose: bool) -> Iterator[None]:
-    """TFDS's progress bars on (``verbose``) or off, and off its log lines below errors (e.g.
-    its warning about a config the builder class does not list) while the block runs.
-
-    Through TFDS's public switch, which has no getter: the bars stay as set after the block
-    (``tfds.enable_progress_bar()`` turns them on again). The two lines TFDS prints on stdout
-    when it writes a dataset (preparing..., prepared...) are printed in either case.
-    """
-    import tensorflow_datasets as tfds
-
-    if verbose:
-        tfds.enable_progress_bar()
-        yield
-        return
-    tfds.disable_progress_bar()
-    level = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.ERROR)
-    try:
-        yield
-    finally:
-        absl_logging.set_verbosity(level)
-
-
 def _tokenizer_fingerprint(tok: Tokenizer) -> str:
     probe = (
         "The quick brown fox jumps over the lazy dog. 0123456789 <|endoftext|>\n\t"
@@ -946,7 +886,7 @@ def prepare(
     SparseJaxText, SparseJaxTextConfig = _builder_classes()
     name = f"{BUILDER_NAME}/{config_name}:{version}"
 
-    with _quiet_tfds(verbose):
+    with quiet_tfds(verbose):
         probe = SparseJaxText(
             config=SparseJaxTextConfig(name=config_name, window=seq_len + 1),
             data_dir=root,
@@ -972,7 +912,7 @@ def prepare(
                 file_format="array_record",
                 windows=windows,
             )
-            _prepare_once(builder)
+            prepare_once(builder)
         # Read back through tfds.data_source: it finds the files by name (the builder class has
         # no such config, so TFDS opens the dataset from its files).
         sources = tfds.data_source(name, data_dir=root, download=False)
