@@ -24,6 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparse_jax.data import linalg_cot as lc
+from sparse_jax.data.linalg_cot.algebra import counted
+from sparse_jax.data.linalg_cot.generator import format_block
+from sparse_jax.data.linalg_cot.grading import step_parts
 
 sympy = pytest.importorskip("sympy", reason="sympy checks the generator (pip install sympy)")
 
@@ -518,12 +521,12 @@ def _template_values(p: lc.ParsedQuestion) -> dict[str, str]:
         values |= {"R": lc.format_matrix(p.R), "d": lc.format_vector(p.d)}
         values["ops"] = "; ".join(op.text() for op in p.operations)
     if p.block is not None:
-        values["block"] = lc._format_block(p.block)
+        values["block"] = format_block(p.block)
     if p.x_p is not None:
         terms = [lc.format_vector(p.x_p)]
         terms += [f"c{k + 1} * {lc.format_vector(s)}" for k, s in enumerate(p.special)]
         values |= {"x": " + ".join(terms), "m": str(p.rows), "n": str(len(p.x_p))}
-        values["rows"] = lc._counted(p.rows, "row")
+        values["rows"] = counted(p.rows, "row")
     if p.solutions is not None:
         values |= {"m": p.rows, "n": p.cols, "r": p.rank}
         values["property"] = lc.PROPERTIES[p.solutions]
@@ -942,7 +945,7 @@ def test_solution_roles_name_what_each_byte_writes(kind):
                     if i == len(lines) - 1:
                         assert set(mine) == {"answer"} and line.startswith("Answer: ")
                         continue
-                    operation = lc._step_parts(line)[0]
+                    operation = step_parts(line)[0]
                     assert _runs(line, mine, "operation") == ([operation] if operation else [])
                     assert line.startswith(operation) and mine[-1] == "state", line
                     worked = _WORKED.match(line)

@@ -1,0 +1,561 @@
+"""The generator: the phrasings of each kind (:data:`TEMPLATES`), random problems within the
+bounds of a :class:`GeneratorConfig` (:func:`generate`) and fixed train / validation / test
+splits disjoint in content (:func:`make_splits`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from sparse_jax.data.linalg_cot.algebra import (
+    Arithmetic,
+    Matrix,
+    RowOp,
+    as_matrix,
+    counted,
+    format_matrix,
+    format_number,
+    format_vector,
+    identity,
+    matmul,
+    matvec,
+    row_reduce,
+    zeros,
+)
+from sparse_jax.data.linalg_cot.parsing import parse_question
+from sparse_jax.data.linalg_cot.problems import (
+    ALREADY_REDUCED,
+    KINDS,
+    PROPERTIES,
+    ParsedQuestion,
+    Problem,
+)
+from sparse_jax.data.linalg_cot.solver import solve
+from sparse_jax.validation import check_int
+
+__all__ = [
+    "SPLITS",
+    "TEMPLATES",
+    "GeneratorConfig",
+    "distinct_questions",
+    "generate",
+    "make_splits",
+]
+
+
+# -------------------------------------------------------------------------------------------
+# Phrasings. Fields: {A}, {b}, {R}, {d}, {x}, {block} (a block pattern such as [[A, A], [A, A]]),
+# {ops} (row operations joined by "; "), {m}, {n}, {r}, {rows} ("1 row", "3 rows"), {property}
+# (words of PROPERTIES).
+
+TEMPLATES: Mapping[str, tuple[str, ...]] = {
+    "complete_solution": (
+        "The complete solution of Ax = b is x = {x}, and A is {m} by {n}. Find the reduced row "
+        "echelon form R of A and the vector d in Rx = d.",
+        "Suppose the {m} by {n} matrix A has the complete solution x = {x} to Ax = b. What are "
+        "R = rref(A) and d, where Ax = b reduces to Rx = d?",
+        "A has {rows} and every solution of Ax = b is x = {x}. Give R and d for the reduced "
+        "system Rx = d.",
+    ),
+    "elimination": (
+        "Elimination took [A b] to [R d] with R = {R} and d = {d} by the steps {ops}, in this "
+        "order. Find E^-1 (so that A = E^-1 R), A and b.",
+        "The row operations {ops} reduce A to R = {R} and b to d = {d}. Undo them: what are "
+        "E^-1, A and b?",
+        "From R = {R}, d = {d} and the elimination steps {ops}, recover the matrix E^-1 that "
+        "connects them (A = E^-1 R) and find A and b.",
+    ),
+    "nullspace": (
+        "Find the special solutions of Ax = 0 for A = {A} and describe the nullspace N(A) in "
+        "words.",
+        "For A = {A}, what are the special solutions to Ax = 0, and what is N(A)?",
+        "Let A = {A}. Compute the special solutions of Ax = 0 and say what the nullspace of A is.",
+        "Describe the null space of the matrix {A} and give its special solutions.",
+    ),
+    "rref": (
+        "Find the reduced row echelon form R of A = {A}.",
+        "Reduce A = {A} to its reduced row echelon form R = rref(A).",
+        "What is rref(A) for the matrix A = {A}?",
+        "Row reduce the matrix {A} all the way to reduced row echelon form.",
+        "Let A = {A}. Find the reduced row echelon form of the block matrix B = {block}.",
+        "For A = {A}, what is rref(B) where B = {block}?",
+        "A = {A}. Row reduce B = {block} to reduced row echelon form.",
+    ),
+    "solvability": (
+        "The matrix A is {m} by {n} with rank {r}. Does Ax = b have {property} always, sometimes "
+        "but not always, or never?",
+        "Suppose the {m} by {n} matrix A has rank r = {r}. Is it always, sometimes but not "
+        "always, or never true that Ax = b has {property}?",
+        "For an m by n matrix A with m = {m}, n = {n} and rank r = {r}: does Ax = b have "
+        "{property} always, sometimes but not always, or never?",
+    ),
+    "column_space": (
+        "Suppose A is the matrix {A}. Is b = {b} in the column space of A?",
+        "Is b = {b} in the column space C(A) of A = {A}? If so, find x with Ax = b.",
+        "Let A = {A} and b = {b}. Decide whether b is in C(A), and if it is, solve Ax = b.",
+        "Can Ax = b be solved for A = {A} and b = {b}? Say whether b is in the column space and "
+        "give x.",
+    ),
+}
+# Block patterns of rref questions: the multiple of A in each block (0: a zero block).
+_BLOCKS = (
+    ((1, 1), (1, 1)),
+    ((1, 1),),
+    ((1,), (1,)),
+    ((1, 0), (0, 1)),
+    ((1, 2),),
+)
+
+
+def format_block(block: Matrix) -> str:
+    def entry(c: Fraction) -> str:
+        if c == 0:
+            return "0"
+        if c == 1:
+            return "A"
+        if c == -1:
+            return "-A"
+        return f"{format_number(c)}A"
+
+    return "[" + ", ".join("[" + ", ".join(entry(c) for c in row) + "]" for row in block) + "]"
+
+
+# -------------------------------------------------------------------------------------------
+# The generator.
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """How big and how hard generated problems are. Shapes are ``(max rows, max columns)``.
+
+    Example:
+
+    >>> GeneratorConfig(rref_shape=(6, 8)).rref_shape
+    (6, 8)
+    >>> GeneratorConfig(nullspace_shape=(5, 6))
+    Traceback (most recent call last):
+    ...
+    ValueError: GeneratorConfig: `nullspace_shape` must be (rows, cols) with 2 <= rows <= 4 and ...
+    """
+
+    # Which kinds to generate, in round-robin order (subset of KINDS).
+    kinds: tuple[str, ...] = KINDS
+    # rref: the matrix (or the whole block matrix) has 2..rows rows and 2..cols columns
+    # (the issue's maximum: 6 x 8).
+    rref_shape: tuple[int, int] = (4, 5)
+    # nullspace: 2..rows by 2..cols (the issue's maximum: 4 x 6).
+    nullspace_shape: tuple[int, int] = (3, 5)
+    # column_space: A has cols = 1..cols independent columns and cols..rows rows, at least 2
+    # (maximum 6 x 6).
+    column_space_shape: tuple[int, int] = (4, 3)
+    # elimination: R is 2..rows by 2..cols (maximum 4 x 6), reached by 1..elimination_ops
+    # steps.
+    elimination_shape: tuple[int, int] = (3, 4)
+    elimination_ops: int = 5
+    # complete_solution: the number of unknowns (the issue's: 3; 2..5 allowed), and A has
+    # rank..complete_solution_rows rows (at most 5).
+    unknowns: int = 3
+    complete_solution_rows: int = 3
+    # solvability: m and n are drawn from 1..solvability_dim (at most 9); the rank from 1..min.
+    solvability_dim: int = 9
+    # rref: the fraction of questions about a block matrix such as [[A, A], [A, A]].
+    block_rate: float = 0.25
+    # The fraction of the free entries of a generated echelon form that are fractions p/q
+    # (q = 2 or 3) instead of integers in [-3, 3]: with them, some answers hold fractions.
+    fraction_rate: float = 0.15
+    # Every entry of a matrix or vector in a question is an integer in [-max_entry, max_entry].
+    max_entry: int = 9
+    # Every integer written in a solution (numerators, denominators) is at most this in size.
+    max_number: int = 30
+    # A solution has at most this many steps.
+    max_steps: int = 16
+    # Whether row scalings and combinations write the entries of the row they change, computed
+    # one by one, between the operation and the matrix after it (:func:`row_arithmetic`):
+    # ``R2 = R2 - 2*R1: [2-2*1=0, 5-2*2=1] -> [[1, 2], [0, 1]]``. Longer chains, each
+    # new entry written right after its operands instead of computed inside the matrix.
+    arithmetic: bool = False
+    # With arithmetic: whether each combination's term writes its product before its sum,
+    # ``a-k*b=a-p=c`` (:func:`row_arithmetic`'s ``products``): ``2-2*1=2-2=0``.
+    products: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.kinds, tuple)
+            or not self.kinds
+            or any(k not in KINDS for k in self.kinds)
+        ):
+            raise ValueError(
+                f"GeneratorConfig: `kinds` must be a non-empty tuple of {KINDS}; got {self.kinds!r}"
+            )
+        limits = {
+            "rref_shape": (6, 8),
+            "nullspace_shape": (4, 6),
+            "column_space_shape": (6, 6),
+            "elimination_shape": (4, 6),
+        }
+        for name, (max_rows, max_cols) in limits.items():
+            shape = getattr(self, name)
+            ok = (
+                isinstance(shape, tuple)
+                and len(shape) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in shape)
+                and 2 <= shape[0] <= max_rows
+                and (1 if name == "column_space_shape" else 2) <= shape[1] <= max_cols
+                and (name != "column_space_shape" or shape[1] <= shape[0])
+            )
+            if not ok:
+                low_cols = 1 if name == "column_space_shape" else 2
+                raise ValueError(
+                    f"GeneratorConfig: `{name}` must be (rows, cols) with 2 <= rows <= {max_rows} "
+                    f"and {low_cols} <= cols <= {max_cols}"
+                    + (" and cols <= rows" if name == "column_space_shape" else "")
+                    + f"; got {shape!r}"
+                )
+        check_int(self.elimination_ops, "elimination_ops", "GeneratorConfig", high=12)
+        check_int(self.unknowns, "unknowns", "GeneratorConfig", low=2, high=5)
+        check_int(self.complete_solution_rows, "complete_solution_rows", "GeneratorConfig", high=5)
+        check_int(self.solvability_dim, "solvability_dim", "GeneratorConfig", high=9)
+        check_int(self.max_entry, "max_entry", "GeneratorConfig", low=3, high=99)
+        check_int(self.max_number, "max_number", "GeneratorConfig", low=9, high=10**6)
+        check_int(self.max_steps, "max_steps", "GeneratorConfig", low=4, high=128)
+        Arithmetic.of(self.arithmetic, self.products, "GeneratorConfig")
+        for name in ("block_rate", "fraction_rate"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (0.0 <= value <= 1.0)
+            ):
+                raise ValueError(f"GeneratorConfig: `{name}` must be in [0, 1]; got {value!r}")
+
+
+def _as_rng(rng: random.Random | int, caller: str) -> random.Random:
+    if isinstance(rng, random.Random):
+        return rng
+    return random.Random(check_int(rng, "rng", caller, low=0))
+
+
+def _free_entry(rng: random.Random, cfg: GeneratorConfig) -> Fraction:
+    if rng.random() < cfg.fraction_rate:
+        q = rng.choice((2, 3))
+        return Fraction(rng.choice([p for p in range(-2 * q, 2 * q + 1) if p % q]), q)
+    return Fraction(rng.randint(-3, 3))
+
+
+def _random_echelon(rng: random.Random, m: int, n: int, rank: int, cfg: GeneratorConfig) -> Matrix:
+    """A random m x n reduced row echelon form of the given rank."""
+    pivots = sorted(rng.sample(range(n), rank))
+    r = zeros(m, n)
+    for i, pivot in enumerate(pivots):
+        r[i][pivot] = Fraction(1)
+        for j in range(pivot + 1, n):
+            if j not in pivots:
+                r[i][j] = _free_entry(rng, cfg)
+    return as_matrix(r)
+
+
+def _random_invertible(rng: random.Random, m: int) -> Matrix:
+    """An integer m x m matrix made of a few random row operations on I (swaps, row + c*row
+    with c in ±1, ±2, and scalings by -1, 2 or 3): what mixes an echelon form into a question."""
+    matrix = identity(m)
+    for _ in range(rng.randint(m, 2 * m + 1)):
+        i, j = rng.sample(range(m), 2) if m > 1 else (0, 0)
+        choice = rng.random() if m > 1 else 0.2
+        if choice < 0.15:
+            op = RowOp("swap", i, j)
+        elif choice < 0.3:
+            op = RowOp("scale", i, factor=Fraction(rng.choice((-1, 2, 3))))
+        else:
+            op = RowOp("add", i, j, Fraction(rng.choice((-2, -1, 1, 2))))
+        matrix = op.apply(matrix)
+    return matrix
+
+
+def _integer_rows(matrix: Matrix) -> Matrix:
+    """Each row times the least common multiple of its denominators (the rref is unchanged)."""
+    return tuple(tuple(x * math.lcm(*(y.denominator for y in row)) for x in row) for row in matrix)
+
+
+def _random_matrix(rng: random.Random, m: int, n: int, rank: int, cfg: GeneratorConfig) -> Matrix:
+    """An integer m x n matrix of the given rank whose reduced form has small entries."""
+    return _integer_rows(matmul(_random_invertible(rng, m), _random_echelon(rng, m, n, rank, cfg)))
+
+
+def _entries_ok(values: Sequence[Fraction], cfg: GeneratorConfig) -> bool:
+    return all(x.denominator == 1 and abs(x) <= cfg.max_entry for x in values)
+
+
+def _draw(
+    rng: random.Random, kind: str, cfg: GeneratorConfig, template: int
+) -> ParsedQuestion | None:
+    """One candidate question of ``kind`` (None when the draw breaks the entry bound)."""
+    phrasing = TEMPLATES[kind][template]
+    if kind == "rref":
+        max_rows, max_cols = cfg.rref_shape
+        if "{block}" in phrasing:
+            block = as_matrix(rng.choice(_BLOCKS))
+            # The block matrix has at least 2 rows and 2 columns and fits the shape.
+            rows = rng.randint(-(-2 // len(block)), max_rows // len(block))
+            cols = rng.randint(-(-2 // len(block[0])), max_cols // len(block[0]))
+        else:
+            block = None
+            rows, cols = rng.randint(2, max_rows), rng.randint(2, max_cols)
+        a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
+        if not _entries_ok([x for row in a for x in row], cfg):
+            return None
+        values = {"A": format_matrix(a)}
+        if block is not None:
+            values["block"] = format_block(block)
+        return ParsedQuestion(kind, phrasing.format(**values), A=a, block=block)
+    if kind == "nullspace":
+        rows, cols = rng.randint(2, cfg.nullspace_shape[0]), rng.randint(2, cfg.nullspace_shape[1])
+        a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
+        if not _entries_ok([x for row in a for x in row], cfg):
+            return None
+        return ParsedQuestion(kind, phrasing.format(A=format_matrix(a)), A=a)
+    if kind == "column_space":
+        cols = rng.randint(1, cfg.column_space_shape[1])
+        rows = rng.randint(max(2, cols), cfg.column_space_shape[0])
+        a = _random_matrix(rng, rows, cols, cols, cfg)
+        if rows > cols and rng.random() < 0.5:
+            x = tuple(Fraction(rng.randint(-3, 3)) for _ in range(cols))
+            b = matvec(a, x)
+        else:
+            b = tuple(Fraction(rng.randint(-cfg.max_entry, cfg.max_entry)) for _ in range(rows))
+        if not _entries_ok([x for row in a for x in row] + list(b), cfg):
+            return None
+        question = phrasing.format(A=format_matrix(a), b=format_vector(b))
+        return ParsedQuestion(kind, question, A=a, b=b)
+    if kind == "solvability":
+        m, n = rng.randint(1, cfg.solvability_dim), rng.randint(1, cfg.solvability_dim)
+        r = rng.randint(1, min(m, n))
+        prop = rng.choice(tuple(PROPERTIES))
+        question = phrasing.format(m=m, n=n, r=r, property=PROPERTIES[prop])
+        return ParsedQuestion(kind, question, rows=m, cols=n, rank=r, solutions=prop)
+    if kind == "complete_solution":
+        n = cfg.unknowns
+        k = rng.randint(1, n - 1)  # special solutions
+        m = rng.randint(max(n - k, 1), max(cfg.complete_solution_rows, n - k))
+        r = _random_echelon(rng, n - k, n, n - k, cfg)
+        pivots = [row.index(1) for row in r]
+        free = [j for j in range(n) if j not in pivots]
+        special = []
+        for f in free:
+            s = [Fraction(0)] * n
+            s[f] = Fraction(1)
+            for i, pivot in enumerate(pivots):
+                s[pivot] = -r[i][f]
+            special.append(tuple(s))
+        # Special solutions with fractions scaled to integers (they span the same nullspace).
+        special = [tuple(_integer_rows((s,))[0]) for s in special]
+        x_p = [Fraction(0)] * n
+        for pivot in pivots:
+            x_p[pivot] = Fraction(rng.randint(-4, 4))
+        if rng.random() < 0.3:  # a particular solution that is not the special one
+            for s in special:
+                c = rng.randint(-1, 1)
+                x_p = [x + c * y for x, y in zip(x_p, s, strict=True)]
+        x_p = tuple(x_p)
+        if not _entries_ok(list(x_p) + [x for s in special for x in s], cfg):
+            return None
+        terms = " + ".join(
+            [format_vector(x_p)] + [f"c{k + 1} * {format_vector(s)}" for k, s in enumerate(special)]
+        )
+        question = phrasing.format(x=terms, m=m, n=n, rows=counted(m, "row"))
+        return ParsedQuestion(kind, question, x_p=x_p, special=tuple(special), rows=m)
+    # elimination
+    max_rows, max_cols = cfg.elimination_shape
+    rows, cols = rng.randint(2, max_rows), rng.randint(2, max_cols)
+    a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
+    reduction = row_reduce(a)
+    if not 1 <= len(reduction.ops) <= cfg.elimination_ops:
+        return None
+    rank = len(reduction.pivots)
+    d = tuple(Fraction(rng.randint(-4, 4)) if i < rank else Fraction(0) for i in range(rows))
+    b = d
+    for op in reversed(reduction.ops):
+        b = tuple(row[0] for row in op.inverse().apply(tuple((x,) for x in b)))
+    if not _entries_ok([x for row in a for x in row] + list(b), cfg):
+        return None
+    question = phrasing.format(
+        R=format_matrix(reduction.matrix),
+        d=format_vector(d),
+        ops="; ".join(op.text() for op in reduction.ops),
+    )
+    return ParsedQuestion(kind, question, R=reduction.matrix, d=d, operations=reduction.ops)
+
+
+_INTEGER = re.compile(r"\d+")
+
+
+def _within_bounds(problem: Problem, cfg: GeneratorConfig) -> bool:
+    if len(problem.steps) > cfg.max_steps:
+        return False
+    numbers = _INTEGER.findall(" ".join(problem.steps) + " " + problem.answer)
+    return all(len(x) <= 7 and int(x) <= cfg.max_number for x in numbers)
+
+
+_MAX_DRAWS = 1000
+
+
+def _choose_template(kind: str, rng: random.Random, cfg: GeneratorConfig) -> int:
+    if kind != "rref":
+        return rng.randrange(len(TEMPLATES[kind]))
+    block = rng.random() < cfg.block_rate
+    return rng.choice([i for i, t in enumerate(TEMPLATES[kind]) if ("{block}" in t) == block])
+
+
+def _generate(
+    kind: str, rng: random.Random, cfg: GeneratorConfig, template: int | None
+) -> tuple[ParsedQuestion, Problem]:
+    for _ in range(_MAX_DRAWS):
+        chosen = _choose_template(kind, rng, cfg) if template is None else template
+        parsed = _draw(rng, kind, cfg, chosen)
+        if parsed is None:
+            continue
+        problem = solve(parsed)
+        if ALREADY_REDUCED in problem.steps:
+            continue  # nothing to practise
+        if _within_bounds(problem, cfg):  # of the plain chain: the same draws with arithmetic
+            if cfg.arithmetic:
+                problem = solve(parsed, arithmetic=True, products=cfg.products)
+            return parsed, problem
+    raise ValueError(
+        f"generate: no {kind} problem within the bounds of {cfg} after {_MAX_DRAWS} draws; "
+        "raise max_steps, max_number or max_entry, or lower the shapes"
+    )
+
+
+def generate(
+    kind: str,
+    rng: random.Random | int,
+    config: GeneratorConfig | None = None,
+    *,
+    template: int | None = None,
+) -> Problem:
+    """One random problem of ``kind`` with its worked solution.
+
+    Args:
+      kind: one of :data:`KINDS`.
+      rng: a ``random.Random`` (advanced by the draw) or an int seed.
+      config: sizes and bounds (default: ``GeneratorConfig()``).
+      template: the phrasing, an index into ``TEMPLATES[kind]`` (default: drawn at random).
+
+    Example:
+
+    >>> problem = generate("rref", 0, template=0)
+    >>> problem.question.startswith("Find the reduced row echelon form R of A = [[")
+    True
+    >>> generate("rref", 0, template=0) == problem  # deterministic given the seed
+    True
+    """
+    if kind not in KINDS:
+        raise ValueError(f"generate: `kind` must be one of {KINDS}; got {kind!r}")
+    rng = _as_rng(rng, "generate")
+    cfg = GeneratorConfig() if config is None else config
+    if not isinstance(cfg, GeneratorConfig):
+        raise TypeError(f"generate: `config` must be a GeneratorConfig; got {type(cfg).__name__}")
+    if template is not None:
+        check_int(template, "template", "generate", low=0, high=len(TEMPLATES[kind]) - 1)
+    return _generate(kind, rng, cfg, template)[1]
+
+
+# -------------------------------------------------------------------------------------------
+# Splits.
+
+SPLITS = ("train", "validation", "test")
+
+
+def _split_rng(seed: int, split: str) -> random.Random:
+    # Seeding with a string is stable across runs and Python versions (it hashes with SHA-512).
+    return random.Random(f"sparse_jax.linalg_cot:{seed}:{split}")
+
+
+def make_splits(
+    train: int = 12_000,
+    validation: int = 600,
+    test: int = 600,
+    *,
+    seed: int = 0,
+    config: GeneratorConfig | None = None,
+) -> dict[str, tuple[Problem, ...]]:
+    """Fixed train / validation / test splits: example ``i`` of a split has kind
+    ``config.kinds[i % len(kinds)]``.
+
+    The test split is drawn first, then validation, then train, each split from its own
+    random stream (so a split does not change when another's size does, except that train
+    skips what the others hold). Questions are compared by content (:attr:`ParsedQuestion.key`,
+    whatever the phrasing): validation and test hold no duplicates, validation holds no test
+    question, and train holds no validation or test question (train may repeat its own
+    questions where a kind has few distinct ones, like ``solvability``).
+
+    Example:
+
+    >>> splits = make_splits(train=12, validation=6, test=6, seed=0)
+    >>> [len(splits[s]) for s in ("train", "validation", "test")]
+    [12, 6, 6]
+    >>> [p.kind for p in splits["test"]] == list(KINDS)
+    True
+    """
+    sizes = {
+        name: check_int(value, name, "make_splits", low=0)
+        for name, value in (("train", train), ("validation", validation), ("test", test))
+    }
+    seed = check_int(seed, "seed", "make_splits", low=0)
+    cfg = GeneratorConfig() if config is None else config
+    if not isinstance(cfg, GeneratorConfig):
+        raise TypeError(
+            f"make_splits: `config` must be a GeneratorConfig; got {type(cfg).__name__}"
+        )
+    taken: set[str] = set()
+    out: dict[str, tuple[Problem, ...]] = {}
+    for split in ("test", "validation", "train"):
+        rng = _split_rng(seed, split)
+        unique = split != "train"
+        problems, keys = [], set()
+        for i in range(sizes[split]):
+            kind = cfg.kinds[i % len(cfg.kinds)]
+            for _ in range(_MAX_DRAWS):
+                parsed, problem = _generate(kind, rng, cfg, None)
+                key = parsed.key
+                if key not in taken and not (unique and key in keys):
+                    break
+            else:
+                raise ValueError(
+                    f"make_splits: could not draw a new {kind} question for the {split} split "
+                    f"after {_MAX_DRAWS} tries ({len(keys)} drawn so far): the configuration "
+                    "allows too few distinct questions of this kind; lower the split sizes or "
+                    "raise the size limits of GeneratorConfig"
+                )
+            keys.add(key)
+            problems.append(problem)
+        taken |= keys
+        out[split] = tuple(problems)
+    return {split: out[split] for split in SPLITS}
+
+
+def distinct_questions(problems: Iterable[Problem]) -> dict[str, int]:
+    """Per kind (in :data:`KINDS` order, kinds present only), how many of ``problems`` differ in
+    content (:attr:`ParsedQuestion.key`, whatever the phrasing): what a split teaches, where
+    a kind with few distinct questions repeats them (:func:`make_splits`).
+
+    Example:
+
+    >>> splits = make_splits(train=300, validation=3, test=10, seed=0,
+    ...                      config=GeneratorConfig(kinds=("solvability",), solvability_dim=2))
+    >>> distinct_questions(splits["test"]), distinct_questions(splits["train"])
+    ({'solvability': 10}, {'solvability': 2})
+    """
+    keys: dict[str, set[str]] = {}
+    for p in problems:
+        if not isinstance(p, Problem):
+            raise TypeError(
+                f"distinct_questions: `problems` must hold Problems; got {type(p).__name__}"
+            )
+        keys.setdefault(p.kind, set()).add(parse_question(p.question).key)
+    return {kind: len(keys[kind]) for kind in KINDS if kind in keys}
