@@ -34,7 +34,13 @@ Vector = tuple[Fraction, ...]
 
 
 def counted(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless the count is 1: ``1 row``, ``0 rows``, ``3 rows``."""
+    """``count`` and ``noun``, plural unless the count is 1: ``1 row``, ``0 rows``, ``3 rows``.
+
+    Example:
+
+    >>> counted(1, "row"), counted(3, "free variable")
+    ('1 row', '3 free variables')
+    """
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
@@ -74,18 +80,46 @@ def format_matrix(matrix: Sequence[Sequence[Fraction | int]]) -> str:
 
 
 def as_matrix(rows: Sequence[Sequence[Fraction | int]]) -> Matrix:
+    """Rows of ints or Fractions as a :data:`Matrix` (a tuple of tuples of Fractions).
+
+    Example:
+
+    >>> as_matrix([[1, 2]])
+    ((Fraction(1, 1), Fraction(2, 1)),)
+    """
     return tuple(tuple(Fraction(x) for x in row) for row in rows)
 
 
 def zeros(m: int, n: int) -> list[list[Fraction]]:
+    """An m x n matrix of zeros as lists (to fill in, then :func:`as_matrix`).
+
+    Example:
+
+    >>> format_matrix(zeros(2, 3))
+    '[[0, 0, 0], [0, 0, 0]]'
+    """
     return [[Fraction(0)] * n for _ in range(m)]
 
 
 def identity(m: int) -> Matrix:
+    """The m x m identity matrix.
+
+    Example:
+
+    >>> format_matrix(identity(2))
+    '[[1, 0], [0, 1]]'
+    """
     return tuple(tuple(Fraction(int(i == j)) for j in range(m)) for i in range(m))
 
 
 def matmul(a: Matrix, b: Matrix) -> Matrix:
+    """The product ``a @ b``, exactly.
+
+    Example:
+
+    >>> format_matrix(matmul(as_matrix([[1, 2], [0, 1]]), as_matrix([[1, 0], [3, 1]])))
+    '[[7, 2], [3, 1]]'
+    """
     return tuple(
         tuple(
             sum((a[i][k] * b[k][j] for k in range(len(b))), Fraction(0)) for j in range(len(b[0]))
@@ -95,6 +129,13 @@ def matmul(a: Matrix, b: Matrix) -> Matrix:
 
 
 def matvec(a: Matrix, x: Vector) -> Vector:
+    """The product ``a @ x``, exactly.
+
+    Example:
+
+    >>> format_vector(matvec(as_matrix([[1, 2], [3, 4]]), (Fraction(1), Fraction(-1, 2))))
+    '[0, 1]'
+    """
     return tuple(
         sum((a_ij * x_j for a_ij, x_j in zip(row, x, strict=True)), Fraction(0)) for row in a
     )
@@ -182,6 +223,17 @@ class RowOp:
 
 @dataclass(frozen=True)
 class Reduction:
+    """A Gauss-Jordan elimination (:func:`row_reduce`) with every operation and state recorded.
+
+    Example:
+
+    >>> reduction = row_reduce(as_matrix([[2, 4], [1, 3]]))
+    >>> [op.text() for op in reduction.ops], reduction.pivots
+    (['R1 = (1/2)*R1', 'R2 = R2 - 1*R1', 'R1 = R1 - 2*R2'], (0, 1))
+    >>> format_matrix(reduction.befores()[1]), format_matrix(reduction.matrix)
+    ('[[1, 2], [1, 3]]', '[[1, 0], [0, 1]]')
+    """
+
     matrix: Matrix  # the reduced matrix
     ops: tuple[RowOp, ...]  # the operations, in order
     states: tuple[Matrix, ...]  # the matrix after each operation
@@ -196,7 +248,16 @@ class Reduction:
 def row_reduce(matrix: Matrix, columns: Sequence[int] | None = None) -> Reduction:
     """Gauss-Jordan elimination over ``columns`` (default: all, left to right), recording every
     operation: per column, the first row at or below the current pivot row with a nonzero entry
-    is swapped up, scaled to a pivot of 1, and the column is cleared in every other row."""
+    is swapped up, scaled to a pivot of 1, and the column is cleared in every other row.
+
+    Example (the columns of A only, as for an augmented matrix ``[A | b]``):
+
+    >>> reduction = row_reduce(as_matrix([[0, 1, 5], [2, 4, 6]]), columns=range(2))
+    >>> [op.text() for op in reduction.ops]
+    ['R1 <-> R2', 'R1 = (1/2)*R1', 'R1 = R1 - 2*R2']
+    >>> format_matrix(reduction.matrix), reduction.pivots
+    ('[[1, 0, -7], [0, 1, 5]]', (0, 1))
+    """
     m = len(matrix)
     start = matrix
     columns = range(len(matrix[0])) if columns is None else columns
@@ -230,12 +291,24 @@ def row_reduce(matrix: Matrix, columns: Sequence[int] | None = None) -> Reductio
 
 
 def rotate(matrix: Matrix) -> Matrix:
-    """The matrix turned by 180 degrees (rows and columns reversed)."""
+    """The matrix turned by 180 degrees (rows and columns reversed).
+
+    Example:
+
+    >>> format_matrix(rotate(as_matrix([[1, 2], [3, 4]])))
+    '[[4, 3], [2, 1]]'
+    """
     return tuple(row[::-1] for row in reversed(matrix))
 
 
 class Arithmetic(enum.Enum):
-    """How the worked solutions write row operations (:func:`solve`'s two switches)."""
+    """How the worked solutions write row operations (:func:`solve`'s two switches).
+
+    Example:
+
+    >>> Arithmetic.of(True, False, "solve"), Arithmetic.of(True, True, "solve")
+    (<Arithmetic.TERMS: 'terms'>, <Arithmetic.PRODUCTS: 'products'>)
+    """
 
     OFF = "off"  # the operation and the matrix after it
     TERMS = "terms"  # with the changed row's entries computed (row_arithmetic)
@@ -304,7 +377,16 @@ def row_op_step(
     op: RowOp, before: Matrix, after: Matrix, arithmetic: Arithmetic, label: str = "R"
 ) -> str:
     """``R2 = R2 - 2*R1 -> [[...]]``, with :func:`row_arithmetic` of ``op`` on ``before``
-    after a colon when ``arithmetic`` asks for it (``after``: the matrix after the arrow)."""
+    after a colon when ``arithmetic`` asks for it (``after``: the matrix after the arrow).
+
+    Example:
+
+    >>> op, before = RowOp("add", target=1, source=0, factor=Fraction(-2)), as_matrix([[1], [3]])
+    >>> row_op_step(op, before, op.apply(before), Arithmetic.OFF)
+    'R2 = R2 - 2*R1 -> [[1], [1]]'
+    >>> row_op_step(op, before, op.apply(before), Arithmetic.TERMS)
+    'R2 = R2 - 2*R1: [3-2*1=1] -> [[1], [1]]'
+    """
     worked = (
         row_arithmetic(op, before, products=arithmetic is Arithmetic.PRODUCTS)
         if arithmetic is not Arithmetic.OFF
@@ -314,6 +396,14 @@ def row_op_step(
 
 
 def op_steps(reduction: Reduction, arithmetic: Arithmetic, label: str = "R") -> list[str]:
+    """One :func:`row_op_step` per operation of ``reduction``: the worked steps of an
+    elimination (rows named ``label`` + number).
+
+    Example:
+
+    >>> op_steps(row_reduce(as_matrix([[2, 4]])), Arithmetic.OFF)
+    ['R1 = (1/2)*R1 -> [[1, 2]]']
+    """
     return [
         row_op_step(op, before, state, arithmetic, label)
         for op, before, state in zip(

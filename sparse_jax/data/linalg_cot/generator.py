@@ -113,6 +113,15 @@ _BLOCKS = (
 
 
 def format_block(block: Matrix) -> str:
+    """A block pattern as a question writes it: the multiple of A in each block, 0 for a zero
+    block.
+
+    Example:
+
+    >>> format_block(as_matrix([[1, 1], [0, -2]]))
+    '[[A, A], [0, -2A]]'
+    """
+
     def entry(c: Fraction) -> str:
         if c == 0:
             return "0"

@@ -81,7 +81,15 @@ _WORKED_ROW_OP = re.compile(r"((?:undo [^:]*: )?[Rs]\d+ = [^:>]*?): (.*) -> (.*)
 def step_parts(step: str) -> tuple[str, str, str]:
     """A step's operation, its arithmetic (``""`` unless a row operation writes it) and the
     state or deduction after it: split at its last `` -> ``, else at its first ``: ``
-    (``r = 1 < n = 8: 7 free variables, ...``), else all result."""
+    (``r = 1 < n = 8: 7 free variables, ...``), else all result.
+
+    Example:
+
+    >>> step_parts("R2 = R2 - 2*R1: [5-2*2=1] -> [[1, 2], [0, 1]]")
+    ('R2 = R2 - 2*R1', '[5-2*2=1]', '[[1, 2], [0, 1]]')
+    >>> step_parts("r = 1 < n = 8: 7 free variables")
+    ('r = 1 < n = 8', '', '7 free variables')
+    """
     step = step.strip()
     worked = _WORKED_ROW_OP.fullmatch(step)
     if worked:
