@@ -574,7 +574,8 @@ def test_reference_accuracy_recomputed_one_problem_at_a_time(run):
 
 def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     from experiments import cot as experiment
-    from experiments import stats
+    from experiments.common import stats
+    from experiments.cot.report import roles_table, write_report
     from sparse_jax.models.encdec import describe
 
     folder = run["folder"]
@@ -619,12 +620,12 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     assert "--data.arithmetic" not in report
     worked = tmp_path / "worked"
     worked.mkdir()
-    experiment._report(worked, {**saved, "data": {**saved["data"], "arithmetic": True}})
+    write_report(worked, {**saved, "data": {**saved["data"], "arithmetic": True}})
     assert "seed 0; the chains compute each changed row's entries, --data.arithmetic)" in (
         (worked / "report.md").read_text()
     )
     data = {**saved["data"], "arithmetic": True, "products": True}
-    experiment._report(worked, {**saved, "data": data})
+    write_report(worked, {**saved, "data": data})
     assert "--data.arithmetic, each combination's product first, --data.products)" in (
         (worked / "report.md").read_text()
     )
@@ -654,7 +655,8 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     ) in report
     # Sparse against dense, recounted question by question from the answers files: the
     # questions only one model answers right, McNemar's exact p (binomial sums), Wilson's
-    # intervals; the paired interval is experiments.stats' (tested against its formula there).
+    # intervals; the paired interval is experiments.common.stats' (tested against its formula
+    # there).
     right = {
         name: [json.loads(line)["correct"] for line in (folder / f"answers-{name}.jsonl").open()]
         for name in ("sparse", "dense")
@@ -704,8 +706,8 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     assert f"| rref | {' | '.join(accuracy)} |" in report
     # Results from before the figure: none at all gives no table, one model's gives dashes.
     older = {"overall": {}, "kinds": {"rref": {}}}
-    assert experiment._roles_table({"sparse": [older], "dense": [older]}, ["rref"]) == []
-    mixed = experiment._roles_table(
+    assert roles_table({"sparse": [older], "dense": [older]}, ["rref"]) == []
+    mixed = roles_table(
         {"sparse": [older], "dense": [saved["evaluation"]["dense"]]}, ["rref"])  # fmt: skip
     assert mixed[2] == "| rref | " + " | ".join(f"- / {a.split(' / ')[1]}" for a in accuracy) + " |"
     # Sparsemax leaves most allowed keys at zero weight (softmax none: see above).
@@ -866,7 +868,7 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
         assert gap["per_seed"][str(seed)] == pytest.approx(want)
     assert f"mean {gap['mean']:+.1f} points" in printed
     # Pooled over the seeds, recounted from the answers files: the answers only one model got
-    # right and the difference (the interval is experiments.stats', tested there).
+    # right and the difference (the interval is experiments.common.stats', tested there).
     right = {
         (seed, name): [json.loads(line)["correct"]
                        for line in (top / f"seed-{seed}" / f"answers-{name}.jsonl").open()]
@@ -911,8 +913,8 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
     import signal
 
     from experiments import cot as experiment
-    from experiments import phase
-    from experiments.flags import resume_command
+    from experiments.common import phase
+    from experiments.common.flags import resume_command
     from sparse_jax.training.checkpoint import Checkpointer
 
     flags = [*RUN_FLAGS, "--train.steps", "16", "--run.checkpoint-every", "100",
@@ -971,7 +973,7 @@ def test_a_stopped_training_keeps_its_step_and_resumes_to_the_same_weights(
 
 
 def test_the_report_gives_each_attentions_learned_alpha_per_head():
-    from experiments import cot as experiment
+    from experiments.cot.report import alpha_lines
 
     cfg = dataclasses.replace(TINY, learn_alpha=True, normalizer="entmax15")
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
@@ -980,12 +982,12 @@ def test_the_report_gives_each_attentions_learned_alpha_per_head():
     assert len(alphas) == cfg.encoder_layers + cfg.cot_steps + 2 * cfg.decoder_layers
     assert alphas["encoder.0.attn"] == [1.25, 2.0]  # the α set above; the rest start at 1.5
     assert all(v == [1.5, 1.5] for path, v in alphas.items() if path != "encoder.0.attn")
-    (line,) = [x for x in experiment._alpha_lines(alphas) if x]
+    (line,) = [x for x in alpha_lines(alphas) if x]
     assert list(alphas) == [  # in the order the model runs them
         "encoder.0.attn", "cot.0.attn", "decoder.0.self_attn", "decoder.0.cross_attn"]  # fmt: skip
     assert line.startswith("Learned α-entmax α per head") and "encoder.0.attn 1.25, 2.00;" in line
     assert all(f"{path} " in line for path in alphas)
-    assert experiment._alpha_lines({}) == []
+    assert alpha_lines({}) == []
 
 
 def test_the_default_command_and_the_study_preset():
@@ -1015,11 +1017,12 @@ def test_the_default_command_and_the_study_preset():
 
 def test_data_arithmetic_writes_the_arithmetic_into_the_splits(tmp_path):
     from experiments import cot as experiment
+    from experiments.cot.run_folder import prepare_data
 
     flags = ["train", "--data.kinds", "rref", "--data.train", "12", "--data.validation", "2",
              "--data.test", "2"]  # fmt: skip
     plain, worked, products = (
-        experiment._data(experiment.parse(args).data, tmp_path)
+        prepare_data(experiment.parse(args).data, tmp_path)
         for args in (flags, [*flags, "--data.arithmetic"], [*flags, "--data.arithmetic",
                                                             "--data.products"])
     )  # fmt: skip
