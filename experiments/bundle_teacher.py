@@ -1,11 +1,11 @@
 """python -m experiments.bundle_teacher
 
-Makes the bundled teacher, ``experiments/teachers/default`` (what ``--teacher.source bundled``,
-the main job's default, loads): the teacher that ``--teacher.source train`` trains with the
-default config's flags (taken from ``--run.cache-dir`` when a run has trained it already),
-written with its weights rounded to float16, then read back and evaluated on the default
-evaluation windows. ``teacher.json`` records the command, the teacher and data flags, the
-corpus, and the evaluation loss before and after the rounding;
+Makes the bundled teacher, ``experiments/distill/teachers/default`` (what
+``--teacher.source bundled``, the main job's default, loads): the teacher that ``--teacher.source
+train`` trains with the default config's flags (taken from ``--run.cache-dir`` when a run has
+trained it already), written with its weights rounded to float16, then read back and evaluated on
+the default evaluation windows. ``teacher.json`` records the command, the teacher and data flags,
+the corpus, and the evaluation loss before and after the rounding;
 ``tests/test_bundled_teacher.py`` reproduces the loss of the shipped weights.
 
 Extra flags are those of ``python -m experiments.distill`` (``--run.cache-dir``, say); flags
@@ -23,8 +23,12 @@ import tempfile
 
 import jax
 
-from experiments import distill_config, distill_phases, measure, teachers
-from experiments.distill_run import Run, log, write_text_atomically
+from experiments import distill
+from experiments.common import measure
+from experiments.common.files import write_text_atomically
+from experiments.distill import phases as distill_phases
+from experiments.distill import teachers
+from experiments.distill.run_folder import Run, log
 from sparse_jax.models import from_pretrained, save_pretrained
 
 __all__ = ["main"]
@@ -50,9 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"bundle_teacher makes the default config's teacher; {changed} would change it"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        config = distill_config.parse(
-            ["--teacher.source", "train", "--run.dir", f"{tmp}/run", *argv]
-        )
+        config = distill.parse(["--teacher.source", "train", "--run.dir", f"{tmp}/run", *argv])
         run = Run(config)
         model = distill_phases.teacher(run)
         nll_float32, _ = measure.evaluate_lm(model, run.eval_windows)

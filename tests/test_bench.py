@@ -178,7 +178,7 @@ def test_kernels_benchmark_times_every_engine_on_every_cell(capsys):
 def test_the_peers_rows_measured_before_the_time_limit_are_kept():
     """The peers' process prints a row per line; one that runs past its limit (AdaSplash's
     compilation took minutes on an H200) is killed and the rows it printed stay."""
-    from experiments.bench_kernels import _stream_rows
+    from experiments.bench.kernels import _stream_rows
 
     script = (
         "import json, time\n"
@@ -201,7 +201,7 @@ def test_the_peers_rows_measured_before_the_time_limit_are_kept():
     cell = {"mask": "causal", "n": 16, "normalizer": "softmax", "window": 4}
     request = {"batch": 1, "heads": 1, "head_dim": 8, "dtype": "float32", "repeats": 1}
     request["cells"] = [cell]
-    command = [sys.executable, "-m", "experiments.bench_peers", json.dumps(request)]
+    command = [sys.executable, "-m", "experiments.bench.peers", json.dumps(request)]
     rows, note = _stream_rows(command, dict(os.environ), 120.0)
     if not rows:  # no torch or no CUDA here: the reason comes back
         assert note.startswith("no peer rows: bench_peers: ") and "no peers measured" in note
@@ -225,7 +225,7 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
 ):
     """`timeout --signal=INT` (.ci/gpu-check) or Ctrl-C: the table of the cells measured so
     far is printed and written, with a note, and the exit status is 130."""
-    from experiments import bench_kernels
+    from experiments.bench import kernels as bench_kernels
 
     _interrupt_on_second_call(monkeypatch, bench_kernels, "_cells")
     output = tmp_path / "kernels.md"
@@ -296,7 +296,7 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
 
 
 def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monkeypatch, capsys):
-    from experiments import bench_kernels
+    from experiments.bench import kernels as bench_kernels
 
     _interrupt_on_second_call(monkeypatch, bench_kernels, "_tuned_cells")
     output = tmp_path / "tuning.md"
@@ -317,7 +317,8 @@ def test_an_interrupted_tuning_run_still_writes_what_it_measured(tmp_path, monke
 def test_the_configs_adasplash_autotuned_are_recorded_beside_its_timings(monkeypatch, capsys):
     import types
 
-    from experiments import bench_kernels, bench_peers
+    from experiments.bench import kernels as bench_kernels
+    from experiments.bench import peers as bench_peers
 
     class Autotuner:  # the name of triton.runtime.autotuner.Autotuner, read after a run
         def __init__(self, best):
@@ -359,7 +360,7 @@ def test_the_configs_adasplash_autotuned_are_recorded_beside_its_timings(monkeyp
 def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     import numpy as np
 
-    from experiments.bench_kernels import count_passes
+    from experiments.bench.kernels import count_passes
     from sparse_jax import normalizers as nz
 
     bench.main(["search_passes", "--lengths", "256", "--scales", "1.0", "--rows", "16",

@@ -1,12 +1,16 @@
-"""The teacher shipped with the package (experiments/teachers): it is what its record says it is,
-and the main job's default uses it only with the flags it was trained with."""
+"""The teacher shipped with the package (experiments/distill/teachers): it is what its record says
+it is, and the main job's default uses it only with the flags it was trained with."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from experiments import bundle_teacher, distill_config, distill_phases, measure, teachers
+from experiments import bundle_teacher, distill
+from experiments.common import measure
+from experiments.distill import config as distill_config
+from experiments.distill import phases as distill_phases
+from experiments.distill import teachers
 from sparse_jax.data import text
 from sparse_jax.models import from_pretrained
 
@@ -26,13 +30,13 @@ def test_bundled_teacher_reproduces_its_recorded_evaluation_loss(tmp_path):
     nll, _ = measure.evaluate_lm(from_pretrained(teachers.BUNDLED), windows)
     assert nll == pytest.approx(record["eval_nll"], abs=1e-4)
     # ... and it is the cache entry `--teacher.source train` makes with these flags.
-    config = distill_config.parse(["--teacher.source", "train"])
+    config = distill.parse(["--teacher.source", "train"])
     assert distill_phases.teacher_key(config, data) == record["teacher_key"]
 
 
 def test_bundled_teacher_is_the_default_with_the_default_teacher_flags():
     assert distill_config.DistillConfig().teacher.source == "bundled"
-    trained = distill_config.parse(["--teacher.source", "train"]).flags()
+    trained = distill.parse(["--teacher.source", "train"]).flags()
     assert {key: trained[key] for key in bundle_teacher.RECORDED} == teachers.record()["flags"]
     assert teachers.record()["command"] == "python -m experiments.bundle_teacher"
 
@@ -47,10 +51,10 @@ def test_bundled_teacher_is_the_default_with_the_default_teacher_flags():
 )
 def test_flags_the_bundled_teacher_was_not_trained_with_are_refused(args, message, capsys):
     with pytest.raises(SystemExit):  # tyro prints the ValueError and exits
-        distill_config.parse(args)
+        distill.parse(args)
     printed = " ".join(capsys.readouterr().err.replace("│", " ").split())
     assert message in printed and "add --teacher.source train" in printed
-    distill_config.parse([*args, "--teacher.source", "train"])  # what the message says works
+    distill.parse([*args, "--teacher.source", "train"])  # what the message says works
 
 
 def test_bundle_teacher_refuses_flags_that_change_the_teacher():

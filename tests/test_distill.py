@@ -20,8 +20,12 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import configs, distill, distill_config, distill_phases, measure
-from experiments.distill_run import Run, check_same_config
+from experiments import distill
+from experiments.common import measure
+from experiments.distill import config as distill_config
+from experiments.distill import configs, job
+from experiments.distill import phases as distill_phases
+from experiments.distill.run_folder import Run, check_same_config
 from sparse_jax.training.checkpoint import Checkpointer
 from tests import script_env
 
@@ -248,7 +252,7 @@ def test_a_time_limit_stops_with_a_checkpoint_and_resume_ends_identically(whole_
     assert exit.value.code == 75
     err = " ".join(capsys.readouterr().err.split())
     config = distill.parse([*args, "--run.max-minutes", "1e-9"])
-    command = " ".join(config.command(resume=True, run_dir=tmp_path / "limited").split())
+    command = " ".join(distill.command(config, resume=True, run_dir=tmp_path / "limited").split())
     assert "student: stopped (the time limit (6e-08 s)) after update 1 of 16" in err
     assert f"Continue with: {command}" in err and "--resume" in command
     ckpts = Checkpointer(tmp_path / "limited" / "checkpoints" / "student", save_every=1)
@@ -411,13 +415,13 @@ def test_help_documents_every_flag(capsys):
 
 
 # ----------------------------------------------------------------------------------------------
-# Named study configs (experiments/configs) and the commands the docs quote.
+# Named study configs (experiments/distill/configs) and the commands the docs quote.
 
 
 def _named_or_skip(name):
     """The study config, or a skip when the data folder it names is absent."""
     try:
-        return distill_config.named(name)
+        return distill.named(name)
     except ValueError as error:
         if "--data.source path" in str(error) and "does not exist" in str(error):
             pytest.skip(f"{name}: {error} (the shared data folder is absent)")
@@ -427,7 +431,7 @@ def _named_or_skip(name):
 @pytest.mark.parametrize("name", configs.NAMES)
 def test_named_config_opens_with_its_command_and_parses(name, monkeypatch):
     monkeypatch.chdir(ROOT)  # the studies name data relative to the checkout
-    module = importlib.import_module(f"experiments.configs.{name}")
+    module = importlib.import_module(f"experiments.distill.configs.{name}")
     first = module.__doc__.splitlines()[0]
     assert first.startswith(f"python -m experiments.distill --config {name}"), first
     assert "Should reach" in module.__doc__, "the docstring states the result to reach"
@@ -440,7 +444,7 @@ def test_named_config_opens_with_its_command_and_parses(name, monkeypatch):
 
 
 def test_default_config_is_the_flags_defaults():
-    assert distill_config.named("default") == distill_config.DistillConfig()
+    assert distill.named("default") == distill_config.DistillConfig()
     assert distill.parse([]) == distill_config.DistillConfig()
 
 
@@ -571,7 +575,7 @@ def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
 
     from flax import nnx
 
-    from experiments.report import _hardening_lines
+    from experiments.distill.report import _hardening_lines
     from sparse_jax.models import GPT2, GPT2Config, harden
 
     config = distill.parse(
@@ -587,7 +591,7 @@ def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
         block.attn.core.logits[...] = logits
     windows = rng.integers(0, 101, (4, 17)).astype(np.int32)
     run = SimpleNamespace(config=config, eval_windows=windows)
-    out = distill._threshold_against_budget(run, student, teacher, 64)
+    out = job._threshold_against_budget(run, student, teacher, 64)
     by_budget = harden(student, budget=0.5, length=64, price="blocks")
     by_threshold = harden(student, threshold=config.harden.threshold, length=16)
     for name, model in (("budget", by_budget), ("threshold", by_threshold)):

@@ -1,5 +1,5 @@
-"""The experiments' shared flag checks (`experiments.flags`): int flags refused by name, and a
-resumed run refused, naming each changed flag, by the main job and the cascade alike (the chain
+"""The experiments' shared flag checks (`experiments.common.flags`): int flags refused by name, and
+a resumed run refused, naming each changed flag, by the main job and the cascade alike (the chain
 of thought's in tests/test_cot.py). The docstring examples of `experiments/` run here (pytest
 collects the doctests of `sparse_jax/` only)."""
 
@@ -12,8 +12,10 @@ import json
 import numpy as np
 import pytest
 
-from experiments import cascade, cot, distill_config, flags, timing
-from experiments.distill_run import check_same_config
+from experiments import cascade, cot, distill
+from experiments.common import flags, timing
+from experiments.distill import config as distill_config
+from experiments.distill.run_folder import check_same_config
 
 
 @pytest.mark.parametrize("module", [flags, timing], ids=lambda m: m.__name__)
@@ -84,8 +86,8 @@ def test_changed_flags_compares_what_it_is_told():
 
 
 def test_distill_resume_names_the_changed_flag():
-    saved = distill_config.parse(["--train.steps", "8"]).flags()
-    given = distill_config.parse(["--train.steps", "9", "--run.cache-dir", "/elsewhere"]).flags()
+    saved = distill.parse(["--train.steps", "8"]).flags()
+    given = distill.parse(["--train.steps", "9", "--run.cache-dir", "/elsewhere"]).flags()
     with pytest.raises(ValueError, match=r"--train\.steps \(run: 8, now: 9\)") as info:
         check_same_config(saved, given)
     assert "cache" not in str(info.value)  # a flag that may change on --resume is not named

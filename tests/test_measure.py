@@ -1,4 +1,4 @@
-"""experiments.measure: the evaluation means are over tokens, whatever the batching."""
+"""experiments.common.measure: the evaluation means are over tokens, whatever the batching."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import measure, timing
+from experiments.common import measure, timing
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss
 

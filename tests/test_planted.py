@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import distill, distill_config, distill_phases, measure
-from experiments.distill_phases import candidate_bank, planted_pattern
+from experiments import distill
+from experiments.common import measure
+from experiments.distill import phases as distill_phases
+from experiments.distill.phases import candidate_bank, planted_pattern
 from sparse_jax import masks
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
@@ -43,7 +45,7 @@ def _args(root, *extra):
 
 
 def test_planted_pattern_uses_every_candidate_and_differs_between_blocks():
-    config = distill_config.parse(["--teacher.source", "planted"])  # cpu-small: 4 x 4 heads
+    config = distill.parse(["--teacher.source", "planted"])  # cpu-small: 4 x 4 heads
     pattern = planted_pattern(config)
     n = len(candidate_bank(config))
     assert pattern.shape == (4, 4)
@@ -58,7 +60,7 @@ def test_planted_pattern_uses_every_candidate_and_differs_between_blocks():
 
 def test_planted_needs_a_student_with_candidates_per_head(capsys):
     with pytest.raises(SystemExit):  # tyro prints the ValueError and exits
-        distill_config.parse(["--teacher.source", "planted", "--student.granularity", "layer"])
+        distill.parse(["--teacher.source", "planted", "--student.granularity", "layer"])
     printed = " ".join(capsys.readouterr().err.replace("│", " ").split())
     assert "it needs --student.kind candidates and --student.granularity head" in printed
 
@@ -190,7 +192,7 @@ def test_planted_recovery_counts_heads_and_compares_hardened_masks():
     """measure.planted_recovery on a hand-made pair of models: the figures it returns are
     the fractions of its own pairs."""
     args = ["--teacher.source", "planted", "--teacher.size", "tiny", "--data.seq-len", "16"]
-    config = distill_config.parse([*args, "--student.windows", "4", "8"])
+    config = distill.parse([*args, "--student.windows", "4", "8"])
     bank = candidate_bank(config)
     spec = AttentionSpec(kind="candidates", candidates=bank, granularity="head",
                          weighting="sparsemax", block_size=(4, 4))  # fmt: skip

@@ -34,8 +34,9 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from experiments import distill, distill_phases
-from experiments.distill_run import Run
+from experiments import distill
+from experiments.distill import phases as distill_phases
+from experiments.distill.run_folder import Run
 from sparse_jax.models import from_pretrained, save_pretrained
 from sparse_jax.models import hf as hf_lib
 from sparse_jax.models.gpt2 import GPT2, GPT2Config
@@ -413,13 +414,13 @@ def test_run_folder_files_are_written_atomically(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "run") == ["config.json"]  # no temporary file beside it
     saved = (tmp_path / "run" / "config.json").read_text()
     # A write that fails before its rename leaves the old file whole, and no temporary file.
-    from experiments import distill_run
+    from experiments.common import files
 
     def fail(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(distill_run.os, "replace", fail)
+    monkeypatch.setattr(files.os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
-        distill_run.write_text_atomically(tmp_path / "run" / "config.json", "{}")
+        files.write_text_atomically(tmp_path / "run" / "config.json", "{}")
     assert (tmp_path / "run" / "config.json").read_text() == saved
     assert os.listdir(tmp_path / "run") == ["config.json"]

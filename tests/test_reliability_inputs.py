@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import sparse_jax as sj
-from experiments import distill_config
+from experiments.distill import config as distill_config
 from sparse_jax.models.gpt2 import GPT2, GPT2Config, generate
 from sparse_jax.validation import check_int
 

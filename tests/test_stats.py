@@ -1,4 +1,5 @@
-"""experiments.stats: the intervals and the paired test, against closed forms and edge cases."""
+"""experiments.common.stats: the intervals and the paired test, against closed forms and edge
+cases."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import scipy.stats
 
-from experiments import stats
+from experiments.common import stats
 
 
 @pytest.mark.parametrize(("right", "n"), [(0, 10), (3, 10), (10, 10), (41, 50), (1, 1)])

@@ -7,7 +7,7 @@ KL(teacher || .) student 0.0092, hardened 0.0075; hardened attention density 24.
 n = 128 / 512 (teacher 50.4% / 50.1%); attention FLOPs at n = 512 738 M -> 327 M; in 16 of 16
 heads a largest weight >= 0.5 and a smallest <= 0.1."""
 
-from experiments.distill_config import DistillConfig
+from experiments.distill.config import DistillConfig
 
 
 def get_config() -> DistillConfig:

@@ -3,7 +3,7 @@
 Example::
 
     import jax.numpy as jnp
-    from experiments import timing
+    from experiments.common import timing
 
     stats = timing.time_fn(lambda x: x @ x.T, jnp.ones((512, 512)), repeats=5)
     print(timing.markdown_table(["op", "ms"], [["matmul", f"{stats.median_ms:.2f}"]]))

@@ -15,14 +15,14 @@ attention FLOPs at n = 2048 10.1 G -> 1.11 G (9.1x lower); in 14 of 16 heads a l
 
 import dataclasses
 
-from experiments.configs import wikitext2_study
-from experiments.distill_config import (
+from experiments.distill.config import (
     DistillConfig,
     HardenConfig,
     LossConfig,
     StudentConfig,
     TrainConfig,
 )
+from experiments.distill.configs import wikitext2_study
 
 
 def get_config() -> DistillConfig:

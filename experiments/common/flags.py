@@ -138,6 +138,39 @@ def changed_flags(
     return changed
 
 
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """The ``--run.*`` flags of an experiment laid out as data / model / train / run (the
+    cascade, the chain of thought): its run folder, resumption, seed, checkpoints, cache and
+    time limit. An experiment subclasses it to change a default or add a flag.
+
+    >>> RunFlags(resume=True)
+    Traceback (most recent call last):
+    ValueError: --run.resume needs the --run.dir of the run to continue
+    """
+
+    dir: pathlib.Path | None = None
+    """Run folder (default: runs/<experiment>-<date>-<time>)."""
+    resume: bool = False
+    """Continue the run in --run.dir from its last checkpoints."""
+    seed: int = 0
+    """Seed of the models' initial weights, of the batches and of any sampling in training."""
+    checkpoint_every: int = 100
+    """Updates between checkpoints (and evaluations)."""
+    cache_dir: pathlib.Path = pathlib.Path("~/.cache/sparse_jax")
+    """Where prepared data is cached."""
+    max_minutes: float | None = None
+    """Stop training after this many minutes of the command, with a checkpoint of the step
+    reached (as on SIGTERM or Ctrl-C), and exit with status 75: the same command with
+    --run.resume continues (e.g. within a session's time limit)."""
+
+    def __post_init__(self):
+        set_ints_at_least(self, "run", seed=0, checkpoint_every=1)
+        if self.resume and self.dir is None:
+            raise ValueError("--run.resume needs the --run.dir of the run to continue")
+        check_max_minutes(self.max_minutes)
+
+
 # The flags that decide what the checkpoints of an experiment laid out as data / model / train /
 # run (the cascade, the chain of thought) hold: a resumed run must keep them.
 CHECKPOINT_FLAGS = ("data", "model", "train", "run.seed", "run.checkpoint_every")

@@ -1,8 +1,8 @@
 """The three phases of the distillation job, each checkpointed and resumable through
-:class:`~experiments.distill_run.Run`:
+:class:`~experiments.distill.run_folder.Run`:
 
-1. ``teacher``: the bundled teacher (:mod:`experiments.teachers`), a Hugging Face GPT-2 loaded
-   from a folder or the hub, or a GPT-2 of a preset size trained here with cross-entropy and
+1. ``teacher``: the bundled teacher (:mod:`experiments.distill.teachers`), a Hugging Face GPT-2
+   loaded from a folder or the hub, or a GPT-2 of a preset size trained here with cross-entropy and
    cached (Hugging Face layout) under the cache folder, densely or with a planted candidate
    mask per head (:func:`planted_pattern`);
 2. ``student``: the teacher's weights with learnable sparse attention, trained on
@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import measure, teachers
-from experiments.distill_config import DistillConfig
-from experiments.distill_run import Run, log
+from experiments.common import measure
+from experiments.distill import teachers
+from experiments.distill.config import DistillConfig
+from experiments.distill.run_folder import Run, log
 from sparse_jax import masks
 from sparse_jax.models import (
     GPT2,
@@ -100,7 +101,7 @@ def planted_pattern(config: DistillConfig) -> np.ndarray:
 
     Example::
 
-        planted_pattern(distill_config.parse(["--teacher.source", "planted"]))  # [4, 4]
+        planted_pattern(distill.parse(["--teacher.source", "planted"]))  # [4, 4]
     """
     size = GPT2Config.preset(config.teacher.size)
     heads = size.n_layer * size.n_head

@@ -1,5 +1,5 @@
 """PyTorch peers of the kernels benchmark, run in their own process (torch is never imported by
-sparse_jax): ``python -m experiments.bench_peers '<json request>'`` prints one JSON object per
+sparse_jax): ``python -m experiments.bench.peers '<json request>'`` prints one JSON object per
 line, each as soon as its peer is measured (a run stopped at its time limit keeps those).
 
 The request holds the shapes (``batch``, ``heads``, ``head_dim``, ``dtype``, ``repeats``) and

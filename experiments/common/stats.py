@@ -3,7 +3,7 @@ models graded on the same questions (paired), for the experiments' reports.
 
 Example::
 
-    from experiments import stats
+    from experiments.common import stats
 
     stats.proportion(41, 50)  # rate 0.82, ci95 (0.692, 0.902)
     stats.paired([True, False, True], [True, True, False])  # sparse vs dense, question by question

@@ -12,8 +12,7 @@ lower; in 14 of 16 heads a largest weight >= 0.5, in all a smallest <= 0.1.
 
 import dataclasses
 
-from experiments.configs import wikitext2_study
-from experiments.distill_config import (
+from experiments.distill.config import (
     FINETUNE_AT_FULL_RATE,
     HARDEN_BEFORE_REVIVING,
     RAMP_BEFORE_SEARCH,
@@ -21,6 +20,7 @@ from experiments.distill_config import (
     HardenConfig,
     LossConfig,
 )
+from experiments.distill.configs import wikitext2_study
 
 
 def get_config() -> DistillConfig:

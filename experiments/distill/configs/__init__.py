@@ -1,6 +1,6 @@
 """Named study configs of ``python -m experiments.distill --config <name>``.
 
-One module per study; its ``get_config()`` returns an ``experiments.distill_config.DistillConfig``
+One module per study; its ``get_config()`` returns an ``experiments.distill.config.DistillConfig``
 (built when asked for, so that a study's data paths are checked only when it runs), and its
 docstring opens with the command that runs it, then the result it should reach (copied from
 docs/results.md, where the run is described). Flags given after ``--config <name>`` override

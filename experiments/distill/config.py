@@ -1,34 +1,32 @@
 """The configuration of ``python -m experiments.distill``: frozen dataclasses, one per concern.
 
 Each group is a flag prefix on the command line (``--data.seq-len 512``, ``--train.steps 500``);
-``--config <name>`` starts from a named study config in ``experiments/configs/`` instead of the
-defaults below. Every field is checked when the config is built, so that a bad flag fails with a
-message naming it, its value and what is allowed, before anything is compiled or trained.
+``--config <name>`` starts from a named study config in ``experiments/distill/configs/`` instead
+of the defaults below. Every field is checked when the config is built, so that a bad flag fails
+with a message naming it, its value and what is allowed, before anything is compiled or trained.
+
+The command line is read, and a config written back as a command, by
+:mod:`experiments.distill.cli` (which knows the named studies; this module only lists them).
 
 Example::
 
-    from experiments import distill_config
+    from experiments.distill.config import DistillConfig, TrainConfig
 
-    config = distill_config.parse(["--config", "wikitext2_study", "--train.steps", "10"])
+    config = DistillConfig(train=TrainConfig(steps=10))
     config.flags()["train.steps"]  # 10
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import numbers
 import pathlib
-import shlex
-import sys
 from typing import Any, ClassVar, Literal
 
-import tyro
-
-from experiments import configs, teachers
-from experiments.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
+from experiments.common.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
+from experiments.distill import configs, teachers
 from sparse_jax.models.gpt2 import PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
@@ -53,14 +51,11 @@ __all__ = [
     "StudentConfig",
     "TeacherConfig",
     "TrainConfig",
-    "command_line",
-    "named",
-    "parse",
 ]
 
 # The presets of sparse_jax.models.gpt2 (GPT2Config.preset(name)), as command-line choices.
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
-# The study configs in experiments/configs/ (one module each).
+# The study configs in experiments/distill/configs/ (one module each).
 ConfigName = Literal[configs.NAMES]  # type: ignore[valid-type]
 
 
@@ -115,7 +110,7 @@ class TeacherConfig(_Group):
     group: ClassVar[str] = "teacher"
 
     source: str = "bundled"
-    """'bundled': the teacher shipped with the package (experiments/teachers: what 'train'
+    """'bundled': the teacher shipped with the package (experiments/distill/teachers: what 'train'
     gives with the default flags, trained by `python -m experiments.bundle_teacher`, weights
     rounded to float16); 'train': a GPT-2 of --teacher.size trained here (cached in
     --run.cache-dir); 'planted': the same trained with a known candidate mask per head (the
@@ -499,7 +494,7 @@ class DistillConfig:
     """Distil a dense GPT-2 into a sparse student, harden it and report quality, FLOPs, speed."""
 
     config: ConfigName = "default"
-    """Named study config (experiments/configs/<name>.py) whose values are the defaults of
+    """Named study config (experiments/distill/configs/<name>.py) whose values are the defaults of
     every other flag; each file opens with its command and the result it should reach."""
     resume: bool = False
     """Continue the run in --run.dir from its last complete checkpoints (with the run's flags)."""
@@ -541,46 +536,6 @@ class DistillConfig:
             else:
                 out[key] = value
         return json.loads(json.dumps(out, default=str))
-
-    def command(self, *, resume: bool | None = None, run_dir: Any = None) -> str:
-        """The shell command that runs this config (the flags that differ from its --config's
-        values), with --resume and --run.dir set as given.
-
-        Example:
-          >>> DistillConfig(train=TrainConfig(steps=9)).command(resume=True, run_dir="runs/a")
-          'python -m experiments.distill --resume --train.steps 9 --run.dir runs/a'
-        """
-        flags = self.flags()
-        if resume is not None:
-            flags["resume"] = resume
-        if run_dir is not None:
-            flags["run.dir"] = str(run_dir)
-        return command_line(flags)
-
-
-def command_line(flags: dict[str, Any]) -> str:
-    """``python -m experiments.distill ...`` for dotted flag values (as :meth:`DistillConfig.flags`
-    gives them): the flags that differ from the values of their ``--config`` study. Flags that
-    no longer exist are left out."""
-    name = flags.get("config", "default")
-    name = name if name in configs.NAMES else "default"
-    base = named(name).flags()
-    args = ["python", "-m", "experiments.distill"]
-    if name != "default":
-        args += ["--config", name]
-    for key, value in flags.items():
-        if key == "config" or key not in base or value == base[key]:
-            continue
-        flag = flag_name(key)
-        if isinstance(value, bool):  # tyro's --x / --no-x, --group.x / --group.no-x
-            group, _, field = flag[2:].rpartition(".")
-            off = f"--{group}.no-{field}" if group else f"--no-{field}"
-            args.append(flag if value else off)
-        elif isinstance(value, (list, tuple)):
-            args += [flag, *(str(v) for v in value)]
-        else:
-            args += [flag, str(value)]
-    return shlex.join(args)
 
 
 # The flat flags of distill before its configuration was grouped -> the grouped field, so that
@@ -637,35 +592,3 @@ OLD_FLAGS = {
     "max_minutes": "run.max_minutes",
     "resume": "resume",
 }
-
-
-def named(name: str) -> DistillConfig:
-    """The study config ``experiments/configs/<name>.py`` (what its ``get_config()`` returns)."""
-    if name not in configs.NAMES:
-        raise ValueError(f"--config {name!r} is unknown; allowed: {configs.NAMES}")
-    config = importlib.import_module(f"{configs.__name__}.{name}").get_config()
-    if not isinstance(config, DistillConfig) or config.config != name:
-        raise TypeError(
-            f"experiments/configs/{name}.py: get_config() must return a DistillConfig with "
-            f"config={name!r}"
-        )
-    return config
-
-
-def _config_name(args: list[str]) -> str | None:
-    """The value of ``--config`` in ``args`` (None when absent)."""
-    for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def parse(args: list[str] | None = None, description: str | None = None) -> DistillConfig:
-    """The config of a command line: the named study config (``--config``, default 'default')
-    with the other flags applied over it."""
-    args = list(sys.argv[1:] if args is None else args)
-    name = _config_name(args)
-    base = named(name) if name in configs.NAMES else None  # an unknown name: tyro says why
-    return tyro.cli(DistillConfig, args=args, default=base, description=description)

@@ -12,8 +12,8 @@ rounding (docs/results.md, "The embedded default").
 
 import dataclasses
 
-from experiments.configs import wikitext2_study
-from experiments.distill_config import RAMP_BEFORE_SEARCH, DistillConfig, LossConfig
+from experiments.distill.config import RAMP_BEFORE_SEARCH, DistillConfig, LossConfig
+from experiments.distill.configs import wikitext2_study
 
 
 def get_config() -> DistillConfig:

@@ -15,7 +15,7 @@ These figures were measured before e6ba44a (optax's cross-entropy): a rerun diff
 rounding (docs/results.md, "The embedded default").
 """
 
-from experiments.distill_config import (
+from experiments.distill.config import (
     FINETUNE_AT_FULL_RATE,
     RAMP_BEFORE_SEARCH,
     TRAIN_BEFORE_SEARCH,

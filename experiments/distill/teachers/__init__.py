@@ -8,7 +8,7 @@ rounding, which ``tests/test_bundled_teacher.py`` reproduces.
 
 Example::
 
-    from experiments import teachers
+    from experiments.distill import teachers
 
     teachers.record()["flags"]["teacher.steps"]  # 800
     model = from_pretrained(teachers.BUNDLED)

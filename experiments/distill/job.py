@@ -1,14 +1,14 @@
 """The main job: distil a dense GPT-2 teacher into a sparse student, harden it, measure both.
 
-    python -m experiments.distill                       # the embedded default, ~3 min on 2 cores
-    python -m experiments.distill --config wikitext2_study   # a named study (experiments/configs)
+    python -m experiments.distill                       # the embedded default, minutes on a CPU
+    python -m experiments.distill --config wikitext2_study   # a study: experiments/distill/configs
     python -m experiments.distill --teacher.source planted   # does the student find planted masks?
     python -m experiments.distill --data.source ../shared/data/wikitext-2 --data.seq-len 512
     python -m experiments.distill --teacher.source path/to/hf-gpt2 --data.tokenizer path/to/vocab
     python -m experiments.distill --resume              # continue the newest run (or --run.dir)
     python -m experiments.distill --help                # every flag, by group
 
-Phases (experiments.distill_phases; each checkpointed under ``<run.dir>/checkpoints/<phase>``
+Phases (experiments.distill.phases; each checkpointed under ``<run.dir>/checkpoints/<phase>``
 and resumable): the teacher (by default the small GPT-2 bundled with the package, trained by
 ``python -m experiments.bundle_teacher``; or one trained here and cached under
 ``--run.cache-dir``, densely or with a planted mask per head; or a Hugging Face GPT-2), the
@@ -19,14 +19,14 @@ its candidate logits, the KL alone first, then the price ramped in: ``--train.tr
 above ``--harden.threshold``, by default its strongest, or ``--harden.budget``; then every
 weight fine-tuned).
 
-The run folder (experiments.distill_run) gets ``config.json``, ``metrics.jsonl`` (one line per
-step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.md`` with its plots
-(experiments.report): perplexity of teacher, student and hardened model on the evaluation split,
-KL, attention density, FLOPs per token, attention time and tokens/s of the dense teacher and the
-hardened student at the run's length and at the serving length (--student.serve-len-factor x
+The run folder (experiments.distill.run_folder) gets ``config.json``, ``metrics.jsonl`` (one
+line per step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.md`` with its plots
+(experiments.distill.report): perplexity of teacher, student and hardened model on the evaluation
+split, KL, attention density, FLOPs per token, attention time and tokens/s of the dense teacher and
+the hardened student at the run's length and at the serving length (--student.serve-len-factor x
 it), the blocks each hardened head computes there, greedy and sampled continuations, and for a
 planted teacher the heads whose planted mask the student found, all measured in this run
-(experiments.measure).
+(experiments.common.measure).
 
 On several hosts the same command runs in every process (``jax.distributed`` is initialised from
 ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI or a Cloud
@@ -43,11 +43,14 @@ import time
 import jax
 import numpy as np
 
-from experiments import distill_phases, measure
-from experiments.distill_config import DistillConfig, parse
-from experiments.distill_run import Run, log, write_text_atomically
-from experiments.phase import EXIT_STOPPED, RunStopped, stop_request
-from experiments.report import write_report
+from experiments.common import measure
+from experiments.common.files import write_text_atomically
+from experiments.common.phase import EXIT_STOPPED, RunStopped, stop_request
+from experiments.distill import phases as distill_phases
+from experiments.distill.cli import command, parse
+from experiments.distill.config import DistillConfig
+from experiments.distill.report import write_report
+from experiments.distill.run_folder import Run, log
 
 __all__ = ["DistillConfig", "Run", "main", "parse", "run"]
 
@@ -57,7 +60,7 @@ def run(config: DistillConfig) -> dict:
 
     Training stops early, with a checkpoint of the step reached, on SIGTERM or SIGINT (Ctrl-C,
     a notebook's interrupt) or after ``--run.max-minutes``: it raises
-    :class:`experiments.phase.RunStopped`, whose ``folder`` ``--resume`` continues."""
+    :class:`experiments.common.phase.RunStopped`, whose ``folder`` ``--resume`` continues."""
     started = time.perf_counter()
     seconds = {}  # wall time of each part of the run
 
@@ -170,10 +173,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(config)
     except RunStopped as stopped:
-        command = config.command(resume=True, run_dir=stopped.folder)
-        log(f"{stopped}. Continue with:  {command}")
+        log(f"{stopped}. Continue with:  {command(config, resume=True, run_dir=stopped.folder)}")
         raise SystemExit(EXIT_STOPPED) from None
-
-
-if __name__ == "__main__":
-    main()

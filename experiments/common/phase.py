@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from experiments.flags import resume_command
+from experiments.common.flags import resume_command
 from sparse_jax.data.text import BatchIterator, BucketIterator, RandomAccess
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl

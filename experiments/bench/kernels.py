@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import timing
+from experiments.common import timing
 from sparse_jax import masks
 from sparse_jax.dispatch import attention
 from sparse_jax.fused import cudnn_mask_arguments
@@ -169,7 +169,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _peer_rows(config, lengths, dtype_name) -> tuple[list[dict], str]:
-    """Runs experiments.bench_peers in its own process, at most ``config.peers_timeout_s``;
+    """Runs experiments.bench.peers in its own process, at most ``config.peers_timeout_s``;
     (rows, note). The process prints a row per line as it measures it: a process stopped at the
     limit, or by an interrupt, keeps what it measured."""
     if not config.peers:
@@ -193,7 +193,7 @@ def _peer_rows(config, lengths, dtype_name) -> tuple[list[dict], str]:
         "cells": cells,
     }
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    command = [sys.executable, "-m", "experiments.bench_peers", json.dumps(request)]
+    command = [sys.executable, "-m", "experiments.bench.peers", json.dumps(request)]
     return _stream_rows(command, env, config.peers_timeout_s)
 
 
@@ -384,7 +384,7 @@ class TuningConfig(_KernelCells):
     every combination of forward tile, backward tiles, warps per program and pipelining stages,
     on the layout of one block size, timed in one run, forward and forward+backward, and the
     fastest per cell against ``pallas_attention``'s defaults (tiles of
-    ``kernels.flash.TRITON_TILE`` in both passes, its default warps, 2 stages). On CPU the
+    ``kernels.TRITON_TILE`` in both passes, its default warps, 2 stages). On CPU the
     kernels run interpreted, where warps and stages mean nothing: a check that every
     combination runs, not a timing."""
 
@@ -621,10 +621,10 @@ class SearchPassesConfig:
     """Keys per block (the kernels' default tiles)."""
     top: int | None = None
     """Values per row the start uses; default the kernels' for each normalizer
-    (``kernels.flash._START_TOP``)."""
+    (``kernels.tilemath.START_TOP``)."""
     block_top: int | None = None
     """Largest values of each block the first pass keeps; default the kernels'
-    (``kernels.flash._BLOCK_TOP``); 0: the row's own ``top`` largest."""
+    (``kernels.tilemath.BLOCK_TOP``); 0: the row's own ``top`` largest."""
     seed: int = 0
     output: pathlib.Path | None = None
     """Also write the markdown to this file."""
@@ -645,17 +645,17 @@ class SearchPassesConfig:
 def start_values(z, top: int, block_top: int, block: int) -> list:
     """The values the kernels' first pass keeps of rows ``z [rows, n]``: each ``block``-key
     block's ``block_top`` largest, the ``top`` largest of those (``[rows, 1]`` each,
-    decreasing; -inf where fewer), by the kernels' own ``_tile_top`` and ``_insert``;
+    decreasing; -inf where fewer), by the kernels' own ``tile_top`` and ``insert_top``;
     ``block_top`` 0: the rows' own ``top`` largest."""
-    from sparse_jax.kernels import flash
+    from sparse_jax.kernels import tilemath
 
     if block_top == 0:
         ordered = -jnp.sort(-z, axis=-1)
         return [ordered[:, i : i + 1] for i in range(min(top, z.shape[-1]))]
     kept = (jnp.full((z.shape[0], 1), -jnp.inf, z.dtype),) * top
     for start in range(0, z.shape[-1], block):
-        for value in flash._tile_top(z[:, start : start + block], block_top):
-            kept = flash._insert(kept, value)
+        for value in tilemath.tile_top(z[:, start : start + block], block_top):
+            kept = tilemath.insert_top(kept, value)
     return list(kept)
 
 
@@ -697,9 +697,9 @@ def count_passes(search, z) -> tuple[int, np.ndarray, jax.Array]:
 def run_search_passes(config: SearchPassesConfig, command: str) -> str:
     """Returns the markdown of the search-passes count (see SearchPassesConfig)."""
     from sparse_jax import normalizers as nz
-    from sparse_jax.kernels import flash
+    from sparse_jax.kernels import tilemath
 
-    block_top = flash._BLOCK_TOP if config.block_top is None else config.block_top
+    block_top = tilemath.BLOCK_TOP if config.block_top is None else config.block_top
     start = time.perf_counter()
     header = timing.environment_line(command)
     rng = np.random.default_rng(config.seed)
@@ -710,7 +710,7 @@ def run_search_passes(config: SearchPassesConfig, command: str) -> str:
                 x = rng.standard_normal((config.rows, n)) * scale
                 z = x - x.max(-1, keepdims=True)
                 z = jnp.asarray(z if norm == "sparsemax" else z / 2, jnp.float32)
-                top = config.top or flash._START_TOP[norm]
+                top = config.top or tilemath.START_TOP[norm]
                 kept = start_values(z, top, block_top, config.block)
                 done, minus_one = (
                     jnp.zeros((config.rows, 1), bool),

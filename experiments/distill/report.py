@@ -1,4 +1,4 @@
-"""``report.md`` and its plots for a distillation run folder (``python -m experiments.report
+"""``report.md`` and its plots for a distillation run folder (``python -m experiments.distill.report
 <run-dir>`` rewrites them from ``metrics.jsonl`` and ``summary.json``)."""
 
 from __future__ import annotations

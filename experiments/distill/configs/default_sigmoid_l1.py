@@ -9,7 +9,7 @@ candidate weights nearly equal (the collapse). Those figures were measured with 
 trained in the run (float32); the bundled teacher (float16) changes the run's path slightly.
 """
 
-from experiments.distill_config import (
+from experiments.distill.config import (
     FINETUNE_AT_FULL_RATE,
     RAMP_BEFORE_SEARCH,
     TRAIN_BEFORE_SEARCH,

@@ -5,7 +5,7 @@ masks make the kernel compute, how well a student found a planted teacher's mask
 
 Example::
 
-    from experiments import measure
+    from experiments.common import measure
 
     nll, kl = measure.evaluate_lm(student, windows, teacher)  # windows: [N, T + 1] int32
     tokens_per_s, ms = measure.speed(student, seq_len=512, vocab=257)
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import timing
+from experiments.common import timing
 from sparse_jax import masks
 from sparse_jax.data.tokenizers import get_tokenizer
 from sparse_jax.models import AttentionSpec, generate, student_from_teacher
@@ -105,7 +105,7 @@ def sample_texts(
 
 
 # ----------------------------------------------------------------------------------------------
-# Speed (experiments.timing: compiled ahead, warm-up excluded, models timed in alternation,
+# Speed (experiments.common.timing: compiled ahead, warm-up excluded, models timed in alternation,
 # median of the rounds).
 
 # Rounds of alternating calls, at least MIN_ROUNDS and then until TIME_BUDGET_S seconds of calls.

@@ -6,9 +6,9 @@ files (Orbax coordinates the checkpoints) and each process reads its own rows of
 
 Example::
 
-    from experiments import distill_config, distill_run
+    from experiments import distill
 
-    run = distill_run.Run(distill_config.parse(["--run.dir", "/tmp/run"]))
+    run = distill.Run(distill.parse(["--run.dir", "/tmp/run"]))
     model = run.train_phase("teacher", model, loss_fn, loop.TrainConfig(steps=10))
 """
 
@@ -26,9 +26,11 @@ import zlib
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.distill_config import OLD_FLAGS, DistillConfig, TrainConfig, command_line
-from experiments.flags import changed_flags
-from experiments.phase import fit_to_the_end
+from experiments.common.files import write_text_atomically
+from experiments.common.flags import changed_flags
+from experiments.common.phase import fit_to_the_end
+from experiments.distill.cli import command, command_line
+from experiments.distill.config import OLD_FLAGS, DistillConfig, TrainConfig
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training import sharding
@@ -46,7 +48,6 @@ __all__ = [
     "log",
     "read_record",
     "resolve_run_dir",
-    "write_text_atomically",
 ]
 
 
@@ -201,18 +202,18 @@ class Run:
             if not folder.is_dir():
                 raise ValueError(
                     f"--resume: the run folder {str(folder)!r} does not exist, so there is no "
-                    f"run to continue. Start it with:  {c.command(resume=False, run_dir=folder)}"
+                    f"run to continue. Start it with:  {command(c, resume=False, run_dir=folder)}"
                 )
             if not config_path.exists():
                 if _checkpoint_steps(folder):
                     raise ValueError(
                         f"--resume: {folder} holds checkpoints but no config.json (the run's "
                         "flags): put it back, or start a new run in another folder with:  "
-                        f"{c.command(resume=False, run_dir=_sibling(folder))}"
+                        f"{command(c, resume=False, run_dir=_sibling(folder))}"
                     )
                 raise ValueError(
                     f"--resume: {folder} holds no run to continue (no config.json). Start one "
-                    f"with:  {c.command(resume=False, run_dir=folder)}"
+                    f"with:  {command(c, resume=False, run_dir=folder)}"
                 )
             return read_record(config_path, c)
         if folder.exists() and not folder.is_dir():
@@ -229,7 +230,7 @@ class Run:
             )
         held = ", ".join(f"{phase} up to step {max(s)}" for phase, s in steps.items())
         held = f"checkpoints of {held}" if held else "a finished run"
-        resume = c.command(resume=True, run_dir=folder)
+        resume = command(c, resume=True, run_dir=folder)
         if config_path.exists():
             try:
                 resume = command_line(
@@ -241,7 +242,7 @@ class Run:
         raise ValueError(
             f"--run.dir {str(folder)!r} already holds a run ({held}); nothing is overwritten. "
             f"Continue it with:  {resume}   or start afresh in a new folder with:  "
-            f"{c.command(resume=False, run_dir=_sibling(folder))}"
+            f"{command(c, resume=False, run_dir=_sibling(folder))}"
         )
 
     def _clear_failed_start(self) -> None:
@@ -309,7 +310,7 @@ class Run:
                 f"{phase}: no checkpoint of this phase can be read ({err.details}). They were "
                 f"moved aside (kept, not deleted) to {', '.join(str(m) for m in moved)}. Run "
                 f"the same command again to train the {phase} phase from its start (the "
-                f"earlier phases are kept):  {c.command(resume=True, run_dir=self.dir)}"
+                f"earlier phases are kept):  {command(c, resume=True, run_dir=self.dir)}"
             ) from err
         if data_state is not None:
             log(f"{phase}: resumed at step {trainer.step} from {ckpt.directory}")
@@ -338,22 +339,10 @@ class Run:
         return sharding.local_model(trainer.sync_model())
 
 
-def write_text_atomically(path: pathlib.Path, text: str) -> None:
-    """Writes ``path`` through a temporary file in its folder and a rename: a reader (or a
-    resumed run) sees the old content or the new one, never a part."""
-    path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def read_record(path: pathlib.Path, config: DistillConfig) -> dict:
     """A run folder's config.json (its flags); a ValueError naming the file, what is wrong and
     what to do when it cannot be read."""
-    new_run = config.command(resume=False, run_dir=_sibling(path.parent))
+    new_run = command(config, resume=False, run_dir=_sibling(path.parent))
     advice = (
         "It records the run's flags: put back a good copy, or start a new run with:  " + new_run
     )

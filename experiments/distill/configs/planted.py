@@ -14,7 +14,7 @@ replaces within 0.0018 nats/token, picked causal), 14 of 16 hardened by support 
 planted mask, KL 0.0023 nats/token.
 """
 
-from experiments.distill_config import (
+from experiments.distill.config import (
     HARDEN_BEFORE_REVIVING,
     STUDENT_BEFORE_REVIVING,
     DistillConfig,
