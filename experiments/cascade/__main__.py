@@ -1,0 +1,5 @@
+"""``python -m experiments.cascade``: see :mod:`experiments.cascade.job`."""
+
+from experiments.cascade.job import main
+
+main()
