@@ -2,8 +2,8 @@
 
 One module per study; its ``get_config()`` returns an ``experiments.distill.config.DistillConfig``
 (built when asked for, so that a study's data paths are checked only when it runs), and its
-docstring opens with the command that runs it, then the result it should reach (copied from
-docs/results.md, where the run is described). Flags given after ``--config <name>`` override
+docstring opens with the command that runs it, then what the study is and the section of
+docs/results.md that holds what it reached. Flags given after ``--config <name>`` override
 the study's values.
 """
 

@@ -1,12 +1,9 @@
 """python -m experiments.distill --config default_sigmoid_l1 --run.dir runs/default_sigmoid_l1
 
 The embedded default as it was before the candidate weights became a distribution: independent
-sigmoid weights, 0.02 x their L1, harden(budget=0.3). Kept to compare with the default.
-Should reach (docs/results.md, "The embedded default", 7 min 42 s from a fresh clone): perplexity
-per byte teacher 8.120, student 8.136, hardened 8.062; KL(teacher || .) student 0.0109,
-hardened 0.0316; hardened attention density 29.4% / 24.3% at n = 128 / 512; every head's six
-candidate weights nearly equal (the collapse). Those figures were measured with the teacher
-trained in the run (float32); the bundled teacher (float16) changes the run's path slightly.
+sigmoid weights, 0.02 x their L1, harden(budget=0.3). Kept to compare with the default; its
+weights collapse (every head's candidates nearly equal). What it reached: docs/results.md,
+"The embedded default".
 """
 
 from experiments.distill.config import (

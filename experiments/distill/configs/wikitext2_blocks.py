@@ -2,12 +2,8 @@
 
 The WikiText-2 study with the main job's objective: candidate weights as a sparsemax
 distribution per head, priced by the kernel's key blocks at the serving length 4 x 512 = 2048
-(--loss.mask-expected-cost 0.003, no density penalty), hardened by support (no budget), 1,631 s
-on 2 cores with the teacher cached. Should reach (docs/results.md, "WikiText-2 with the block
-price"): perplexity per byte on test.txt teacher 4.796, student 4.785, hardened 4.807 (+0.23%);
-KL student 0.0087, hardened 0.0127; hardened attention density 17.6% / 9.4% at n = 512 / 2048;
-attention FLOPs at n = 2048 10.1 G -> 2.60 G (3.9x lower); attention time at n = 2048 2.8x
-lower; in 14 of 16 heads a largest weight >= 0.5, in all a smallest <= 0.1.
+(--loss.mask-expected-cost 0.003, no density penalty), hardened by support (no budget). What it
+reached: docs/results.md, "WikiText-2 with the block price".
 """
 
 import dataclasses

@@ -2,16 +2,12 @@
 
 The WikiText-2 study (the data, teacher, candidates and measurements of wikitext2_study) with
 the main job's objective: the student searches where to attend on the teacher's own weights
-(only the candidate logits train; since 31665af each head mixes its candidates' attentions by
+(only the candidate logits train; each head mixes its candidates' attentions by
 reviving-sparsemax weights), on the KL alone for the first half of its 500 updates, then with
 the block price at the serving length 4 x 512 = 2048 ramped in to 0.03 by three quarters;
 hardened to each head's strongest candidate (--harden.threshold 0.5, no budget), then 200
-updates of fine-tuning of every weight; 1,114 s on 2 cores with the teacher cached.
-Should reach (docs/results.md, "WikiText-2 with the default objective", code 31665af):
-perplexity per byte on test.txt teacher 4.796, student 4.800, hardened 4.795 (-0.02%); KL
-student 0.0058, hardened 0.0044; hardened attention density 12.3% / 3.3% at n = 512 / 2048;
-attention FLOPs at n = 2048 10.1 G -> 1.11 G (9.1x lower); in 14 of 16 heads a largest weight
->= 0.5 and a smallest <= 0.1."""
+updates of fine-tuning of every weight. What it reached: docs/results.md, "WikiText-2 with the
+default objective"."""
 
 import dataclasses
 

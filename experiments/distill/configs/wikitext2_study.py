@@ -1,18 +1,12 @@
 """python -m experiments.distill --config wikitext2_study --run.dir runs/wikitext2-study
 
-The WikiText-2 study of the distillation issue (2,379 s on 2 cores). Should reach
-(docs/results.md, "WikiText-2"): perplexity per byte on test.txt teacher 4.796, hardened 4.799
-(+0.06%); KL hardened 0.0166 (student 0.0050); hardened attention density 14.0% at n = 512 and
-8.4% at 2048; attention FLOPs at n = 2048 10.1 G -> 2.13 G (4.7x lower); attention time at
-n = 2048 153.8 -> 36.0 ms (4.3x lower).
+The WikiText-2 study of the distillation issue. What it reached: docs/results.md, "WikiText-2".
 
 Data: ../shared/data/wikitext-2 as bytes (trains on valid.txt, evaluates on the first 128
 windows of test.txt). Teacher: cpu-long (4 blocks, width 256, 2048 positions), 1200 updates of
 8 x 512 tokens. Student: soft_union of sink(4), windows 16/32/64/128, strided(23) and causal
 per head, 500 updates of KL + 0.02 x the density-weighted penalty (no L1); harden(budget=0.15),
 then 200 updates of fine-tuning.
-These figures were measured before e6ba44a (optax's cross-entropy): a rerun differs by its
-rounding (docs/results.md, "The embedded default").
 """
 
 from experiments.distill.config import (
