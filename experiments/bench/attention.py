@@ -160,7 +160,7 @@ def _bench_mask(name: MaskName, n: int, window: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(timing.TimingFlags):
     """Attention under masks: impl='blocksparse' against impl='xla' (the dense reference,
     query-chunked), forward and forward+backward, per mask, length and normalizer."""
 
@@ -185,25 +185,17 @@ class AttentionConfig:
     dense_every_mask_up_to: int = 4096
     """The dense reference does the same O(n^2) work under every mask; above this length it is
     timed under the causal mask only, and other masks are compared with that."""
-    repeats: int = 5
-    """Timed calls per cell (median reported), after compilation and a warm-up call."""
-    slow_s: float = 10.0
-    """A cell whose warm-up call takes longer than this is timed by that one call."""
-    budget_s: float = 15.0
-    """Stop repeating a cell once its timed calls have used this many seconds."""
     seed: int = 0
     """Seed of the random inputs."""
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "batch", "heads", "head_dim", "block", "repeats", "window")
+        super().__post_init__()
+        timing.check_counts(self, "batch", "heads", "head_dim", "block", "window")
         timing.check_count_tuples(self, "lengths")
         if not self.masks or any(m not in _ALL_MASKS for m in self.masks):
             raise ValueError(f"masks must be names from {_ALL_MASKS}, got {self.masks!r}")
         if not self.normalizers:
             raise ValueError("normalizers must name at least one normalizer, got ()")
-        timing.check_seconds(self, "slow_s", "budget_s")
 
 
 def _naive_dense_mib(q, k, v, go) -> float | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
 import time
 
 import jax
@@ -24,7 +23,7 @@ def _fmt_ratio(value: float, reference: float | None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class HardeningConfig:
+class HardeningConfig(timing.TimingFlags):
     """A small GPT-style model with random weights, hardened to a per-head pattern of about
     ``--density`` attention density, against the dense model: analytic FLOPs, measured
     forward time (whole model and attention alone) and peak memory."""
@@ -44,16 +43,11 @@ class HardeningConfig:
     block: int = 64
     """Block size of the block-sparse kernel (see the attention benchmark's --block)."""
     repeats: int = 3
-    """Timed calls per cell (median reported)."""
-    slow_s: float = 10.0
-    """A cell whose warm-up call takes longer than this is timed by that one call."""
-    budget_s: float = 15.0
-    """Stop repeating a cell once its timed calls have used this many seconds."""
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
+    """Timed calls per cell; the median is reported."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "layers", "width", "heads", "vocab", "block", "repeats")
+        super().__post_init__()
+        timing.check_counts(self, "layers", "width", "heads", "vocab", "block")
         timing.check_count_tuples(self, "lengths")
         if not 0 < self.density <= 0.5:
             raise ValueError(f"density must be in (0, 0.5] (causal), got {self.density!r}")

@@ -32,7 +32,7 @@ Engine = Literal["xla", "blocksparse", "pallas", "cudnn", "splash"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _KernelCells:
+class _KernelCells(timing.TimingFlags):
     """The work and timing fields that the kernel benchmarks share (q, k, v ``[batch, n,
     heads, head_dim]``, windows of ``window`` keys)."""
 
@@ -43,16 +43,16 @@ class _KernelCells:
     head_dim: int = 64
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
     """Input dtype; default bfloat16 on an accelerator, float32 on CPU."""
-    repeats: int = 5
     slow_s: float = 20.0
+    """A cell whose warm-up call takes longer than this many seconds is timed by that one
+    call."""
     budget_s: float = 10.0
+    """Stop repeating a cell once its timed calls have used this many seconds."""
     seed: int = 0
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def _check_cells(self) -> None:
-        timing.check_counts(self, "window", "batch", "heads", "head_dim", "repeats")
-        timing.check_seconds(self, "slow_s", "budget_s")
+        super().__post_init__()
+        timing.check_counts(self, "window", "batch", "heads", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)

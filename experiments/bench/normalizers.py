@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -35,7 +34,7 @@ _ALL_NORMALIZERS: tuple[NormalizerName, ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
-class NormalizersConfig:
+class NormalizersConfig(timing.TimingFlags):
     """Times normalizers alone on [batch, heads, n, n] scores (a) and inside whole attention
     (b), forward and forward+backward, with ratios to jax.nn.softmax measured in the same run."""
 
@@ -64,21 +63,10 @@ class NormalizersConfig:
     """How the mask reaches softmax/sparsemax/entmax: 'neg_inf' sets masked scores to -inf with
     jnp.where and calls the normalizer without a mask; 'where' passes where=mask to it.
     projection_simplex has no mask argument and always gets a large finite negative value."""
-    repeats: int = 5
-    """Timed calls per cell; the median is reported. One extra warm-up call after
-    compilation is excluded."""
-    slow_s: float = 10.0
-    """If the first call after compilation (the warm-up) takes longer than this many seconds,
-    that call is the cell's only sample."""
-    budget_s: float = 15.0
-    """Stop repeating a cell once its timed calls have used this many seconds (at least one
-    call). Cells timed fewer than --repeats times are marked with a dagger and the count."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of scores, q, k, v and cotangents."""
     seed: int = 0
     """Seed of the random inputs and cotangents."""
-    output: pathlib.Path | None = None
-    """Also write the markdown (header, table, notes) to this file."""
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int) -> None:
@@ -91,7 +79,8 @@ class NormalizersConfig:
             positive("each of lengths", n)
         if len(set(self.lengths)) != len(self.lengths):
             raise ValueError(f"lengths must not repeat, got {self.lengths!r}")
-        timing.check_counts(self, "batch", "heads", "head_dim", "repeats")
+        super().__post_init__()
+        timing.check_counts(self, "batch", "heads", "head_dim")
         if not self.which:
             raise ValueError(f"which must name at least one of {_ALL_NORMALIZERS}, got ()")
         unknown = [w for w in self.which if w not in _ALL_NORMALIZERS]
@@ -101,7 +90,6 @@ class NormalizersConfig:
             )
         if not self.entmax_alpha > 1:
             raise ValueError(f"entmax_alpha must be > 1, got {self.entmax_alpha!r}")
-        timing.check_seconds(self, "slow_s", "budget_s")
         if self.mask_mode not in ("neg_inf", "where"):
             raise ValueError(f"mask_mode must be 'neg_inf' or 'where', got {self.mask_mode!r}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import numbers
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -269,6 +270,34 @@ def format_ms(stats: TimingStats) -> str:
 def log(message: str) -> None:
     """Progress of a benchmark, to stderr (stdout holds its table)."""
     print(message, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingFlags:
+    """The timing flags every benchmark that times cells shares (a cell: compiled, one warm-up
+    call, then timed calls). A benchmark's config subclasses it, changing a default by
+    declaring the field again, and calls ``super().__post_init__()``.
+
+    >>> TimingFlags(repeats=0)
+    Traceback (most recent call last):
+    ValueError: repeats must be a positive integer, got 0
+    """
+
+    repeats: int = 5
+    """Timed calls per cell; the median is reported. One extra warm-up call after
+    compilation is excluded."""
+    slow_s: float = 10.0
+    """If the first call after compilation (the warm-up) takes longer than this many seconds,
+    that call is the cell's only sample."""
+    budget_s: float = 15.0
+    """Stop repeating a cell once its timed calls have used this many seconds (at least one
+    call). Cells timed fewer than --repeats times are marked with a dagger and the count."""
+    output: pathlib.Path | None = None
+    """Also write the markdown (header, table, notes) to this file."""
+
+    def __post_init__(self) -> None:
+        check_counts(self, "repeats")
+        check_seconds(self, "slow_s", "budget_s")
 
 
 def is_count(value: Any) -> bool:
