@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Union
 import tyro
 
 from experiments.common.flags import (
-    check_max_minutes,
+    RunFlags,
     flag_name,
     int_at_least,
     set_ints_at_least,
@@ -268,27 +268,9 @@ class Train:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    dir: pathlib.Path | None = None
-    """Run folder (default: runs/cot-<date>-<time>)."""
-    resume: bool = False
-    """Continue the run in --run.dir from its last checkpoints."""
-    seed: int = 0
-    """Seed of both models' initial weights and of the batches."""
+class Run(RunFlags):
     checkpoint_every: int = 300
     """Updates between checkpoints (and validation losses)."""
-    cache_dir: pathlib.Path = pathlib.Path("~/.cache/sparse_jax")
-    """Where the generated splits are written once (TFDS array_record files)."""
-    max_minutes: float | None = None
-    """Stop training after this many minutes of the command, with a checkpoint of the step
-    reached (as on SIGTERM or Ctrl-C), and exit with status 75: the same command with
-    --run.resume continues (e.g. within a session's time limit)."""
-
-    def __post_init__(self):
-        set_ints_at_least(self, "run", seed=0, checkpoint_every=1)
-        if self.resume and self.dir is None:
-            raise ValueError("--run.resume needs the --run.dir of the run to continue")
-        check_max_minutes(self.max_minutes)
 
 
 @dataclasses.dataclass(frozen=True)
