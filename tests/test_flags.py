@@ -1,28 +1,19 @@
 """The experiments' shared flag checks (`experiments.common.flags`): int flags refused by name, and
 a resumed run refused, naming each changed flag, by the main job and the cascade alike (the chain
-of thought's in tests/test_cot.py). The docstring examples of `experiments/` run here (pytest
-collects the doctests of `sparse_jax/` only)."""
+of thought's in tests/test_cot.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import doctest
 import json
 
 import numpy as np
 import pytest
 
 from experiments import cascade, cot, distill
-from experiments.common import flags, timing
+from experiments.common import flags
 from experiments.distill import config as distill_config
 from experiments.distill.run_folder import check_same_config
-
-
-@pytest.mark.parametrize("module", [flags, timing], ids=lambda m: m.__name__)
-def test_docstring_examples_run(module):
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0
-    assert result.failed == 0
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, "2", True, np.bool_(True), None])
