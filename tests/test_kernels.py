@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from sparse_jax import attention, attention_impl, masks
-from sparse_jax.kernels import flash as pk
-from sparse_jax.kernels import pallas_attention
+from sparse_jax.kernels import TRITON_TILE, pallas_attention, pallas_supports, tilemath, triton
+from sparse_jax.kernels.flash import capped_forward
+from sparse_jax.kernels.plan import Plan, expression, layout_arrays, refine, refined_live
 from tests.engines import assert_engine
 
 # name: (normalizer, mask, (B, Tq, Tk, N, Kh, D), dtype, block, bias shape or None); the bias
@@ -310,7 +311,7 @@ def test_the_triton_kernels_run_on_64_tiles_unless_told_otherwise():
         found = _kernel_grids(jax.grad(loss), q)
         return found["fwd"][0], found["dq"][0], found["dkv"][0]
 
-    assert pk.TRITON_TILE == 64
+    assert TRITON_TILE == 64
     assert grids() == (8, 8, 8)  # 512 / 64 query and key tiles in every kernel
     assert grids(forward_block=(128, 128)) == (4, 4, 4)
     assert grids(forward_block=(128, 128), backward_block=(32, 64)) == (4, 16, 8)
@@ -368,7 +369,7 @@ def _assert_matches_the_reference(pallas, norm, mask, shape, dtype, bias_shape):
 )  # fmt: skip
 @pytest.mark.parametrize("cuts", [[(16, 16)], [(32, 32), (16, 16)]])
 def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask, cuts):
-    """_refine of a (64, 32)-block layout into (16, 16) tiles, at once or through (32, 32)
+    """refine of a (64, 32)-block layout into (16, 16) tiles, at once or through (32, 32)
     tiles (the forward's, then the backward's), keeps the same elements, and the same full /
     partial / dropped tiles, as the mask's own (16, 16) layout."""
 
@@ -385,16 +386,16 @@ def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask, cu
     tq, tk = 100, 90
     source = mask.blocks(tq, tk, 64, 32)
     for cut in cuts:
-        coarse = pk._layout_arrays(source)
-        tiles, parent = pk._refine(source, *cut)
-        refined = pk._layout_arrays(tiles)
+        coarse = layout_arrays(source)
+        tiles, parent = refine(source, *cut)
+        refined = layout_arrays(tiles)
         fq, fk = source.block_q // cut[0], source.block_kv // cut[1]
         for hh, row in np.ndindex(*refined["count"].shape[:2]):
             for slot in range(refined["count"][hh, row, 0]):  # each tile inside its parent block
                 parent_block = coarse["idx"][hh, row // fq, parent[hh, row, slot]]
                 assert refined["idx"][hh, row, slot] // fk == parent_block
         source = tiles
-    direct = pk._layout_arrays(mask.blocks(tq, tk, 16, 16))
+    direct = layout_arrays(mask.blocks(tq, tk, 16, 16))
     nq, nk = refined["count"].shape[1], 3 * 32 // 16  # every block's tiles, padding included
     assert nq == 2 * 64 // 16 and tiles.num_kv_blocks == nk
     ours, theirs = elements(refined, 16, 16, nq, nk), elements(direct, 16, 16, nq, nk)
@@ -404,7 +405,7 @@ def test_the_layout_cut_into_smaller_tiles_is_the_layout_of_those_tiles(mask, cu
 def test_a_live_block_keeps_every_tile_cut_from_it_live():
     live = jnp.array([[[[1, 0, 1, 0]]]])  # [B, N, nq, Kp]: slots 0 and 2 of the one row live
     parent = np.array([[[0, 0, 1, 2], [2, 3, 0, 0]]])  # [H, nq', Kp'] with fq = 2
-    refined = pk._refined_live(live, parent, 2)
+    refined = refined_live(live, parent, 2)
     assert refined.tolist() == [[[[1, 1, 0, 1], [1, 0, 1, 1]]]]
 
 
@@ -416,7 +417,7 @@ def test_the_capped_forward_stops_the_search_and_is_attention_when_it_may_finish
     exact = pallas_attention(q, k, v, layout, normalizer=normalizer)
 
     def capped(passes):
-        return pk.capped_forward(q, k, v, layout, search_passes=passes, normalizer=normalizer)
+        return capped_forward(q, k, v, layout, search_passes=passes, normalizer=normalizer)
 
     np.testing.assert_allclose(capped(100), exact, atol=2e-6)
     stopped = np.asarray(capped(0))
@@ -426,7 +427,7 @@ def test_the_capped_forward_stops_the_search_and_is_attention_when_it_may_finish
     # to the end from another start: the same attention; stopped at 0 passes, the start shows
     # (of the 8 values 4 blocks keep, the kernels' start uses them all)
     for top in (1, 4):
-        run = functools.partial(pk.capped_forward, q, k, v, layout, normalizer=normalizer,
+        run = functools.partial(capped_forward, q, k, v, layout, normalizer=normalizer,
                                 start_values=top)  # fmt: skip
         np.testing.assert_allclose(run(search_passes=None), exact, atol=2e-6)
         assert np.abs(np.asarray(run(search_passes=0)) - stopped).max() > 1e-4, top
@@ -443,7 +444,7 @@ def test_the_capped_forward_refuses_what_it_cannot_time():
         (1, {"normalizer": "sparsemax", "num_warps": 3}, ValueError, "capped_forward: `num_warps`"),
     ]:  # fmt: skip
         with pytest.raises(error, match=match):
-            pk.capped_forward(q, q, q, layout, search_passes=passes, **options)
+            capped_forward(q, q, q, layout, search_passes=passes, **options)
 
 
 def test_the_dispatcher_runs_the_kernel_and_auto_takes_it_on_gpu_only():
@@ -500,16 +501,16 @@ def test_ties_at_the_threshold_match_the_reference():
 
 def _count_weight_tiles(monkeypatch) -> list:
     """A list that grows by one, at run time, for each tile whose weights a kernel forms from
-    its thresholds (kernels.flash._weights): in a forward, the output pass' blocks. The kernels
+    its thresholds (kernels.tilemath.weights): in a forward, the output pass' blocks. The kernels
     must run interpreted (``interpret=True``): Triton lowers no host callback."""
     calls = []
-    weights = pk._weights
+    weights = tilemath.weights
 
     def counted(*args):
         jax.debug.callback(lambda: calls.append(1))
         return weights(*args)
 
-    monkeypatch.setattr(pk, "_weights", counted)
+    monkeypatch.setattr(tilemath, "weights", counted)
     return calls
 
 
@@ -539,7 +540,7 @@ def test_sparsemax_takes_an_output_pass_only_where_its_search_did_not_confirm_ev
         ({"search_passes": None, "speculate": False}, True),
     ]:
         calls.clear()
-        out = pk.capped_forward(q, k, v, layout, normalizer="sparsemax", scale=1.0,
+        out = capped_forward(q, k, v, layout, normalizer="sparsemax", scale=1.0,
                                 interpret=True, **options)  # fmt: skip
         jax.block_until_ready(out)
         assert len(calls) == 2 * output_pass, options  # (a call per kept block)
@@ -552,7 +553,7 @@ def test_sparsemax_takes_an_output_pass_only_where_its_search_did_not_confirm_ev
                                          interpret=True))  # fmt: skip
     assert not calls
     with pytest.raises(TypeError, match="`speculate` must be None or a bool; got 1"):
-        pk.capped_forward(q, k, v, layout, normalizer="sparsemax", search_passes=1, speculate=1)
+        capped_forward(q, k, v, layout, normalizer="sparsemax", search_passes=1, speculate=1)
 
 
 def test_entmax15_accumulates_the_output_from_its_second_search_pass(monkeypatch):
@@ -572,7 +573,7 @@ def test_entmax15_accumulates_the_output_from_its_second_search_pass(monkeypatch
         for options, visits in [({"start_values": 1}, [0]), ({}, range(1, 40)),
                                 ({"speculate": False}, [40])]:  # fmt: skip
             calls.clear()
-            out = pk.capped_forward(q, k, v, layout, normalizer="entmax15", search_passes=None,
+            out = capped_forward(q, k, v, layout, normalizer="entmax15", search_passes=None,
                                     interpret=True, **options)  # fmt: skip
             jax.block_until_ready(out)
             assert len(calls) in visits, (dtype, options, len(calls))
@@ -618,12 +619,12 @@ def test_blocks_below_the_threshold_are_skipped():
 def _live_map(q, k, v, layout, norm):
     """The forward pass's record of the key blocks holding weight, ``[B, N, nq, slots]``."""
     b, _, n, d = q.shape
-    plan = pk._Plan(
+    plan = Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
         interpret=True, segments=False, expr=None, kv_len=k.shape[1], target="triton",
         precision=None,
-        bias_axes=(False,) * 4, arrays=pk._layout_arrays(layout),
+        bias_axes=(False,) * 4, arrays=layout_arrays(layout),
     )  # fmt: skip
     eps = jnp.zeros((n, 1), jnp.float32)
     lengths = jnp.full((b,), k.shape[1], jnp.int32)
@@ -631,7 +632,7 @@ def _live_map(q, k, v, layout, norm):
     key_nan = jnp.zeros((b, k.shape[2], k.shape[1]), jnp.float32)
     no_ids = (jnp.zeros((b, q.shape[1]), jnp.int32), jnp.zeros((b, k.shape[1]), jnp.int32))
     scale = jnp.ones(1, jnp.float32)
-    _, res = pk._forward(plan, scale, lengths, eps, q, k, v, no_bias, key_nan, *no_ids)
+    _, res = triton.forward(plan, scale, lengths, eps, q, k, v, no_bias, key_nan, *no_ids)
     return np.asarray(res["live"])
 
 
@@ -662,7 +663,8 @@ def _kernel_numerics(numerics: str):
     from sparse_jax import normalizers
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pk, "jnp", _TritonMinMax())
+        patch.setattr(triton, "jnp", _TritonMinMax())  # the kernels
+        patch.setattr(tilemath, "jnp", _TritonMinMax())  # the tile maths they call
         patch.setattr(normalizers, "jnp", _TritonMinMax())  # the searches' terms
         yield
 
@@ -670,10 +672,10 @@ def _kernel_numerics(numerics: str):
 def test_the_triton_numerics_drop_nan_as_maxnum_does():
     x = jnp.array([[jnp.nan, -jnp.inf, 1.0], [jnp.nan, jnp.nan, -jnp.inf]])
     with _kernel_numerics("triton"):
-        np.testing.assert_array_equal(pk.jnp.maximum(x[0], 0.0), [0.0, 0.0, 1.0])
-        np.testing.assert_array_equal(pk.jnp.max(x, axis=-1), [1.0, -jnp.inf])
-        assert float(pk.jnp.minimum(jnp.nan, 3.0)) == 3.0
-    assert pk.jnp is jnp and bool(jnp.isnan(pk.jnp.maximum(jnp.nan, 0.0)))
+        np.testing.assert_array_equal(triton.jnp.maximum(x[0], 0.0), [0.0, 0.0, 1.0])
+        np.testing.assert_array_equal(triton.jnp.max(x, axis=-1), [1.0, -jnp.inf])
+        assert float(triton.jnp.minimum(jnp.nan, 3.0)) == 3.0
+    assert triton.jnp is tilemath.jnp is jnp and bool(jnp.isnan(triton.jnp.maximum(jnp.nan, 0.0)))
 
 
 @pytest.mark.parametrize("numerics", ["xla", "triton"])
@@ -753,9 +755,9 @@ def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile(monkeypatch):
     prefix = np.array([5, 20])
     mask = masks.causal() | masks.padding(prefix)
     layout = mask.blocks(32, 32, 16, 16)
-    expr = pk._expression(mask, layout)
+    expr = expression(mask, layout)
     assert expr is not None and expr.uses_padding and not expr.uses_segments
-    assert pk._expression(masks.causal() & masks.padding(prefix), layout) is None  # lengths
+    assert expression(masks.causal() & masks.padding(prefix), layout) is None  # lengths
 
     def run(q, k, v, prefix):  # the prefix lengths traced
         m = masks.causal() | masks.padding(prefix)
@@ -765,8 +767,8 @@ def test_run_time_leaves_under_or_and_not_are_evaluated_per_tile(monkeypatch):
     out = jax.jit(run)(q, k, v, jnp.asarray(prefix))
     ref = attention(q, k, v, mask=mask, impl="xla")
     np.testing.assert_allclose(out, ref, atol=2e-6)
-    assert pk.pallas_supports(q, layout, mask=mask, backend="gpu") == (True, "")
-    assert pk.pallas_supports(q, mask=mask, backend="tpu") == (True, "")
+    assert pallas_supports(q, layout, mask=mask, backend="gpu") == (True, "")
+    assert pallas_supports(q, mask=mask, backend="tpu") == (True, "")
     # auto takes the kernel on a GPU; on a TPU another engine (the Mosaic kernels are not yet
     # measured there: impl="pallas" opts in).
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -1040,7 +1042,7 @@ def test_the_sparse_forward_sums_only_what_its_passes_need(normalizer, sums):
 
 
 def test_the_first_pass_keeps_the_largest_of_each_blocks_largest_values():
-    """_tile_top of each block (its 2 largest) merged by _insert into the row's 8 largest of
+    """tile_top of each block (its 2 largest) merged by insert_top into the row's 8 largest of
     those: a value tied with a larger one in its own block gives way to a smaller one, and a
     block's third value is not kept (a lower start, still a bound: any of the row's values
     give one)."""
@@ -1053,8 +1055,8 @@ def test_the_first_pass_keeps_the_largest_of_each_blocks_largest_values():
     top = (jnp.full((16, 1), -jnp.inf),) * 8
     for block in range(5):
         tile = jnp.asarray(x[:, block * 32 : (block + 1) * 32])
-        for value in pk._tile_top(tile, pk._BLOCK_TOP):
-            top = pk._insert(top, value)
+        for value in tilemath.tile_top(tile, tilemath.BLOCK_TOP):
+            top = tilemath.insert_top(top, value)
     got = np.concatenate([np.asarray(t) for t in top], axis=-1)
     picks = []  # each block's 2 largest of each row, a tie with the largest dropped
     for block in np.split(x, 5, axis=1):
@@ -1081,15 +1083,15 @@ def test_the_kernels_start_their_searches_from_the_rows_largest_values(monkeypat
 
         return start
 
-    monkeypatch.setattr(pk, "sparsemax_start", spy("sparsemax"))
-    monkeypatch.setattr(pk, "entmax15_start", spy("entmax15"))
+    monkeypatch.setattr(triton, "sparsemax_start", spy("sparsemax"))
+    monkeypatch.setattr(triton, "entmax15_start", spy("entmax15"))
     q = jax.random.normal(jax.random.PRNGKey(0), (1, 64, 1, 16))
     layout = masks.causal().blocks(64, 64, 16, 16)
     for name in ("sparsemax", "entmax15"):
         out = pallas_attention(q, q, q, layout, normalizer=name)  # traced: the spy runs
         ref = attention(q, q, q, mask=masks.causal(), normalizer=name, impl="xla")
         np.testing.assert_allclose(out, ref, atol=2e-6)
-    assert calls == [("sparsemax", 16), ("entmax15", 32)] and pk._BLOCK_TOP == 2
+    assert calls == [("sparsemax", 16), ("entmax15", 32)] and tilemath.BLOCK_TOP == 2
     calls.clear()
     pallas_attention(q, q, q, layout, normalizer=1.3)
     assert calls == []  # α-entmax's search has its own start

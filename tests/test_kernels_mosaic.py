@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from sparse_jax import attention, attention_impl, masks
-from sparse_jax.kernels import flash as pk
 from sparse_jax.kernels import mosaic, pallas_attention, pallas_supports
+from sparse_jax.kernels.plan import Plan, layout_arrays
 from tests.test_kernels import _bias, _inputs
 
 # name: (normalizer, mask, (B, Tq, Tk, N, Kh, D), dtype, bias shape or None)
@@ -128,12 +128,12 @@ def test_fully_masked_rows_give_zero_output_and_gradients():
 
 def _plan(q, v, layout, norm):
     b, _, n, d = q.shape
-    return pk._Plan(
+    return Plan(
         kind=norm, sigma=None, b=b, n=n, g=1, bq=layout.block_q, bkv=layout.block_kv,
         nq=layout.num_q_blocks, nk=layout.num_kv_blocks, d=d, dv=v.shape[-1], per_head=0,
         interpret=True, segments=False, expr=None, kv_len=v.shape[1], target="mosaic",
         precision=jax.lax.Precision.HIGHEST,
-        bias_axes=(False,) * 4, arrays=pk._layout_arrays(layout),
+        bias_axes=(False,) * 4, arrays=layout_arrays(layout),
     )  # fmt: skip
 
 
@@ -153,14 +153,14 @@ def test_dead_blocks_are_dropped_from_what_the_backward_visits():
     _, res = mosaic.forward(plan, jnp.ones(1), lengths, eps, q, k, v, no_bias, key_nan, *no_ids)
     live = np.asarray(res["live"])
     assert live[0, 0, 3, :4].tolist() == [1, 0, 0, 0]  # query block 3 keeps 4, one holds weight
-    (dq_count, dq_slots), (t_count, t_rows, _, _) = mosaic._visits(plan, res["live"])
+    (dq_count, dq_slots), (t_count, t_rows, _, _) = mosaic.visits(plan, res["live"])
     assert np.asarray(dq_count)[0, 0, :, 0, 0].tolist() == [1, 1, 1, 1]
     assert np.asarray(dq_slots)[0, 0, 3, 0, 0] == 0
     # key block 0 is visited by every query block, the others by none
     assert np.asarray(t_count)[0, 0, :, 0, 0].tolist() == [4, 0, 0, 0]
     assert sorted(np.asarray(t_rows)[0, 0, 0, 0, :4].tolist()) == [0, 1, 2, 3]
     # softmax visits every kept block (p > 0 everywhere it is allowed)
-    (sm_count, _), (sm_t_count, *_) = mosaic._visits(_plan(q, v, layout, "softmax"), None)
+    (sm_count, _), (sm_t_count, *_) = mosaic.visits(_plan(q, v, layout, "softmax"), None)
     assert np.asarray(sm_count)[0, 0, :, 0, 0].tolist() == [1, 2, 3, 4]
     assert np.asarray(sm_t_count)[0, 0, :, 0, 0].tolist() == [4, 3, 2, 1]
     grads = jax.grad(

@@ -1,12 +1,14 @@
 """The fused block-sparse attention kernels for TPU (Pallas with the Mosaic lowering).
 
-The same algorithm as :mod:`sparse_jax.kernels.flash` (which is written for Triton) in the
-shape the TPU wants: one program per (batch element, head, query block) on a grid of
-independent programs, the queries' tile brought to VMEM by the grid's pipeline, and the key
-blocks the layout keeps streamed from HBM by the kernel itself, double-buffered (the copy of
-block ``j + 1`` runs while block ``j`` is computed), so that every pass of a threshold search
-visits only the kept blocks and VMEM holds a few tiles whatever the sequence length. Layout
-arrays are read from SMEM one query block (or key block) at a time.
+The same algorithm as the Triton kernels (:mod:`sparse_jax.kernels.triton`; the algorithm is
+described in :mod:`sparse_jax.kernels.flash`), with the tile maths they share
+(:mod:`sparse_jax.kernels.tilemath`), in the shape the TPU wants: one program per (batch
+element, head, query block) on a grid of independent programs, the queries' tile brought to VMEM
+by the grid's pipeline, and the key blocks the layout keeps streamed from HBM by the kernel
+itself, double-buffered (the copy of block ``j + 1`` runs while block ``j`` is computed), so
+that every pass of a threshold search visits only the kept blocks and VMEM holds a few tiles
+whatever the sequence length. Layout arrays are read from SMEM one query block (or key block) at
+a time.
 
 Forward: softmax by the online recurrence; sparsemax, 1.5-entmax and α-entmax by the
 searches of :mod:`sparse_jax.normalizers` summed block by block, then one pass for ``p @ v``
@@ -35,46 +37,21 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparse_jax.kernels.flash import (
-    _alpha_rows,
-    _dq_step,
-    _recompute,
-    _reduce_block,
-    _reductions_init,
-    _row_names,
-    _softmax_finish,
-    _softmax_init,
-    _softmax_step,
-    _threshold,
-    _weights,
-    _z,
-)
+from sparse_jax.kernels import tilemath
+from sparse_jax.kernels.plan import LANES, mosaic_block_error
 from sparse_jax.normalizers import (
     SIGMA_MAX_EPS,
     expm1_from_exp,
 )
 
+# ``forward`` and ``backward`` are what :func:`sparse_jax.kernels.pallas_attention` runs for
+# ``target="mosaic"`` (they take the :class:`~sparse_jax.kernels.plan.Plan` of a call);
+# ``visits``: the lists the backward kernels walk. The block-size rule (``LANES``,
+# ``mosaic_block_error``) is the call plan's, named here too.
+__all__ = ["LANES", "backward", "forward", "mosaic_block_error", "visits"]
+
 _F32 = jnp.float32
-# Public: the block-size rule. ``forward`` and ``backward`` are the entry points of
-# :mod:`sparse_jax.kernels.flash` for ``target="mosaic"`` (they take its private plan of a call):
-# the API is :func:`sparse_jax.kernels.pallas_attention`.
-__all__ = ["LANES", "mosaic_block_error"]
-
 _MAX = float(jnp.finfo(jnp.float32).max)
-LANES = 128  # the TPU's lane width: both block sizes must be multiples of it
-
-
-def mosaic_block_error(block_q: int, block_kv: int) -> str:
-    """Why the TPU kernels cannot take these block sizes ("" when they can).
-
-    Example:
-      >>> mosaic_block_error(128, 64)
-      '`block_kv`=64 is not a multiple of 128 (the TPU lane width)'
-    """
-    for name, size in (("block_q", block_q), ("block_kv", block_kv)):
-        if size % LANES:
-            return f"`{name}`={size} is not a multiple of {LANES} (the TPU lane width)"
-    return ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,17 +104,12 @@ def _div(index, divisor: int):
     return jax.lax.div(index, jnp.int32(divisor))
 
 
-def _dot(plan, a, b, contract_a: int = 1, contract_b: int = 1):
-    dims = (((contract_a,), (contract_b,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=_F32)
-
-
 def _tile_allowed(plan, full, mask_index, masks_ref, q_block, kv_block, kv_length, same=None):
-    """Element mask ``[bq, bkv]`` of a kept block (see flash._masked): the static tile, keys
-    below the batch element's ``padding`` length and in the query's segment; for a tile
-    expression (run-time leaves under ``|``/``~``), keys below ``Tk`` where the expression,
-    evaluated on the tile's positions, the length and the segment tile, holds. Positions are
-    iotas in the tile's own layout (queries on sublanes, keys on lanes)."""
+    """Element mask ``[bq, bkv]`` of a kept block (see ``_masked`` of the Triton kernels): the
+    static tile, keys below the batch element's ``padding`` length and in the query's segment;
+    for a tile expression (run-time leaves under ``|``/``~``), keys below ``Tk`` where the
+    expression, evaluated on the tile's positions, the length and the segment tile, holds.
+    Positions are iotas in the tile's own layout (queries on sublanes, keys on lanes)."""
     static = jnp.logical_or(full != 0, masks_ref[mask_index] != 0)
     keys = kv_block * plan.bkv + jax.lax.broadcasted_iota(jnp.int32, (1, plan.bkv), 1)
     if plan.expr is None:
@@ -211,7 +183,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
 
     def masked(j, tiles):
         block = idx_ref[0, j]
-        raw = _dot(plan, q, tiles[0][...])
+        raw = tilemath.dot(plan, q, tiles[0][...])
         s = jnp.minimum(raw * scale + tiles[2][...] + tiles[1][...], _MAX)
         same = q_seg == tiles[3][...] if plan.segments else None
         allowed = _tile_allowed(
@@ -222,11 +194,11 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
     if softmax:
 
         def body(j, tiles, carry):
-            return _softmax_step(plan, carry, masked(j, tiles), tiles[-1][...])
+            return tilemath.softmax_step(plan, carry, masked(j, tiles), tiles[-1][...])
 
-        init = _softmax_init(plan, bq)
+        init = tilemath.softmax_init(plan, bq)
         carry = _stream(count, views(True), [*k_bufs, vbuf], sem, body, init)
-        out, lse = _softmax_finish(carry)
+        out, lse = tilemath.softmax_finish(carry)
         o_ref[...] = out.astype(o_ref.dtype)
         stats_ref[...] = _lanes(lse)
         return
@@ -244,20 +216,26 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
 
     def row_sums(terms_of, n_terms, minima=0):
         def body(j, tiles, acc):
-            terms = terms_of(_z(plan.kind, masked(j, tiles), shift, eps))
-            return _reduce_block(acc, terms, minima)
+            terms = terms_of(tilemath.search_variable(plan.kind, masked(j, tiles), shift, eps))
+            return tilemath.reduce_block(acc, terms, minima)
 
-        init = _reductions_init(n_terms, minima, bq)
+        init = tilemath.reductions_init(n_terms, minima, bq)
         return _stream(count, views(False), k_bufs, sem, body, init)
 
     # (Mosaic has no expm1.)
-    tau = _threshold(plan, row_max, n_valid, eps, sigma, row_sums, expm1_from_exp)
+    tau = tilemath.threshold(plan, row_max, n_valid, eps, sigma, row_sums, expm1_from_exp)
 
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, live_ref.shape[-1]), 1)
 
     def out(j, tiles, carry):
         acc, acc_u, mass, s_sum, live = carry
-        p, s = _weights(plan.kind, _z(plan.kind, masked(j, tiles), shift, eps), tau, eps, sigma)
+        p, s = tilemath.weights(
+            plan.kind,
+            tilemath.search_variable(plan.kind, masked(j, tiles), shift, eps),
+            tau,
+            eps,
+            sigma,
+        )
         # Live: a row gives the block weight or is a NaN row (the backward must visit it).
         alive = jnp.max(jnp.where((p > 0.0) | jnp.isnan(p), 1, 0).astype(jnp.int32))
         live = jnp.where(lane == j, alive, live)
@@ -265,8 +243,8 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
         def products(acc, acc_u):
             v = tiles[-1][...]
             return (
-                acc + _dot(plan, p.astype(v.dtype), v, 1, 0),
-                acc_u + _dot(plan, s.astype(v.dtype), v, 1, 0),
+                acc + tilemath.dot(plan, p.astype(v.dtype), v, 1, 0),
+                acc_u + tilemath.dot(plan, s.astype(v.dtype), v, 1, 0),
             )
 
         acc, acc_u = jax.lax.cond(alive > 0, products, lambda a, c: (a, c), acc, acc_u)
@@ -293,7 +271,7 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
 
 def _rows_of(plan, column):
     """The row statistics of a tile as ``[bq, 1]`` columns: ``column(s)`` reads row ``s``."""
-    return {name: column(s) for s, name in enumerate(_row_names(plan))}
+    return {name: column(s) for s, name in enumerate(tilemath.row_names(plan))}
 
 
 def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full_ref, pmi_ref,
@@ -330,20 +308,20 @@ def _dq_kernel(len_ref, scale_ref, eps_ref, visit_ref, vcount_ref, idx_ref, full
         slot = slot_of(t)
         block = idx_ref[0, slot]
         k, v = tiles[0][...], tiles[3][...]
-        raw = _dot(plan, q, k)
+        raw = tilemath.dot(plan, q, k)
         s = jnp.minimum(raw * scale + tiles[2][...] + tiles[1][...], _MAX)
         same = q_seg == tiles[4][...] if plan.segments else None
         allowed = _tile_allowed(plan, full_ref[0, slot], pmi_ref[0, slot], masks_ref, i, block,
                                 kv_length, same)  # fmt: skip
-        p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
-        return _dq_step(plan, carry, p, g, _dot(plan, do, v), delta, raw, k, eps)
+        p, g = tilemath.recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
+        return tilemath.dq_step(plan, carry, p, g, tilemath.dot(plan, do, v), delta, raw, k, eps)
 
     zeros_r = jnp.zeros((bq, 1), _F32)
     init = (jnp.zeros((bq, plan.d), _F32), (zeros_r,) * 4, zeros_r, zeros_r)
     bufs = [kbuf, nanbuf, biasbuf, vbuf, *([segbuf] if plan.segments else [])]
     dq, alpha_sums, ds_raw, ds_rows = _stream(vcount_ref[0, 0], views, bufs, sem, body, init)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-    rows_out_ref[pl.ds(0, 1), :] = _lanes(_alpha_rows(plan, alpha_sums, delta, eps))
+    rows_out_ref[pl.ds(0, 1), :] = _lanes(tilemath.alpha_rows(plan, alpha_sums, delta, eps))
     rows_out_ref[pl.ds(1, 1), :] = _lanes(ds_raw)
     rows_out_ref[pl.ds(2, 1), :] = _lanes(ds_rows)
 
@@ -382,15 +360,15 @@ def _dkv_kernel(len_ref, scale_ref, eps_ref, vrows_ref, vfull_ref, vpmi_ref, vco
         q, do = tiles[0][...], tiles[1][...]
         stats = tiles[2]
         rows = _rows_of(plan, lambda s: stats[s][:, None])
-        s = jnp.minimum(_dot(plan, q, k) * scale + tiles[3][...] + key_nan, _MAX)
+        s = jnp.minimum(tilemath.dot(plan, q, k) * scale + tiles[3][...] + key_nan, _MAX)
         same = tiles[4][0][:, None] == kvseg_ref[...] if plan.segments else None
         allowed = _tile_allowed(
             plan, vfull_ref[0, t], vpmi_ref[0, t], masks_ref, vrows_ref[0, t], c, kv_length, same
         )
-        p, g = _recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
-        dv = dv + _dot(plan, p.astype(do.dtype), do, 0, 0)
-        ds = jnp.where(g != 0.0, g * (_dot(plan, do, v) - rows["delta"]), 0.0)
-        dk = dk + _dot(plan, ds.astype(q.dtype), q, 0, 0)
+        p, g = tilemath.recompute(plan, jnp.where(allowed, s, -jnp.inf), rows, eps, sigma)
+        dv = dv + tilemath.dot(plan, p.astype(do.dtype), do, 0, 0)
+        ds = jnp.where(g != 0.0, g * (tilemath.dot(plan, do, v) - rows["delta"]), 0.0)
+        dk = dk + tilemath.dot(plan, ds.astype(q.dtype), q, 0, 0)
         if dense:
             dsbuf[...] = ds
             row_block = vrows_ref[0, t]
@@ -462,8 +440,9 @@ def _head_major(x):
 
 
 def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
-    """The forward pass: ``(o [B, Tq, N, Dv], residuals)``; inputs as flash._forward takes them
-    (token-major, padded to whole blocks)."""
+    """The forward pass: ``(o [B, Tq, N, Dv], residuals)``; inputs as the Triton kernels'
+    :func:`~sparse_jax.kernels.triton.forward` takes them (token-major, padded to whole
+    blocks)."""
     b, n, bq, bkv, nq = plan.b, plan.n, plan.bq, plan.bkv, plan.nq
     tq = q.shape[1]
     ph = plan.per_head
@@ -531,7 +510,7 @@ def _compact(keep, *values):
     return (count[..., None, None], *out)
 
 
-def _visits(plan, live):
+def visits(plan, live):
     """What the backward kernels walk: for the dq kernel, each query block's slots (the live
     ones for a sparse normalizer); for the dk/dv kernel, each key block's query blocks, with
     the full flag and partial mask of the pair. Arrays ``[B or 1, N or H, n, 1, W]``."""
@@ -566,7 +545,8 @@ def _visits(plan, live):
 
 def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do):
     """``(dq, dk per query head, dv per query head, dalpha/dscale/dbias row terms [B, N, Tq]
-    each, dbias column terms [B, N, Tk], dense dbias or None)``, token-major like flash."""
+    each, dbias column terms [B, N, Tk], dense dbias or None)``, token-major like the Triton
+    kernels'."""
     b, n, bq, bkv, nq, nk = plan.b, plan.n, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
     ph = plan.per_head
@@ -575,7 +555,7 @@ def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, r
     delta = jnp.einsum("bnqd,bnqd->bnq", doh.astype(_F32), res["ubar"].astype(_F32))
     stats = jnp.concatenate([res["stats"], delta[:, :, None, :]], axis=2)  # [B, N, S, Tq]
     n_stats = stats.shape[2]
-    (dq_count, dq_slots), (t_count, t_rows, t_full, t_pmi) = _visits(plan, res["live"])
+    (dq_count, dq_slots), (t_count, t_rows, t_full, t_pmi) = visits(plan, res["live"])
     per_batch = int(dq_slots.shape[0] > 1)
     per_q_head = dq_slots.shape[1] == n and plan.kind != "softmax"
 
