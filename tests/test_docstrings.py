@@ -48,7 +48,7 @@ def test_the_walk_finds_the_public_api():
         "sparse_jax.dispatch.attention",
         "sparse_jax.masks.causal",
         "sparse_jax.masks.Causal",
-        "sparse_jax.cot.Solver",
+        "sparse_jax.cot.decode.Solver",
         "sparse_jax.models.encdec.EncoderDecoder",
         "sparse_jax.validation.check_int",
     ):

@@ -48,7 +48,8 @@ from sparse_jax.normalizers import (
 # ``target="mosaic"`` (they take the :class:`~sparse_jax.kernels.plan.Plan` of a call);
 # ``visits``: the lists the backward kernels walk. The block-size rule (``LANES``,
 # ``mosaic_block_error``) is the call plan's, named here too.
-__all__ = ["LANES", "backward", "forward", "mosaic_block_error", "visits"]
+# The API; the other names without an underscore are shared by the kernels' modules only.
+__all__ = ["LANES", "mosaic_block_error"]
 
 _F32 = jnp.float32
 _MAX = float(jnp.finfo(jnp.float32).max)

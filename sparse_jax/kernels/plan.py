@@ -46,19 +46,8 @@ from sparse_jax.validation import (
     check_scale,
 )
 
-__all__ = [
-    "LANES",
-    "TRITON_TILE",
-    "Plan",
-    "expression",
-    "layout_arrays",
-    "mosaic_block_error",
-    "on_tiles",
-    "pallas_supports",
-    "prepare",
-    "refine",
-    "refined_live",
-]
+# The API; the other names without an underscore are shared by the kernels' modules only.
+__all__ = ["LANES", "TRITON_TILE", "mosaic_block_error", "pallas_supports"]
 
 _NAME = "pallas_attention"
 _MIN_BLOCK = 16  # Triton's smallest dot tile

@@ -26,31 +26,8 @@ from sparse_jax.normalizers import (
     sparsemax_search,
 )
 
-__all__ = [
-    "BLOCK_TOP",
-    "START_TOP",
-    "alpha_rows",
-    "dot",
-    "dq_step",
-    "every_row",
-    "exp",
-    "insert_top",
-    "pass_limit",
-    "recompute",
-    "reduce_block",
-    "reductions_init",
-    "row_names",
-    "row_search",
-    "row_terms",
-    "search_variable",
-    "softmax_finish",
-    "softmax_init",
-    "softmax_step",
-    "term_count",
-    "threshold",
-    "tile_top",
-    "weights",
-]
+# The API; the other names without an underscore are shared by the kernels' modules only.
+__all__ = ["BLOCK_TOP", "START_TOP"]
 
 _F32 = jnp.float32
 _LOG2E = float(np.log2(np.e))

@@ -24,7 +24,9 @@ from sparse_jax.kernels import tilemath
 from sparse_jax.kernels.plan import Plan
 from sparse_jax.normalizers import SIGMA_MAX_EPS, entmax15_start, sparsemax_start
 
-__all__ = ["backward", "forward"]
+# No API of its own: its names without an underscore are shared by the kernels' modules only
+# (sparse_jax.kernels exports the API).
+__all__: list[str] = []
 
 _F32 = jnp.float32
 _MAX = float(jnp.finfo(jnp.float32).max)
