@@ -28,7 +28,6 @@ from sparse_jax.validation import check_int
 
 __all__ = [
     "Batch",
-    "check_problem",
     "fit_format",
     "length_buckets",
     "loss_fn",

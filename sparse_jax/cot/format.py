@@ -28,12 +28,10 @@ __all__ = [
     "PAD_ID",
     "VOCAB_SIZE",
     "CotFormat",
-    "check_format",
     "decode_tokens",
     "encode_question",
     "encode_solution",
     "number_token",
-    "round_up",
 ]
 
 EOS_ID = ByteTokenizer.eos_id  # 256: ends a solution (the byte tokenizer's end of text)
