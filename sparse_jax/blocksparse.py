@@ -71,7 +71,15 @@ import numpy as np
 from sparse_jax import masks as masks_lib
 from sparse_jax.masks import SENTINEL, BlockLayout
 from sparse_jax.normalizers import NORMALIZERS, normalize
-from sparse_jax.validation import check_bias, check_int, check_normalizer, check_qkv, check_scale
+from sparse_jax.validation import (
+    check_bias,
+    check_bool,
+    check_int,
+    check_mask_fits,
+    check_normalizer,
+    check_qkv,
+    check_scale,
+)
 
 __all__ = [
     "MAX_ROW_GROUPS",
@@ -97,13 +105,9 @@ _NAME = "blocksparse_attention"
 # Argument checking (Python, on static shapes; runs before anything is traced).
 
 
-def _check_mask(mask: Any, layout: BlockLayout, b: int, caller: str) -> Any:
+def _check_layout_mask(mask: Any, layout: BlockLayout, b: int, caller: str) -> Any:
     if not layout.dynamic:
-        if mask is not None and not isinstance(mask, masks_lib.Mask):
-            raise TypeError(
-                f"{caller}: `mask` must be None or a sparse_jax.masks.Mask; got "
-                f"{type(mask).__name__}"
-            )
+        masks_lib.check_mask(mask, "mask", caller, optional=True)
         return None  # a static layout is exact: the mask is not needed
     if not isinstance(mask, masks_lib.Mask) or not mask.is_dynamic:
         raise ValueError(
@@ -111,11 +115,7 @@ def _check_mask(mask: Any, layout: BlockLayout, b: int, caller: str) -> Any:
             "bounds the mask: pass the run-time mask it was built from as `mask=` (got "
             f"{type(mask).__name__}{'' if mask is None else ' without a padding part'})"
         )
-    if mask.batch_size != b:
-        raise ValueError(
-            f"{caller}: `mask` is a run-time (padding) mask for batch size {mask.batch_size} but "
-            f"q has batch size {b}"
-        )
+    check_mask_fits(mask, caller, batch_size=b)
     if mask.num_heads != layout.num_heads:
         raise ValueError(
             f"{caller}: `mask` has num_heads={mask.num_heads} but `layout` has "
@@ -493,7 +493,7 @@ def blocksparse_attention(
     b, tq, n, d = q.shape
     tk = k.shape[1]
     layout = masks_lib.check_layout(layout, tq, tk, n, caller)
-    mask = _check_mask(mask, layout, b, caller)
+    mask = _check_layout_mask(mask, layout, b, caller)
     bias = check_bias(bias, (b, n, tq, tk), caller)
     normalizer = check_normalizer(normalizer, n, caller)
     scale = check_scale(scale, d, caller)
@@ -502,8 +502,7 @@ def blocksparse_attention(
         if query_blocks_per_step is None
         else check_int(query_blocks_per_step, "query_blocks_per_step", caller)
     )
-    if not isinstance(return_weights, (bool, np.bool_)):
-        raise TypeError(f"{caller}: `return_weights` must be a bool; got {return_weights!r}")
+    return_weights = check_bool(return_weights, "return_weights", caller)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     groups = head_groups(layout)
     if len(groups) == 1:

@@ -107,7 +107,10 @@ from sparse_jax.validation import (
     as_4d_broadcastable,
     check_bias,
     check_block_size,
+    check_bool,
+    check_choice,
     check_int,
+    check_mask_fits,
     check_normalizer,
     check_qkv,
     check_scale,
@@ -201,29 +204,12 @@ class ImplChoice(NamedTuple):
 
 
 def _check_mask(mask: Any, target: tuple[int, int, int, int], caller: str) -> Any:
+    """None, a Mask that fits ``target`` [B, N, Tq, Tk], or a bool array broadcastable to it."""
     if mask is None:
         return None
     b, n, tq, tk = target
     if isinstance(mask, masks_lib.Mask):
-        shape = mask.shape
-        if shape is not None and (tq > shape[0] or tk > shape[1]):
-            raise ValueError(
-                f"{caller}: `mask` has the fixed shape {shape} (from_array or segments) but the "
-                f"inputs need (q_len, kv_len) = ({tq}, {tk}); allowed: q_len <= {shape[0]}, "
-                f"kv_len <= {shape[1]}"
-            )
-        if mask.num_heads is not None and mask.num_heads != n:
-            raise ValueError(
-                f"{caller}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} "
-                f"query heads; allowed: a per-head mask with exactly {n} heads, or a "
-                "head-agnostic mask"
-            )
-        if mask.batch_size is not None and mask.batch_size != b:
-            raise ValueError(
-                f"{caller}: `mask` is a run-time (padding or segments) mask for batch size "
-                f"{mask.batch_size} but q has batch size {b}"
-            )
-        return mask
+        return check_mask_fits(mask, caller, batch_size=b, num_heads=n, q_len=tq, kv_len=tk)
     if isinstance(mask, (jax.Array, np.ndarray)):
         if mask.dtype != np.bool_:
             raise TypeError(
@@ -235,12 +221,6 @@ def _check_mask(mask: Any, target: tuple[int, int, int, int], caller: str) -> An
         f"{caller}: `mask` must be None, a sparse_jax.masks.Mask or a bool array broadcastable "
         f"to [batch, heads, q_len, kv_len]; got {type(mask).__name__}"
     )
-
-
-def _check_impl(impl: Any, caller: str) -> str:
-    if isinstance(impl, str) and impl in IMPLS:
-        return impl
-    raise ValueError(f"{caller}: unknown `impl`={impl!r}; allowed: {', '.join(map(repr, IMPLS))}")
 
 
 def _fused_problems(normalizer: Any, bias: Any, mask_arr: Any, return_weights: bool) -> list:
@@ -304,7 +284,7 @@ def _check_all(
     bias = check_bias(bias, target, caller)
     normalizer = check_normalizer(normalizer, n, caller)
     scale = check_scale(scale, h, caller)
-    impl = _check_impl(impl, caller)
+    impl = check_choice(impl, "impl", IMPLS, caller)
     block_size = check_block_size(block_size, caller)
     if impl in ("blocksparse", "pallas") and not isinstance(mask, masks_lib.Mask):
         raise ValueError(
@@ -316,8 +296,7 @@ def _check_all(
     if query_chunk is None:
         query_chunk = default_query_chunk(b, n, k.shape[1], h)
     query_chunk = check_int(query_chunk, "query_chunk", caller)
-    if not isinstance(return_weights, (bool, np.bool_)):
-        raise TypeError(f"{caller}: `return_weights` must be a bool; got {return_weights!r}")
+    return_weights = check_bool(return_weights, "return_weights", caller)
     if impl in ("splash", "cudnn"):
         _check_fused(impl, normalizer, bias, None if is_obj else mask, return_weights, caller)
         if impl == "cudnn" and is_obj:
@@ -348,9 +327,10 @@ def _check_all(
 
 
 # impl="auto" takes the block-sparse kernel when it forms at most this fraction of the dense
-# score entries (its gathers cost extra work per entry). Measured on a 2-core CPU (see
-# docs/benchmarks.md): causal masks, where it forms 56-63% of the entries, ran fwd+bwd 1.5-1.9x
-# faster than the dense reference for n = 1024 ... 16384.
+# score entries (its gathers cost extra work per entry). On a 2-core CPU causal masks, where it
+# forms 56-63% of the entries, ran fwd+bwd faster than the dense reference for n = 1024 ...
+# 16384 (docs/benchmarks.md, "Attention under masks: block-sparse kernel vs the dense
+# reference").
 BLOCKSPARSE_MAX_FRACTION = 0.75
 
 
@@ -752,16 +732,13 @@ def attention_fn(
       (1, 5, 8)
     """
     caller = "attention_fn"
-    if mask is not None and not isinstance(mask, masks_lib.Mask):
-        raise TypeError(
-            f"{caller}: `mask` must be None or a sparse_jax.masks.Mask (array masks are passed "
-            f"per call by flax); got {type(mask).__name__}"
-        )
+    why = "array masks are passed per call by flax"
+    masks_lib.check_mask(mask, "mask", caller, optional=True, why=why)
     if isinstance(normalizer, (str, numbers.Real)):
         check_normalizer(normalizer, 1, caller)
     if scale is not None:
         check_scale(scale, 1, caller)
-    _check_impl(impl, caller)
+    check_choice(impl, "impl", IMPLS, caller)
     if impl in ("splash", "cudnn"):
         _check_fused(impl, normalizer, None, None, False, caller)
     check_block_size(block_size, caller)

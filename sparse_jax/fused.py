@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.validation import check_block_size, check_qkv, check_scale
+from sparse_jax.validation import check_block_size, check_mask_fits, check_qkv, check_scale
 
 __all__ = ["cudnn_attention", "cudnn_mask_arguments", "cudnn_shape_problem", "splash_attention"]
 
@@ -68,22 +68,14 @@ def _check_qkv(q: Any, k: Any, v: Any, caller: str, dtypes: tuple[Any, ...]) -> 
 def _check_static_mask(mask: Any, n: int, caller: str) -> masks_lib.Mask:
     if mask is None:
         return masks_lib.full()
-    if not isinstance(mask, masks_lib.Mask):
-        raise TypeError(
-            f"{caller}: `mask` must be None or a sparse_jax.masks.Mask (the kernel needs the "
-            f"pattern at trace time, not an array); got {type(mask).__name__}"
-        )
+    why = "the kernel needs the pattern at trace time, not an array"
+    masks_lib.check_mask(mask, "mask", caller, optional=True, why=why)  # None: full() above
     if mask.is_dynamic:
         raise ValueError(
             f"{caller}: run-time masks (padding, segments) are not supported by this kernel; "
             "use impl='pallas', impl='blocksparse' or impl='xla'"
         )
-    if mask.num_heads is not None and mask.num_heads != n:
-        raise ValueError(
-            f"{caller}: `mask` is a per-head mask with {mask.num_heads} heads but q has {n} query "
-            "heads"
-        )
-    return mask
+    return check_mask_fits(mask, caller, num_heads=n)
 
 
 def _rows_with_keys(layout: masks_lib.BlockLayout) -> np.ndarray:

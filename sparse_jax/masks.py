@@ -21,7 +21,7 @@ needs:
   deduplicated partial-block masks. This is what block-sparse kernels consume. Each mask kind
   also classifies whole blocks from their index ranges (``_block_bounds``), so only blocks that
   are neither certainly empty nor certainly full are evaluated element by element, a chunk at a
-  time; n = 16384 with blocks of 128 takes from milliseconds to about two seconds;
+  time (how long that takes per kind: docs/benchmarks.md, "Design measurements");
 * ``m.to_splash(q_len, kv_len)``: the equivalent mask object of
   ``jax.experimental.pallas.ops.tpu.splash_attention`` (native ``CausalMask``/``LocalMask``/...
   where one matches, ``NumpyMask`` otherwise).
@@ -104,6 +104,7 @@ __all__ = [
     "TileExpression",
     "causal",
     "check_layout",
+    "check_mask",
     "chunked",
     "dilated",
     "fixed",
@@ -137,12 +138,30 @@ _BLOCK_CHUNK_ELEMENTS = 1 << 22
 # Argument checking.
 
 
-def _check_int(caller: str, name: str, value: Any, *, low: int = 0, high: int = _INT32_MAX) -> int:
-    """``value`` as an int in ``[low, high]`` (mask sizes and offsets live in int32)."""
-    return check_int(value, name, caller, low=low, high=high)
+def check_mask(value: Any, name: str, caller: str, *, optional: bool = False, why: str = "") -> Any:
+    """``value`` if it is a :class:`Mask` (or, with ``optional``, None); ``why`` says in a few
+    words why an array or anything else is refused there. How the mask fits the inputs is
+    :func:`sparse_jax.validation.check_mask_fits`.
+
+    Example:
+      >>> check_mask(causal(), "mask", "my_kernel") == causal()
+      True
+      >>> check_mask(None, "mask", "my_kernel", optional=True) is None
+      True
+      >>> check_mask(np.ones((4, 4), bool), "mask", "my_kernel", why="the pattern is static")
+      Traceback (most recent call last):
+      ...
+      TypeError: my_kernel: `mask` must be a sparse_jax.masks.Mask (the pattern is static); ...
+    """
+    if (optional and value is None) or isinstance(value, Mask):
+        return value
+    allowed = ("None or " if optional else "") + "a sparse_jax.masks.Mask"
+    because = f" ({why})" if why else ""
+    raise TypeError(f"{caller}: `{name}` must be {allowed}{because}; got {type(value).__name__}")
 
 
-def _check_mask(caller: str, name: str, value: Any) -> Mask:
+def _check_operand(caller: str, name: str, value: Any) -> Mask:
+    """An operand of the mask algebra (``&``, ``|``, ``~``, ``per_head`` ...) is a Mask."""
     if not isinstance(value, Mask):
         raise TypeError(
             f"{caller}: {name} must be a sparse_jax.masks.Mask, got {type(value).__name__} "
@@ -413,7 +432,7 @@ class Mask:
         n = self.num_heads
         if n is None:
             return self
-        head = _check_int("for_head", "head", head, high=n - 1)
+        head = check_int(head, "head", "for_head", low=0, high=n - 1)
         return self._for_head(head)
 
     def with_offset(self, offset: int) -> Mask:
@@ -429,7 +448,7 @@ class Mask:
           >>> causal().with_offset(2).dense(1, 4).astype(int).tolist()
           [[1, 1, 1, 0]]
         """
-        offset = _check_int("with_offset", "offset", offset)
+        offset = check_int(offset, "offset", "with_offset", low=0, high=_INT32_MAX)
         if offset == 0:
             return self
         return Shifted(self, offset)
@@ -495,8 +514,8 @@ class Mask:
         return jnp.broadcast_to(self._eval(q, kv, head, batch, jnp), shape).astype(bool)
 
     def _check_lengths(self, caller: str, q_len: Any, kv_len: Any) -> tuple[int, int]:
-        q_len = _check_int(caller, "q_len", q_len, low=1)
-        kv_len = _check_int(caller, "kv_len", kv_len, low=1)
+        q_len = check_int(q_len, "q_len", caller, low=1, high=_INT32_MAX)
+        kv_len = check_int(kv_len, "kv_len", caller, low=1, high=_INT32_MAX)
         shape = self.shape
         if shape is not None and (q_len > shape[0] or kv_len > shape[1]):
             raise ValueError(
@@ -559,8 +578,8 @@ class Mask:
           ([[1, 2, 3]], (1, 2, 2))
         """
         q_len, kv_len = self._check_lengths("blocks", q_len, kv_len)
-        block_q = _check_int("blocks", "block_q", block_q, low=1)
-        block_kv = _check_int("blocks", "block_kv", block_kv, low=1)
+        block_q = check_int(block_q, "block_q", "blocks", low=1, high=_INT32_MAX)
+        block_kv = check_int(block_kv, "block_kv", "blocks", low=1, high=_INT32_MAX)
         if -(-q_len // block_q) * block_q + self._max_offset() > _INT32_MAX:
             raise ValueError(f"blocks: q_len + offset must be < 2**31, got q_len={q_len}")
         if self.is_dynamic:
@@ -604,7 +623,7 @@ class Mask:
             )
         n = self.num_heads
         if num_heads is not None:
-            num_heads = _check_int("to_splash", "num_heads", num_heads, low=1)
+            num_heads = check_int(num_heads, "num_heads", "to_splash", low=1, high=_INT32_MAX)
             if n is not None and num_heads != n:
                 raise ValueError(
                     f"to_splash: num_heads={num_heads} does not match the per-head mask's "
@@ -619,16 +638,16 @@ class Mask:
     # --- algebra ------------------------------------------------------------------------------
 
     def __and__(self, other: Mask) -> Mask:
-        return And(self, _check_mask("&", "right operand", other))
+        return And(self, _check_operand("&", "right operand", other))
 
     def __or__(self, other: Mask) -> Mask:
-        return Or(self, _check_mask("|", "right operand", other))
+        return Or(self, _check_operand("|", "right operand", other))
 
     def __rand__(self, other: Any) -> Mask:
-        return And(_check_mask("&", "left operand", other), self)
+        return And(_check_operand("&", "left operand", other), self)
 
     def __ror__(self, other: Any) -> Mask:
-        return Or(_check_mask("|", "left operand", other), self)
+        return Or(_check_operand("|", "left operand", other), self)
 
     def __invert__(self) -> Mask:
         return Not(self)
@@ -707,8 +726,10 @@ class Local(Mask):
 
     def __post_init__(self):
         for name in ("left", "right"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, _check_int("local", name, getattr(self, name)))
+            value = getattr(self, name)
+            if value is not None:
+                value = check_int(value, name, "local", low=0, high=_INT32_MAX)
+                object.__setattr__(self, name, value)
 
     def _toeplitz(self) -> bool:
         return True
@@ -753,9 +774,13 @@ class Dilated(Mask):
     dilation: int  # spacing between attended keys (>= 1)
 
     def __post_init__(self):
-        object.__setattr__(self, "window", _check_int("dilated", "window", self.window))
         object.__setattr__(
-            self, "dilation", _check_int("dilated", "dilation", self.dilation, low=1)
+            self, "window", check_int(self.window, "window", "dilated", low=0, high=_INT32_MAX)
+        )
+        object.__setattr__(
+            self,
+            "dilation",
+            check_int(self.dilation, "dilation", "dilated", low=1, high=_INT32_MAX),
         )
         if self.window * self.dilation > _INT32_MAX:
             raise ValueError(
@@ -800,7 +825,9 @@ class Strided(Mask):
     stride: int  # l in the paper (>= 1)
 
     def __post_init__(self):
-        object.__setattr__(self, "stride", _check_int("strided", "stride", self.stride, low=1))
+        object.__setattr__(
+            self, "stride", check_int(self.stride, "stride", "strided", low=1, high=_INT32_MAX)
+        )
 
     def _toeplitz(self) -> bool:
         return True
@@ -838,9 +865,11 @@ class Fixed(Mask):
     summary: int  # c in the paper, 0 <= summary <= block
 
     def __post_init__(self):
-        object.__setattr__(self, "block", _check_int("fixed", "block", self.block, low=1))
         object.__setattr__(
-            self, "summary", _check_int("fixed", "summary", self.summary, high=self.block)
+            self, "block", check_int(self.block, "block", "fixed", low=1, high=_INT32_MAX)
+        )
+        object.__setattr__(
+            self, "summary", check_int(self.summary, "summary", "fixed", low=0, high=self.block)
         )
 
     def _eval(self, q, kv, h, b, xp):
@@ -871,7 +900,7 @@ class Sink(Mask):
     n: int  # number of sink keys (>= 0)
 
     def __post_init__(self):
-        object.__setattr__(self, "n", _check_int("sink", "n", self.n))
+        object.__setattr__(self, "n", check_int(self.n, "n", "sink", low=0, high=_INT32_MAX))
 
     def _eval(self, q, kv, h, b, xp):
         return kv < self.n
@@ -910,9 +939,11 @@ class GlobalTokens(Mask):
             raise TypeError(
                 f"global_tokens: indices must be a 1-D sequence of ints, got {self.indices!r}"
             )
-        vals = tuple(
-            sorted({_check_int("global_tokens", f"indices[{k}]", v) for k, v in enumerate(raw)})
-        )
+        ints = {
+            check_int(v, f"indices[{k}]", "global_tokens", low=0, high=_INT32_MAX)
+            for k, v in enumerate(raw)
+        }
+        vals = tuple(sorted(ints))
         object.__setattr__(self, "indices", vals)
 
     def _eval(self, q, kv, h, b, xp):
@@ -949,7 +980,9 @@ class Chunked(Mask):
     size: int  # chunk length (>= 1)
 
     def __post_init__(self):
-        object.__setattr__(self, "size", _check_int("chunked", "size", self.size, low=1))
+        object.__setattr__(
+            self, "size", check_int(self.size, "size", "chunked", low=1, high=_INT32_MAX)
+        )
 
     def _eval(self, q, kv, h, b, xp):
         return (q // self.size) == (kv // self.size)
@@ -1002,7 +1035,9 @@ class RandomBlocks(Mask):
         if not 0.0 < float(d) <= 1.0:
             raise ValueError(f"random_blocks: density must be a float in (0, 1], got {d!r}")
         object.__setattr__(self, "density", float(d))
-        object.__setattr__(self, "block", _check_int("random_blocks", "block", self.block, low=1))
+        object.__setattr__(
+            self, "block", check_int(self.block, "block", "random_blocks", low=1, high=_INT32_MAX)
+        )
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise TypeError(f"random_blocks: seed must be an int, got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))
@@ -1370,7 +1405,7 @@ class Not(Mask):
     mask: Mask
 
     def __post_init__(self):
-        _check_mask("~", "operand", self.mask)
+        _check_operand("~", "operand", self.mask)
 
     def _children(self):
         return (self.mask,)
@@ -1422,8 +1457,8 @@ class Shifted(Mask):
     offset: int  # >= 0
 
     def __post_init__(self):
-        _check_mask("with_offset", "mask", self.mask)
-        _check_int("with_offset", "offset", self.offset)
+        _check_operand("with_offset", "mask", self.mask)
+        check_int(self.offset, "offset", "with_offset", low=0, high=_INT32_MAX)
         if isinstance(self.mask, Shifted):  # collapse nested shifts
             object.__setattr__(self, "offset", self.offset + self.mask.offset)
             object.__setattr__(self, "mask", self.mask.mask)
@@ -1489,7 +1524,7 @@ class PerHead(Mask):
         if not masks:
             raise ValueError("per_head: masks must be a non-empty sequence of Masks, got []")
         for i, m in enumerate(masks):
-            _check_mask("per_head", f"masks[{i}]", m)
+            _check_operand("per_head", f"masks[{i}]", m)
             if m.num_heads is not None:
                 raise ValueError(
                     f"per_head: masks[{i}] is already per-head ({m.num_heads} heads); "
@@ -1539,8 +1574,8 @@ class PerHead(Mask):
 
 
 def _check_structure(caller: str, left: Any, right: Any) -> None:
-    _check_mask(caller, "left operand", left)
-    _check_mask(caller, "right operand", right)
+    _check_operand(caller, "left operand", left)
+    _check_operand(caller, "right operand", right)
     _merge(caller, "shapes", left.shape, right.shape)
     _merge(caller, "num_heads", left.num_heads, right.num_heads)
     _merge(caller, "batch sizes", left.batch_size, right.batch_size)
@@ -1773,7 +1808,7 @@ def split_runtime(mask: Mask) -> tuple[Mask, tuple[Padding, ...], tuple[Segments
       >>> split_runtime(causal() | padding([3, 5])) is None
       True
     """
-    static, paddings, segs, stack = [], [], [], [_check_mask("split_runtime", "mask", mask)]
+    static, paddings, segs, stack = [], [], [], [check_mask(mask, "mask", "split_runtime")]
     while stack:
         node = stack.pop()
         if isinstance(node, And) and node.is_dynamic:
@@ -1799,7 +1834,7 @@ def runtime_leaves(mask: Mask) -> tuple[tuple[Padding, ...], tuple[Segments, ...
       (1, 0)
     """
     found: tuple[list, list] = ([], [])
-    stack = [_check_mask("runtime_leaves", "mask", mask)]
+    stack = [check_mask(mask, "mask", "runtime_leaves")]
     while stack:
         node = stack.pop()
         if isinstance(node, Padding):
@@ -1903,7 +1938,7 @@ def tile_expression(mask: Mask) -> TileExpression | str:
       >>> tile_expression(from_array(np.ones((2, 2), bool)) | padding([2]))
       'from_array is not evaluated in a kernel tile (array lookups): use impl="blocksparse"'
     """
-    mask = _check_mask("tile_expression", "mask", mask)
+    mask = check_mask(mask, "mask", "tile_expression")
     if not mask.is_dynamic:
         return "the mask is static (its block layout holds it)"
     if mask.num_heads is not None:

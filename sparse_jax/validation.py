@@ -1,10 +1,16 @@
-"""Argument checks shared by the attention engines: each raises ``TypeError``/``ValueError`` naming
-the caller, the argument, its value and what is allowed, before anything is traced."""
+"""Argument checks shared by the engines and the models: each raises ``TypeError``/``ValueError``
+naming the caller, the argument, its value and what is allowed, before anything is traced.
+
+The module sits low in the import levels (it imports only :mod:`sparse_jax.normalizers`), so
+checks of a :class:`sparse_jax.masks.Mask` read its attributes (``shape``, ``num_heads``,
+``batch_size``) without importing the type; whether a value *is* a Mask is checked where the
+type lives (:func:`sparse_jax.masks.check_mask`)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -12,6 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax.normalizers import NORMALIZERS
+
+#: The α of α-entmax that each sparse normalizer name is (sparsemax is 2-entmax): where a
+#: learned α starts from (``learn_alpha``).
+ALPHA_OF_NORMALIZER = {"sparsemax": 2.0, "entmax15": 1.5}
 
 
 def check_qkv(q: Any, k: Any, v: Any, caller: str, abstract: bool = False) -> tuple[Any, Any, Any]:
@@ -139,6 +149,58 @@ def check_token_ids(ids: Any, vocab_size: int, caller: str, name: str = "ids") -
         "a negative id does not wrap around, and the tokenizer must not produce more ids than "
         "the model's vocabulary)"
     )
+
+
+def check_token_batch(
+    ids: Any, vocab_size: int, n_positions: int, caller: str, name: str = "ids"
+) -> None:
+    """A batch of token ids for a model: an integer array ``[batch, seq]`` with
+    ``1 <= seq <= n_positions``, and (when concrete) ids in ``[0, vocab_size)``
+    (:func:`check_token_ids`).
+
+    Example:
+      >>> check_token_batch(np.zeros((2, 8), np.int32), 101, 64, "GPT2")  # fits: returns None
+      >>> check_token_batch(np.zeros((2, 65), np.int32), 101, 64, "GPT2")
+      Traceback (most recent call last):
+      ...
+      ValueError: GPT2: `ids` has 65 tokens; allowed: 1 to n_positions=64 (the model's ...
+      >>> check_token_batch(np.zeros(8, np.int32), 101, 64, "GPT2")
+      Traceback (most recent call last):
+      ...
+      ValueError: GPT2: `ids` must be [batch, seq] token ids; got shape (8,)
+    """
+    shape = getattr(ids, "shape", None)
+    if shape is None or not hasattr(ids, "dtype"):
+        raise TypeError(
+            f"{caller}: `{name}` must be [batch, seq] token ids (an integer array); got "
+            f"{type(ids).__name__} {ids!r:.80}"
+        )
+    if len(shape) != 2:
+        raise ValueError(f"{caller}: `{name}` must be [batch, seq] token ids; got shape {shape}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{caller}: `{name}` must be integer token ids; got dtype {ids.dtype}")
+    if not 1 <= shape[1] <= n_positions:
+        raise ValueError(
+            f"{caller}: `{name}` has {shape[1]} tokens; allowed: 1 to n_positions={n_positions} "
+            "(the model's positions)"
+        )
+    check_token_ids(ids, vocab_size, caller, name)
+
+
+def check_choice(value: Any, name: str, allowed: Sequence[Any], caller: str) -> Any:
+    """``value`` if it is one of ``allowed`` (names of modes, kinds, normalizers ...).
+
+    Example:
+      >>> check_choice("head", "granularity", ("layer", "head"), "my_layer")
+      'head'
+      >>> check_choice("row", "granularity", ("layer", "head"), "my_layer")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_layer: unknown `granularity`='row'; allowed: ('layer', 'head')
+    """
+    if isinstance(value, Hashable) and value in allowed:
+        return value
+    raise ValueError(f"{caller}: unknown `{name}`={value!r:.200}; allowed: {tuple(allowed)}")
 
 
 def check_bool(value: Any, name: str, caller: str, *, optional: bool = False) -> bool | None:
@@ -322,3 +384,71 @@ def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
                 )
         return jnp.asarray(normalizer)
     raise TypeError(f"{caller}: `normalizer` must be {allowed}; got {type(normalizer).__name__}")
+
+
+def check_alpha_start(normalizer: Any, caller: str) -> float:
+    """The α a learned α starts from (``learn_alpha``): the α of a sparse normalizer name
+    (:data:`ALPHA_OF_NORMALIZER`: ``"sparsemax"`` 2, ``"entmax15"`` 1.5) or a real α > 1.
+
+    Example:
+      >>> check_alpha_start("entmax15", "my_layer"), check_alpha_start(1.2, "my_layer")
+      (1.5, 1.2)
+      >>> check_alpha_start("softmax", "my_layer")
+      Traceback (most recent call last):
+      ...
+      ValueError: my_layer: `learn_alpha` needs a sparse `normalizer` to start α from: one of ...
+    """
+    if isinstance(normalizer, str) and normalizer in ALPHA_OF_NORMALIZER:
+        return ALPHA_OF_NORMALIZER[normalizer]
+    if isinstance(normalizer, numbers.Real) and not isinstance(normalizer, (bool, np.bool_)):
+        return check_normalizer(normalizer, 1, caller)
+    raise ValueError(
+        f"{caller}: `learn_alpha` needs a sparse `normalizer` to start α from: one of "
+        f"{tuple(ALPHA_OF_NORMALIZER)} or a float α > 1 (the initial α); got "
+        f"`normalizer`={normalizer!r:.200}"
+    )
+
+
+def check_mask_fits(
+    mask: Any,
+    caller: str,
+    *,
+    batch_size: int | None = None,
+    num_heads: int | None = None,
+    q_len: int | None = None,
+    kv_len: int | None = None,
+) -> Any:
+    """``mask`` (a :class:`sparse_jax.masks.Mask`, read by its ``shape``, ``num_heads`` and
+    ``batch_size``) fits inputs of the given sizes (None: not checked): a fixed-shape mask
+    (``from_array``, ``segments``) covers ``q_len x kv_len``, a per-head mask has ``num_heads``
+    heads, a run-time mask was built for ``batch_size``.
+
+    Example:
+      >>> from sparse_jax.masks import causal, per_head
+      >>> check_mask_fits(causal(), "my_kernel", num_heads=4) == causal()  # head-agnostic
+      True
+      >>> check_mask_fits(per_head([causal()] * 3), "my_kernel", num_heads=4)
+      Traceback (most recent call last):
+      ...
+      ValueError: my_kernel: `mask` is a per-head mask with 3 heads but q has 4 query heads; ...
+    """
+    shape = mask.shape
+    if shape is not None and q_len is not None and kv_len is not None:
+        if q_len > shape[0] or kv_len > shape[1]:
+            raise ValueError(
+                f"{caller}: `mask` has the fixed shape {shape} (from_array or segments) but the "
+                f"inputs need (q_len, kv_len) = ({q_len}, {kv_len}); allowed: q_len <= "
+                f"{shape[0]}, kv_len <= {shape[1]}"
+            )
+    if num_heads is not None and mask.num_heads is not None and mask.num_heads != num_heads:
+        raise ValueError(
+            f"{caller}: `mask` is a per-head mask with {mask.num_heads} heads but q has "
+            f"{num_heads} query heads; allowed: a per-head mask with exactly {num_heads} heads, "
+            "or a head-agnostic mask"
+        )
+    if batch_size is not None and mask.batch_size is not None and mask.batch_size != batch_size:
+        raise ValueError(
+            f"{caller}: `mask` is a run-time (padding or segments) mask for batch size "
+            f"{mask.batch_size} but q has batch size {batch_size}"
+        )
+    return mask

@@ -67,9 +67,9 @@ from sparse_jax import gates as gates_lib
 from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
 from sparse_jax.models.flops import ModelFlops, kept_flops
-from sparse_jax.models.gpt2 import GPT2Config, _activation, _linear
+from sparse_jax.models.gpt2 import GPT2Config, activation_fn, linear_layer
 from sparse_jax.models.layers import Gate
-from sparse_jax.validation import check_bool, check_int, check_token_ids
+from sparse_jax.validation import check_bool, check_choice, check_int, check_token_batch
 
 __all__ = [
     "CascadeConfig",
@@ -175,12 +175,8 @@ class CascadeConfig:
             value = getattr(self, name)
             value = ratios if value is None else _ratios(value, name, n, caller, cascade=True)
             object.__setattr__(self, name, value)
-        if self.gate not in GATES:
-            raise ValueError(f"{caller}: unknown `gate`={self.gate!r}; allowed: {list(GATES)}")
-        if self.penalty not in PENALTIES:
-            raise ValueError(
-                f"{caller}: unknown `penalty`={self.penalty!r}; allowed: {list(PENALTIES)}"
-            )
+        check_choice(self.gate, "gate", GATES, caller)
+        check_choice(self.penalty, "penalty", PENALTIES, caller)
         for name, ok, allowed in (
             ("l1_weight", lambda v: v >= 0, "a number >= 0"),
             ("gate_init", lambda v: True, "a finite number"),
@@ -236,16 +232,15 @@ def cascade_penalty(
       >>> np.asarray(cascade_penalty(keep, targets, lam), np.float64).round(3).tolist()
       [[0.0, 0.0, 0.0], [0.4, 0.3, 0.5]]
     """
+    check_choice(kind, "kind", PENALTIES, "cascade_penalty")
     if kind == "l1":
         terms = l1_weight * expected_keep
-    elif kind == "lagrangian":
+    else:
         if multipliers is None:
             raise ValueError("cascade_penalty: kind 'lagrangian' needs `multipliers` [L, 3, 2]")
         terms = gates_lib.lagrangian_sparsity(
             1.0 - expected_keep, 1.0 - targets, multipliers[..., 0], multipliers[..., 1]
         )
-    else:
-        raise ValueError(f"cascade_penalty: unknown `kind`={kind!r}; allowed: {list(PENALTIES)}")
     return terms.at[0].set(0.0)
 
 
@@ -327,12 +322,12 @@ class CascadeBlock(nnx.Module):
         self.num_heads, self.head_dim, self.units = n, h, u
         std_proj = 0.02 / math.sqrt(2 * g.n_layer)
         self.ln_1 = nnx.LayerNorm(d, epsilon=g.layer_norm_epsilon, rngs=rngs)
-        self.c_attn = _linear(d, 3 * n * h, rngs)
-        self.c_proj = _linear(n * h, d, rngs, std_proj)
+        self.c_attn = linear_layer(d, 3 * n * h, rngs)
+        self.c_proj = linear_layer(n * h, d, rngs, std_proj)
         self.ln_2 = nnx.LayerNorm(d, epsilon=g.layer_norm_epsilon, rngs=rngs)
-        self.c_fc = _linear(d, u, rngs)
-        self.mlp_proj = _linear(u, d, rngs, std_proj)
-        self.act = _activation(g.activation_function)
+        self.c_fc = linear_layer(d, u, rngs)
+        self.mlp_proj = linear_layer(u, d, rngs, std_proj)
+        self.act = activation_fn(g.activation_function)
         gated = layer > 0
         self.score_scaling = gated and config.score_scaling
         self.nested_heads = config.nested_heads
@@ -476,7 +471,7 @@ class CascadeLM(nnx.Module):
 
     def __call__(self, ids, *, rngs: nnx.Rngs | None = None, return_aux: bool = False, step=None):
         c = self.config
-        _check_ids(ids, c.gpt2, "CascadeLM")
+        check_token_batch(ids, c.gpt2.vocab_size, c.gpt2.n_positions, "CascadeLM")
         b, t = ids.shape
         x = self.wte(ids) + self.wpe(jnp.arange(t))[None]
         tokens = (jnp.ones((b, t), jnp.float32), jnp.ones((b, t), jnp.float32))
@@ -583,18 +578,6 @@ def _flops_per_row(g: GPT2Config, kept_tokens, heads, units) -> list[ModelFlops]
     kept = np.asarray(kept_tokens) > 0  # [L, B, T]
     t = kept.shape[2]
     return [kept_flops(g, t, kept[:, i].sum(-1), heads, units) for i in range(kept.shape[1])]
-
-
-def _check_ids(ids, g: GPT2Config, caller: str):
-    if not hasattr(ids, "shape") or len(ids.shape) != 2:
-        raise ValueError(f"{caller}: `ids` must be [batch, seq] token ids; got {ids!r:.80}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"{caller}: `ids` must be integer token ids; got dtype {ids.dtype}")
-    if not 1 <= ids.shape[1] <= g.n_positions:
-        raise ValueError(
-            f"{caller}: `ids` has {ids.shape[1]} tokens; allowed: 1 to n_positions={g.n_positions}"
-        )
-    check_token_ids(ids, g.vocab_size, caller)
 
 
 def cascade_flops(
@@ -734,7 +717,8 @@ class PrunedCascadeLM:
     def logits(self, ids, *, return_kept: bool = False):
         """Logits ``[B, T, V]`` of ``ids [B, T]`` (and, with ``return_kept``, the kept tokens
         per block ``[L, B, T]`` and the slots each block ran on)."""
-        _check_ids(ids, self.config.gpt2, "PrunedCascadeLM")
+        g = self.config.gpt2
+        check_token_batch(ids, g.vocab_size, g.n_positions, "PrunedCascadeLM")
         ids = jnp.asarray(ids)
         fixed = self.capacities(ids.shape[1])
         if fixed is not None:
@@ -826,7 +810,7 @@ def _run_block(x, keep, p, *, heads, head_dim, capacity, activation):
         xs = xs + out @ p["w_proj"] + p["b_proj"]
     else:  # every head closed: attention adds the output projection's bias only
         xs = xs + p["b_proj"]
-    hidden = _activation(activation)(_layer_norm(xs, p["ln_2"]) @ p["w_fc"] + p["b_fc"])
+    hidden = activation_fn(activation)(_layer_norm(xs, p["ln_2"]) @ p["w_fc"] + p["b_fc"])
     xs = xs + hidden @ p["w_mlp"] + p["b_mlp"]
     update = jnp.where(valid[..., None], xs - gathered, 0)
     if not routed and capacity == t:

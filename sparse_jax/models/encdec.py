@@ -73,8 +73,14 @@ from flax import nnx
 from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import topk_mask
-from sparse_jax.normalizers import sparsemax_loss
-from sparse_jax.validation import check_bool, check_int
+from sparse_jax.normalizers import NORMALIZERS, sparsemax_loss
+from sparse_jax.validation import (
+    ALPHA_OF_NORMALIZER,
+    check_alpha_start,
+    check_bool,
+    check_choice,
+    check_int,
+)
 
 __all__ = [
     "EncDecConfig",
@@ -87,9 +93,7 @@ __all__ = [
     "sequence_loss",
 ]
 
-NORMALIZERS = ("softmax", "sparsemax", "entmax15")
 OUTPUTS = ("softmax", "sparsemax")
-ALPHA_STARTS = {"sparsemax": 2.0, "entmax15": 1.5}  # learn_alpha: each normalizer's α
 EMBED_MASKS = ("random", "magnitude")
 CROSS_QUERIES = ("input", "self")
 POSITIONS = ("sinusoid", "rotary")
@@ -165,10 +169,7 @@ class EncDecConfig:
             raise ValueError(
                 f"{caller}: `num_heads`={self.num_heads} must divide `d_model`={self.d_model}"
             )
-        if self.normalizer not in NORMALIZERS:
-            raise ValueError(
-                f"{caller}: unknown `normalizer`={self.normalizer!r}; allowed: {NORMALIZERS}"
-            )
+        check_choice(self.normalizer, "normalizer", NORMALIZERS, caller)
         if self.logit_scale is not None and not (
             isinstance(self.logit_scale, (int, float))
             and not isinstance(self.logit_scale, bool)
@@ -179,31 +180,17 @@ class EncDecConfig:
                 f"got {self.logit_scale!r}"
             )
         object.__setattr__(self, "learn_alpha", check_bool(self.learn_alpha, "learn_alpha", caller))
-        if self.learn_alpha and self.normalizer not in ALPHA_STARTS:
-            raise ValueError(
-                f"{caller}: `learn_alpha` needs a sparse `normalizer` to start α from "
-                f"({tuple(ALPHA_STARTS)}); got `normalizer`={self.normalizer!r}"
-            )
-        if self.output not in OUTPUTS:
-            raise ValueError(f"{caller}: unknown `output`={self.output!r}; allowed: {OUTPUTS}")
-        if self.cross_queries not in CROSS_QUERIES:
-            raise ValueError(
-                f"{caller}: unknown `cross_queries`={self.cross_queries!r}; allowed: "
-                f"{CROSS_QUERIES}"
-            )
-        if self.positions not in POSITIONS:
-            raise ValueError(
-                f"{caller}: unknown `positions`={self.positions!r}; allowed: {POSITIONS}"
-            )
+        if self.learn_alpha:
+            check_alpha_start(self.normalizer, caller)
+        check_choice(self.output, "output", OUTPUTS, caller)
+        check_choice(self.cross_queries, "cross_queries", CROSS_QUERIES, caller)
+        check_choice(self.positions, "positions", POSITIONS, caller)
         if self.positions == "rotary" and (self.d_model // self.num_heads) % 2:
             raise ValueError(
                 f"{caller}: `positions`='rotary' rotates pairs of features: the head size "
                 f"`d_model` / `num_heads` = {self.d_model // self.num_heads} must be even"
             )
-        if self.embed_mask not in EMBED_MASKS:
-            raise ValueError(
-                f"{caller}: unknown `embed_mask`={self.embed_mask!r}; allowed: {EMBED_MASKS}"
-            )
+        check_choice(self.embed_mask, "embed_mask", EMBED_MASKS, caller)
         for name in ("embed_keep", "cot_keep", "decoder_keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
@@ -374,7 +361,7 @@ def keep_largest(x: jax.Array, keep: float) -> jax.Array:
 
 def _softplus_inverse(cfg: EncDecConfig) -> float:
     """θ with ``1 + softplus(θ)`` the configured normalizer's α (learn_alpha's start)."""
-    return math.log(math.expm1(ALPHA_STARTS[cfg.normalizer] - 1.0))
+    return math.log(math.expm1(ALPHA_OF_NORMALIZER[cfg.normalizer] - 1.0))
 
 
 class Attention(nnx.Module):

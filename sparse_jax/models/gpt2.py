@@ -47,7 +47,7 @@ from sparse_jax.models.layers import (
     FixedAttention,
     Gate,
 )
-from sparse_jax.validation import check_int, check_token_ids
+from sparse_jax.validation import check_choice, check_int, check_token_batch
 
 __all__ = [
     "GPT2",
@@ -125,11 +125,8 @@ class GPT2Config:
                 f"GPT2Config: `n_embd` ({self.n_embd}) must be divisible by `n_head` "
                 f"({self.n_head})"
             )
-        if self.activation_function not in ("gelu_new", "gelu", "relu"):
-            raise ValueError(
-                f"GPT2Config: unknown `activation_function`={self.activation_function!r}; "
-                "allowed: 'gelu_new', 'gelu', 'relu'"
-            )
+        activations = ("gelu_new", "gelu", "relu")
+        check_choice(self.activation_function, "activation_function", activations, caller)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"GPT2Config: `dtype` must be 'float32' or 'bfloat16'; got {self.dtype!r}"
@@ -161,10 +158,7 @@ class GPT2Config:
           >>> GPT2Config.preset("gpt2-medium").n_layer
           24
         """
-        if name not in PRESETS:
-            raise ValueError(
-                f"GPT2Config.preset: unknown `name`={name!r}; allowed: {list(PRESETS)}"
-            )
+        check_choice(name, "name", tuple(PRESETS), "GPT2Config.preset")
         d, layers, heads, positions, vocab = PRESETS[name]
         fields = dict(n_embd=d, n_layer=layers, n_head=heads, n_positions=positions)
         return cls(**{"vocab_size": vocab, **fields, **overrides})
@@ -226,12 +220,8 @@ class AttentionSpec:
 
     def __post_init__(self):
         caller = "AttentionSpec"
-        if self.kind not in ("fixed", "candidates"):
-            raise ValueError(
-                f"{caller}: unknown `kind`={self.kind!r}; allowed: 'fixed', 'candidates'"
-            )
-        if self.combine not in COMBINES:
-            raise ValueError(f"{caller}: unknown `combine`={self.combine!r}; allowed: {COMBINES}")
+        check_choice(self.kind, "kind", ("fixed", "candidates"), caller)
+        check_choice(self.combine, "combine", COMBINES, caller)
         if self.anchor_self and self.combine == "mixture":
             raise ValueError(
                 f"{caller}: `anchor_self` needs a log-bias `combine` ('soft_union', 'soft_mask'); "
@@ -240,15 +230,13 @@ class AttentionSpec:
         for name in ("head_gate", "ffn_gate"):
             value = getattr(self, name)
             allowed = GATE_KINDS if name == "head_gate" else GATE_KINDS[:3]
-            if value is not None and value not in allowed:
-                raise ValueError(
-                    f"{caller}: unknown `{name}`={value!r}; allowed: None or {list(allowed)}"
-                )
+            check_choice(value, name, (None, *allowed), caller)
         if self.candidates is not None:
             object.__setattr__(self, "candidates", tuple(self.candidates))
 
 
-def _activation(name: str):
+def activation_fn(name: str):
+    """The FFN activation of ``GPT2Config.activation_function`` (``"gelu_new"``: tanh GELU)."""
     if name == "gelu_new":
         return lambda x: jax.nn.gelu(x, approximate=True)
     if name == "gelu":
@@ -256,7 +244,8 @@ def _activation(name: str):
     return jax.nn.relu
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+def linear_layer(d_in: int, d_out: int, rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+    """A GPT-2 projection ``[.., d_in] -> [.., d_out]``: float32 kernel drawn from N(0, std²)."""
     return nnx.Linear(
         d_in, d_out, kernel_init=nnx.initializers.normal(std), rngs=rngs, param_dtype=jnp.float32
     )
@@ -270,8 +259,8 @@ class SelfAttention(nnx.Module):
         d, h, n = config.n_embd, config.head_dim, config.heads(layer)
         self.num_heads, self.head_dim = n, h
         std_proj = 0.02 / math.sqrt(2 * config.n_layer)
-        self.c_attn = _linear(d, 3 * n * h, rngs) if n else None
-        self.c_proj = _linear(n * h, d, rngs, std_proj) if n else None
+        self.c_attn = linear_layer(d, 3 * n * h, rngs) if n else None
+        self.c_proj = linear_layer(n * h, d, rngs, std_proj) if n else None
         if not n:  # every head pruned: the block's attention contributes its bias only
             self.c_proj_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
         if n and spec.kind == "candidates":
@@ -362,12 +351,12 @@ class MLP(nnx.Module):
         d, u = config.n_embd, config.inner(layer)
         self.units = u
         std_proj = 0.02 / math.sqrt(2 * config.n_layer)
-        self.c_fc = _linear(d, u, rngs) if u else None
-        self.c_proj = _linear(u, d, rngs, std_proj) if u else None
+        self.c_fc = linear_layer(d, u, rngs) if u else None
+        self.c_proj = linear_layer(u, d, rngs, std_proj) if u else None
         if not u:
             self.c_proj_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
         self.gate = Gate(u, spec.ffn_gate, init=spec.gate_init) if u and spec.ffn_gate else None
-        self.act = _activation(config.activation_function)
+        self.act = activation_fn(config.activation_function)
 
     def __call__(self, x, *, rngs=None):
         if not self.units:
@@ -451,21 +440,6 @@ class GPT2(nnx.Module):
         self.h = nnx.List([Block(config, i, specs[i], rngs) for i in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(d, epsilon=config.layer_norm_epsilon, rngs=rngs)
 
-    def _check_ids(self, ids, start: int = 0, caller: str = "GPT2", name: str = "ids"):
-        if not hasattr(ids, "shape") or len(ids.shape) != 2:
-            raise ValueError(
-                f"{caller}: `{name}` must be [batch, seq] token ids; got "
-                f"{getattr(ids, 'shape', ids)!r}"
-            )
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"{caller}: `{name}` must be integer token ids; got dtype {ids.dtype}")
-        if ids.shape[1] + start > self.config.n_positions:
-            raise ValueError(
-                f"{caller}: sequence of {ids.shape[1] + start} tokens is longer than the model's "
-                f"n_positions={self.config.n_positions}"
-            )
-        check_token_ids(ids, self.config.vocab_size, caller, name)
-
     def __call__(self, ids, *, rngs: nnx.Rngs | None = None, return_aux: bool = False):
         """Logits ``[B, T, vocab_size]`` (float32) of token ids ``[B, T]`` (and the aux losses).
 
@@ -475,7 +449,7 @@ class GPT2(nnx.Module):
         there an out-of-range id, negative ones included, embeds as NaN, so its logits and
         those of every later position that attends to it are NaN (never a silent wrong token).
         """
-        self._check_ids(ids)
+        check_token_batch(ids, self.config.vocab_size, self.config.n_positions, "GPT2")
         logits, aux, _ = self._forward(ids, jnp.arange(ids.shape[1]), None, rngs)
         return (logits, aux) if return_aux else logits
 
@@ -653,9 +627,8 @@ def generate(
     caller = "generate"
     if not isinstance(model, GPT2):
         raise TypeError(f"{caller}: `model` must be a GPT2; got {type(model).__name__}")
-    model._check_ids(prompt_ids, caller=caller, name="prompt_ids")  # ids in the vocabulary
-    if prompt_ids.shape[1] < 1:
-        raise ValueError(f"{caller}: `prompt_ids` must hold at least one token per row")
+    g = model.config
+    check_token_batch(prompt_ids, g.vocab_size, g.n_positions, caller, "prompt_ids")
     max_new_tokens = check_int(max_new_tokens, "max_new_tokens", caller)
     total = prompt_ids.shape[1] + max_new_tokens
     if total > model.config.n_positions:

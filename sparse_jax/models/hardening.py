@@ -43,7 +43,7 @@ from sparse_jax import masks as masks_lib
 from sparse_jax.models.flops import mask_block_cost, mask_density
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
 from sparse_jax.models.layers import CandidateMaskAttention, Gate
-from sparse_jax.validation import check_int
+from sparse_jax.validation import check_choice, check_int
 
 __all__ = ["HardenReport", "harden", "harden_plan"]
 
@@ -176,8 +176,7 @@ def harden_plan(
       (0.881, 0.234375, [True, False, False])
     """
     caller = "harden"
-    if price not in ("density", "blocks"):
-        raise ValueError(f"{caller}: unknown `price`={price!r}; allowed: 'density', 'blocks'")
+    check_choice(price, "price", ("density", "blocks"), caller)
     if not isinstance(model, GPT2):
         raise TypeError(f"{caller}: `model` must be a sparse_jax GPT2; got {type(model).__name__}")
     if threshold is not None and budget is not None:

@@ -83,7 +83,13 @@ from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
 from sparse_jax.models.flops import attention_scores, mask_block_cost, mask_density
 from sparse_jax.normalizers import entmax15, sparsemax
-from sparse_jax.validation import check_block_size, check_bool, check_int
+from sparse_jax.validation import (
+    check_alpha_start,
+    check_block_size,
+    check_bool,
+    check_choice,
+    check_int,
+)
 
 __all__ = [
     "COMBINES",
@@ -152,12 +158,6 @@ def _check_threshold(threshold: Any, caller: str) -> float:
     return float(threshold)
 
 
-def _check_choice(value: Any, name: str, allowed: Sequence[str], caller: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"{caller}: unknown `{name}`={value!r}; allowed: {list(allowed)}")
-    return value
-
-
 class FixedAttention(nnx.Module):
     """Attention under a static mask and a normalizer (the dense GPT-2 teacher is the default:
     causal softmax).
@@ -167,8 +167,9 @@ class FixedAttention(nnx.Module):
       mask: a static :class:`~sparse_jax.masks.Mask` (default ``causal()``), per-head masks
         need ``N`` heads.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"`` or a float α > 1.
-      learn_alpha: learn one α per head (α = 1 + softplus(θ), initialised at ``normalizer``
-        when it is a float, else 1.5); ``normalizer`` must then be a float or ``"entmax15"``.
+      learn_alpha: learn one α per head (α = 1 + softplus(θ), initialised at ``normalizer``'s
+        α: the float itself, 2 for ``"sparsemax"``, 1.5 for ``"entmax15"``); ``normalizer``
+        must then be sparse (:func:`~sparse_jax.validation.check_alpha_start`).
       impl, block_size: passed to :func:`sparse_jax.attention` (``"auto"``: the block-sparse
         kernel when the mask leaves enough out).
 
@@ -204,14 +205,7 @@ class FixedAttention(nnx.Module):
         self.mask = mask
         self.impl, self.block_size = impl, tuple(block_size)
         if learn_alpha:
-            if normalizer not in ("entmax15",) and not isinstance(normalizer, float):
-                raise ValueError(
-                    f"{caller}: `learn_alpha` needs `normalizer` to be a float α > 1 or "
-                    f"'entmax15' (the initial α); got {normalizer!r}"
-                )
-            alpha0 = 1.5 if normalizer == "entmax15" else float(normalizer)
-            if not alpha0 > 1:
-                raise ValueError(f"{caller}: the initial α must be > 1; got {alpha0}")
+            alpha0 = check_alpha_start(normalizer, caller)
             theta0 = math.log(math.expm1(alpha0 - 1.0))  # softplus^-1(α - 1)
             self.alpha_logit = nnx.Param(jnp.full((num_heads,), theta0, jnp.float32))
             self.normalizer = None
@@ -365,7 +359,7 @@ class CandidateMaskAttention(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         caller = "CandidateMaskAttention"
-        self.weighting = _check_choice(weighting, "weighting", WEIGHTINGS, caller)
+        self.weighting = check_choice(weighting, "weighting", WEIGHTINGS, caller)
         self.price_len = None if price_len is None else check_int(price_len, "price_len", caller)
         self.block_size = check_block_size(block_size, caller)
         anchor_self = check_bool(anchor_self, "anchor_self", caller)
@@ -391,8 +385,8 @@ class CandidateMaskAttention(nnx.Module):
                     f"{caller}: candidates[{i}] must be a static head-agnostic Mask; got {c!r}"
                 )
         self.candidates = candidates
-        self.granularity = _check_choice(granularity, "granularity", ("layer", "head"), caller)
-        self.combine = _check_choice(combine, "combine", COMBINES, caller)
+        self.granularity = check_choice(granularity, "granularity", ("layer", "head"), caller)
+        self.combine = check_choice(combine, "combine", COMBINES, caller)
         self.normalizer = normalizer
         shape = (len(candidates),) if granularity == "layer" else (num_heads, len(candidates))
         self.logits = nnx.Param(jnp.full(shape, float(init_logit), jnp.float32))
@@ -687,7 +681,7 @@ class Gate(nnx.Module):
     def __init__(self, num_units: int, kind: str = "sigmoid_ste", *, init: float = 3.0):
         caller = "Gate"
         check_int(num_units, "num_units", caller)
-        self.kind = _check_choice(kind, "kind", GATE_KINDS, caller)
+        self.kind = check_choice(kind, "kind", GATE_KINDS, caller)
         self.logits = nnx.Param(jnp.full((num_units,), float(init), jnp.float32))
 
     def values(self, rngs: nnx.Rngs | None = None) -> jax.Array:

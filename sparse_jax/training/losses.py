@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sparse_jax.validation import check_choice
+
 __all__ = [
     "DIRECTIONS",
     "KNOWN_PENALTIES",
@@ -190,8 +192,7 @@ def distillation_loss(
       True
     """
     caller = "distillation_loss"
-    if direction not in DIRECTIONS:
-        raise ValueError(f"{caller}: unknown `direction`={direction!r}; allowed: {DIRECTIONS}")
+    check_choice(direction, "direction", DIRECTIONS, caller)
     temperature = _check_temperature(temperature, caller)
     student = _float(student_logits, caller, "student_logits")
     teacher = _float(teacher_logits, caller, "teacher_logits")
