@@ -84,8 +84,8 @@ from sparse_jax.validation import (
 __all__ = ["SENTINEL", "topk_block_attention", "topk_mask"]
 
 # Bits of the threshold key settled per pass of :func:`topk_mask` (2 bits = 16 passes of 3 counts
-# each). Measured on [8, 2048, 2048] float32, k = 64 (2-core CPU, jax 0.10.2): 0.35 s against
-# 0.63 s for 1 bit per pass and 0.46 s for 4.
+# each): faster on a 2-core CPU than 1 bit or 4 bits per pass (timed once on [8, 2048, 2048]
+# float32, k = 64; docs/benchmarks.md, "Design measurements").
 _BITS_PER_PASS = 2
 
 

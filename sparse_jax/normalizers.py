@@ -10,13 +10,14 @@
 
 How the threshold τ is found (the part that decides speed)
 -----------------------------------------------------------
-The textbook algorithm sorts every row. On XLA:CPU a row sort costs about 10x the rest of
-attention, so nothing here sorts. Every row is shifted so that its maximum is 0; then
-τ ∈ [-1, -(1/n)^(α-1)] and f(τ) = Σ_i [z_i - τ]_+^(1/(α-1)) - 1 is decreasing. Each iteration
-is *one* pass over the row that gathers a few sums over the current support
-S(τ) = {i : z_i > τ} in fused variadic reductions; all rows iterate together until the last
-one is finished. On CPU each row is summed in two stages, as a short column of vectors and
-then across them, which XLA:CPU vectorises (3-8x faster per pass: ``_row_sums``).
+The textbook algorithm sorts every row. On XLA:CPU a row sort costs many times the rest of
+attention (docs/benchmarks.md, "Normalizers", against optax's sort-based projection), so
+nothing here sorts. Every row is shifted so that its maximum is 0; then τ ∈ [-1, -(1/n)^(α-1)]
+and f(τ) = Σ_i [z_i - τ]_+^(1/(α-1)) - 1 is decreasing. Each iteration is *one* pass over the
+row that gathers a few sums over the current support S(τ) = {i : z_i > τ} in fused variadic
+reductions; all rows iterate together until the last one is finished. On CPU each row is summed
+in two stages, as a short column of vectors and then across them, which XLA:CPU vectorises
+(``_row_sums``; docs/benchmarks.md, "Two-stage row sums on CPU").
 
 * ``sparsemax``: Michelot's fixed point τ ← (Σ_S z - 1) / |S| from τ = -1, which is Newton's
   method on the piecewise linear f started left of the root. The iterates increase, the
@@ -256,7 +257,7 @@ def _finite_above(x):
 
     Done here, where x is formed anyway, with an identity derivative: as a plain jnp.minimum
     in the row kernels, or differentiated (a saved mask and a select in the backward pass), it
-    cost whole attention 10-15%.
+    slowed whole attention measurably.
     """
     return jnp.minimum(x, jnp.finfo(x.dtype).max)
 
@@ -307,7 +308,7 @@ def _row_sums(*operands, minima: int = 0):
 
     Why not ``jnp.sum`` per quantity: XLA:CPU hands a plain sum to a library kernel that needs
     its input materialised, so each sum costs a write and a read of the whole score array; the
-    variadic reduce fuses the elementwise producers into the loop (2-4x faster per pass here).
+    variadic reduce fuses the elementwise producers into the loop (a faster pass).
     On CPU the row is also summed in two stages, two quantities per reduction (see
     :func:`_cpu_sum_width`); elsewhere all of them go into one reduction.
     """
@@ -359,12 +360,11 @@ def _cpu_sum_width(n: int) -> tuple[int, int] | None:
 
     XLA:CPU does not vectorise a reduction along the minor axis (float addition is not
     reassociated), but it does vectorise one along a short major axis: summing the row viewed
-    as [a, w] over a first (w lanes at a time), then the w partial sums, is 3-8x faster per pass
-    for a up to 37 and w a multiple of 8 when the terms are sparsemax's two, and no faster from
-    a = 38 on; with 1.5-entmax's four, a = 33 is already too long while a = 16-24 still gains
-    about 4x (one pass timed over a = 2-68, w = 8-2048 on a 2-core AMD EPYC, jax 0.10). So: the
-    shortest padding, then the a of 6-32 closest to 20. Whole normalizers: ``python -m
-    experiments.bench normalizers`` (docs/benchmarks.md).
+    as [a, w] over a first (w lanes at a time), then the w partial sums, is faster per pass for
+    a short a (up to about 37 with sparsemax's two terms, less with 1.5-entmax's four) and w a
+    multiple of 8, timed over a = 2-68 and w = 8-2048 on a 2-core CPU. So: the shortest padding,
+    then the a of 6-32 closest to 20. Whole normalizers: ``python -m experiments.bench
+    normalizers`` (docs/benchmarks.md, "Two-stage row sums on CPU").
     """
     for padded in range(n, n + 8):
         for rows in sorted(range(6, 33), key=lambda a: abs(a - 20)):
@@ -652,7 +652,7 @@ def _entmax_u(z, theta, sigma):
     (α > 2, long rows). A bool array picks per row.
 
     Not jnp.log1p: XLA:CPU does not fuse log-plus-one into the row reductions (every pass then
-    wrote and read the whole score array: 2x slower). The offset 1 is written 1 + 0·θ because
+    wrote and read the whole score array). The offset 1 is written 1 + 0·θ because
     XLA's algebraic simplifier folds (w + 1) - 1 into w when 1 is a constant, which would drop
     the rounding term (under jit only; the tests run jitted).
     """
@@ -771,8 +771,7 @@ def _jacobian_product(s, dx):
 # (reverse mode only: jax.jvp, jacfwd and jax.hessian raise) whose only residual is the output
 # p, which attention keeps anyway for its value product. A custom JVP, its tangent map
 # recomputed from p under jax.checkpoint so that p stays the only residual, was measured too:
-# whole attention (n = 1024, 8 heads, causal, two query chunks) ran forward+backward 1.10-1.17x
-# slower with 1.5-entmax, so the VJPs stay.
+# whole attention forward+backward ran slower with 1.5-entmax, so the VJPs stay.
 
 
 def _entmax15_s(p):
@@ -787,8 +786,8 @@ def _entmax_s(p, eps):
 def _sparsemax_tangent(p, dx):
     # s = sign(p), NaN on NaN rows, which carries them through both modes (in reverse, the
     # product with s comes after the support's select). Forms of s without NaN plus a separate
-    # NaN term ran whole attention fwd+bwd 10-20% slower on XLA:CPU, though sparsemax alone on
-    # rows of 2048 ran its reverse pass 1.8x faster (n = 264-2048, measured in one process).
+    # NaN term ran whole attention fwd+bwd slower on XLA:CPU, though sparsemax alone ran its
+    # reverse pass faster (docs/benchmarks.md, "A regression found: sparsemax's backward").
     return _jacobian_product(jnp.sign(p), dx)
 
 
@@ -828,7 +827,7 @@ def _entmax_dp_dalpha(p, eps):
 
     with S_ℓ - Σ s written as -Σ (1 - ℓ_j) s_j. There s = p^(2-α) grows without bound at the
     edge of the support, and summing the t's first lost the difference of two O(Σ s / ε²)
-    numbers: up to 45% of dα in float32 on rows of 4096 at α = 3, 3.7% now
+    numbers: up to 45% of dα in float32 on rows of 4096 at α = 3, against 3.7% with the split
     (tests/test_golden_entmax.py). Near α = 1 the split would multiply roundings by 1/ε².
     """
     s, c, s_rest = entmax_alpha_terms(p, eps)
@@ -901,7 +900,7 @@ _entmax15_rows.defvjp(_entmax15_rows_fwd, _entmax15_rows_bwd)
 # under jit against a float64 reference (rows of 7 and 4096 scores, max abs error of float32
 # p): σ stays at ~1e-7 from α = 1 + 1e-7 to 1.5, where τ reaches 9e-2 at α = 1 + 1e-7, 6e-7 at
 # 1.01 and 1.7e-7 at 1.05; above α = 1.5 τ is 10-100x better on long near-uniform rows (α = 2.5,
-# n = 4096: 1.6e-8 against 1.2e-6). A σ pass costs ~1.35x a τ pass on XLA:CPU (the rounding
+# n = 4096: 1.6e-8 against 1.2e-6). A σ pass costs more than a τ pass on XLA:CPU (the rounding
 # term), so σ is used only where τ loses digits.
 SIGMA_MAX_EPS = 0.05
 
@@ -922,7 +921,7 @@ def _entmax_rows(x, eps, sigma):
 
     if sigma is None:
         # A per-row choice makes every pass select between the two forms, which on XLA:CPU can
-        # keep a pass from fusing into its row sums: up to 7x slower than one static form
+        # keep a pass from fusing into its row sums, several times slower than one static form
         # (docs/benchmarks.md, "α as an array"). So the rows are held as τ, in the static form,
         # when no row's α is close enough to 1 to need σ (what each row would get alone), and
         # the per-row choice runs only otherwise. (A static σ form for rows that all need it
@@ -1224,7 +1223,7 @@ def masked_softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
     the values of a fully masked row instead of returning 0.
 
     The JVP is written out (``p * (ds - <p, ds>)``) so that reverse mode keeps only ``p`` as a
-    residual, not the masking ``where``s (2.4x faster whole attention: docs/benchmarks.md,
+    residual, not the masking ``where``s (faster whole attention: docs/benchmarks.md,
     "Design measurements").
 
     Shapes: scores ``s [..., keys]`` (e.g. ``[batch, heads, q, kv]``), ``allowed`` bool
