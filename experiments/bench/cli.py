@@ -11,7 +11,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench forward_passes   # what a pass of the sparse forward costs
     python -m experiments.bench query_chunks     # impl='xla': query rows per chunk
 
-The default ``normalizers`` run takes about 8 minutes on a 2-core CPU, most of it in optax's
+The default ``normalizers`` run takes minutes on a CPU (docs/benchmarks.md), most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
 
 Adding a benchmark: write a frozen config dataclass (a docstring per field; tyro turns them
