@@ -46,8 +46,8 @@ def test_the_walk_finds_the_public_api():
     # A few names that must be among them (the walk is what the next test trusts).
     for expected in (
         "sparse_jax.dispatch.attention",
-        "sparse_jax.masks.causal",
-        "sparse_jax.masks.Causal",
+        "sparse_jax.masks.kinds.causal",
+        "sparse_jax.masks.kinds.Causal",
         "sparse_jax.cot.decode.Solver",
         "sparse_jax.models.encdec.EncoderDecoder",
         "sparse_jax.validation.check_int",
