@@ -610,7 +610,14 @@ def capacity_for(count: int, seq_len: int, buckets: int = 8) -> int:
     Example:
       >>> capacity_for(5, 64), capacity_for(9, 64), capacity_for(64, 64)
       (8, 16, 64)
+      >>> capacity_for(-1, 16)
+      Traceback (most recent call last):
+      ...
+      ValueError: capacity_for: `count` must be an int in [0, 16]; got -1
     """
+    seq_len = check_int(seq_len, "seq_len", "capacity_for")
+    buckets = check_int(buckets, "buckets", "capacity_for")
+    count = check_int(count, "count", "capacity_for", low=0, high=seq_len)
     step = -(-seq_len // buckets)
     return min(seq_len, max(step, -(-count // step) * step))
 
