@@ -1,6 +1,9 @@
 """One training phase of an experiment's run folder: the project's trainer with checkpoints,
 resumption, a progress bar and ``metrics.jsonl`` (what ``experiments.cascade`` and
-``experiments.cot`` share; the main job's phases add sharding and live in ``distill_run``)."""
+``experiments.cot`` share; the main job's phases add sharding and live in
+``experiments.distill.run_folder``). A resumed phase starts from its newest readable checkpoint
+and drops the metrics a killed run logged past it (:mod:`experiments.common.run_folder`, as the
+main job does)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,14 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.common.flags import resume_command
+from experiments.common.run_folder import (
+    METRICS,
+    RunFolderError,
+    forget_metrics_after,
+    restore_phase,
+)
 from sparse_jax.data.text import BatchIterator, BucketIterator, RandomAccess
-from sparse_jax.training.checkpoint import Checkpointer
+from sparse_jax.training.checkpoint import Checkpointer, CheckpointError
 from sparse_jax.training.loop import TrainConfig, Trainer, append_jsonl
 from sparse_jax.training.stopping import StopRequest
 
@@ -83,7 +92,9 @@ def train_phase(
         keep_best=evaluate is not None,
     )
     trainer = Trainer(model, loss_fn, config, checkpointer=ckpt)
-    state = trainer.restore() if resume else None
+    state = restore_phase(trainer, name) if resume else None
+    if resume:  # the updates a killed run logged past its checkpoint are made (and logged) again
+        forget_metrics_after(folder / METRICS, name, trainer.step)
     batches = BucketIterator if isinstance(rows, (list, tuple)) else BatchIterator
     if state is not None:
         log(f"{name}: resumed at step {trainer.step} of {config.steps}")
@@ -95,7 +106,7 @@ def train_phase(
     def on_step(step, metrics):
         bar.set_postfix({shown: f"{metrics.get(shown, 0.0):.3g}"})
         bar.update(1)
-        append_jsonl(folder / "metrics.jsonl", {"phase": name, "step": step, **metrics})
+        append_jsonl(folder / METRICS, {"phase": name, "step": step, **metrics})
 
     eval_every = checkpoint_every if evaluate is not None else 0
     fit_to_the_end(
@@ -134,10 +145,19 @@ def fit_to_the_end(
 def main_of(module: str, run: Callable, parse: Callable, argv, log: Callable[[str], None]):
     """An experiment's ``main``: ``run(parse(argv))`` (argv default: the command line's); a run
     stopped early (:class:`RunStopped`) prints the command that continues it (``python -m
-    module`` with these arguments and ``--run.resume``) and exits with :data:`EXIT_STOPPED`."""
+    module`` with these arguments and ``--run.resume``) and exits with :data:`EXIT_STOPPED`. A
+    run or cache folder it cannot use (:class:`~experiments.common.run_folder.RunFolderError`)
+    is one line and exit status 2, as a bad flag is; checkpoints it cannot read, one line and
+    status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return run(parse(argv))
     except RunStopped as stopped:
         log(f"{stopped}. Continue with:  {resume_command(module, argv, stopped.folder)}")
         raise SystemExit(EXIT_STOPPED) from None
+    except RunFolderError as refused:
+        log(f"error: {refused}")
+        raise SystemExit(2) from None
+    except CheckpointError as unreadable:
+        log(f"error: {unreadable}")
+        raise SystemExit(1) from None

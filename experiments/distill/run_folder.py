@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import shutil
 import sys
 import time
 import zlib
@@ -26,19 +25,23 @@ import zlib
 import numpy as np
 from tqdm.auto import tqdm
 
+from experiments.common import run_folder
 from experiments.common.files import write_text_atomically
 from experiments.common.flags import changed_flags
 from experiments.common.phase import fit_to_the_end
+from experiments.common.run_folder import (
+    Program,
+    RunFolderError,
+    check_writable,
+    failed_before_first_checkpoint,
+    sibling,
+)
 from experiments.distill.cli import command, command_line
 from experiments.distill.config import OLD_FLAGS, DistillConfig, TrainConfig
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.training import sharding
-from sparse_jax.training.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    NoReadableCheckpointError,
-)
+from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import Trainer, append_jsonl
 from sparse_jax.training.stopping import StopRequest
 
@@ -116,15 +119,15 @@ def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = No
         if folder is not None:
             run_flags = {**saved, "resume": True, "run.dir": str(folder)}
             # A run that stopped before its first checkpoint may be started afresh in place.
-            restart = folder.is_dir() and _failed_before_first_checkpoint(folder)
+            restart = folder.is_dir() and failed_before_first_checkpoint(folder)
             where = "" if restart else " in a new folder"
-            now_dir = folder if restart else _sibling(folder)
+            now_dir = folder if restart else sibling(folder)
             now = {**given, "resume": False, "run.dir": str(now_dir)}
             how = (
                 f"Resume with the run's flags:  {command_line(run_flags)}   or start these flags "
                 f"afresh{where}:  {command_line(now)}"
             )
-        raise ValueError(
+        raise RunFolderError(
             "--resume: this command's configuration differs from the run's config.json in "
             + "; ".join(changed)
             + ". "
@@ -136,10 +139,12 @@ class Run:
     """State shared by the phases of one run: data, mesh, folders, the metrics log.
 
     Nothing is written into the run folder before every check that can fail has passed (flags,
-    mesh, data, the folder itself). A fresh start refuses a folder that holds checkpoints or a
-    finished run, saying the command that continues it; a folder left by a run that failed
-    before its first checkpoint is started afresh. ``--resume`` refuses a folder that does not
-    exist or holds no run, saying the command that starts one.
+    mesh, data, the folder itself, whether it and the cache can be written). A fresh start
+    refuses a folder that holds checkpoints or a finished run, saying the command that continues
+    it; a folder left by a run that failed before its first checkpoint is started afresh.
+    ``--resume`` refuses a folder that does not exist, holds no run or another program's run,
+    saying the command that starts one (:mod:`experiments.common.run_folder`, the checks the
+    cascade and the chain of thought share).
     """
 
     def __init__(self, config: DistillConfig):
@@ -154,7 +159,7 @@ class Run:
         self.cache = pathlib.Path(os.path.expanduser(config.run.cache_dir))
         self.metrics_path = self.dir / "metrics.jsonl"
         config_path = self.dir / "config.json"
-        saved = self._check_folder(config_path)  # the run's record on --resume, else None
+        saved = self._check_folder()  # the run's record on --resume, else None
         self.mesh = sharding.make_mesh(config.run.data_axis, config.run.model_axis)
         sharding.check_batch(config.data.batch_size, self.mesh)
         d = config.data
@@ -194,68 +199,39 @@ class Run:
         sharding.sync_processes("distill_run_dir_ready")
         log(self.data.describe())
 
-    def _check_folder(self, config_path: pathlib.Path) -> dict | None:
-        """Refuses a run folder this command cannot use (reads only); returns the run's record
-        for --resume."""
-        c, folder = self.config, self.dir
-        if c.resume:
-            if not folder.is_dir():
-                raise ValueError(
-                    f"--resume: the run folder {str(folder)!r} does not exist, so there is no "
-                    f"run to continue. Start it with:  {command(c, resume=False, run_dir=folder)}"
-                )
-            if not config_path.exists():
-                if _checkpoint_steps(folder):
-                    raise ValueError(
-                        f"--resume: {folder} holds checkpoints but no config.json (the run's "
-                        "flags): put it back, or start a new run in another folder with:  "
-                        f"{command(c, resume=False, run_dir=_sibling(folder))}"
-                    )
-                raise ValueError(
-                    f"--resume: {folder} holds no run to continue (no config.json). Start one "
-                    f"with:  {command(c, resume=False, run_dir=folder)}"
-                )
-            return read_record(config_path, c)
-        if folder.exists() and not folder.is_dir():
-            raise ValueError(f"--run.dir {str(folder)!r} is a file; choose another --run.dir")
-        if not folder.exists() or not any(folder.iterdir()):
-            return None
-        if _failed_before_first_checkpoint(folder):
-            return None
-        steps = _checkpoint_steps(folder)
-        if not config_path.exists() and not steps and not (folder / "summary.json").exists():
-            raise ValueError(
-                f"--run.dir {str(folder)!r} is not empty and holds no run of this job: choose "
-                "another --run.dir (nothing is overwritten)"
-            )
-        held = ", ".join(f"{phase} up to step {max(s)}" for phase, s in steps.items())
-        held = f"checkpoints of {held}" if held else "a finished run"
-        resume = command(c, resume=True, run_dir=folder)
-        if config_path.exists():
-            try:
-                resume = command_line(
-                    {**_flags_of_record(read_record(config_path, c)), "resume": True}
-                    | {"run.dir": str(folder)}
-                )
-            except ValueError:
-                pass  # its config.json is damaged: read_record says so on --resume
-        raise ValueError(
-            f"--run.dir {str(folder)!r} already holds a run ({held}); nothing is overwritten. "
-            f"Continue it with:  {resume}   or start afresh in a new folder with:  "
-            f"{command(c, resume=False, run_dir=_sibling(folder))}"
+    def _check_folder(self) -> dict | None:
+        """Refuses a run folder this command cannot use, or a run or cache folder it cannot
+        write (:mod:`experiments.common.run_folder`; leaves nothing behind); returns the run's
+        record for --resume."""
+        saved = run_folder.check_folder(self.dir, self.program(), resume=self.config.resume)
+        if self.primary:  # the one that writes them
+            check_writable(self.dir, "--run.dir")
+            check_writable(self.cache, "--run.cache-dir")
+        return saved
+
+    def program(self) -> Program:
+        """How the run-folder checks speak of this job's runs: the commands that start one in a
+        folder and continue the one there."""
+        c = self.config
+
+        def resume(folder: pathlib.Path, record: dict | None) -> str:
+            if record is None:  # its config.json is damaged: read_record says so on --resume
+                return command(c, resume=True, run_dir=folder)
+            flags = {**_flags_of_record(record), "resume": True}
+            return command_line(flags | {"run.dir": str(folder)})
+
+        return Program(
+            "distill",
+            resume_flag="--resume",
+            start=lambda folder: command(c, resume=False, run_dir=folder),
+            resume=resume,
+            check_record=_check_groups,
         )
 
     def _clear_failed_start(self) -> None:
         """A folder left by a run that failed before its first checkpoint: its log and
         checkpoint leftovers go (config.json is written again)."""
-        if not self.dir.is_dir() or not any(self.dir.iterdir()):
-            return
-        log(
-            f"{self.dir}: the run there stopped before its first checkpoint; starting it afresh "
-            "with this command's flags"
-        )
-        self.metrics_path.unlink(missing_ok=True)
-        shutil.rmtree(self.dir / "checkpoints", ignore_errors=True)
+        run_folder.clear_failed_start(self.dir, log)
 
     def log(self, record) -> None:
         if self.primary:
@@ -264,20 +240,8 @@ class Run:
     def forget_metrics_after(self, phase: str, step: int) -> None:
         """Drops the metrics a killed run logged for ``phase`` after the checkpoint it resumes
         from (``step``): they are computed again, and the log keeps one line per step."""
-        if not self.primary or not self.metrics_path.exists():
-            return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by the kill
-                continue
-            if record.get("phase") == phase and record.get("step", -1) > step:
-                continue
-            kept.append(line)
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        tmp.replace(self.metrics_path)
+        if self.primary:
+            run_folder.forget_metrics_after(self.metrics_path, phase, step)
 
     def batches(self, phase: str, data_state):
         """This process's rows of the phase's batches, from where ``data_state`` left off."""
@@ -301,17 +265,8 @@ class Run:
         trainer = Trainer(
             model, loss_fn, train_config, frozen_models=frozen, mesh=self.mesh, checkpointer=ckpt
         )
-        try:
-            data_state = trainer.restore() if c.resume else None
-        except NoReadableCheckpointError as err:
-            moved = ckpt.quarantine(err.steps)
-            ckpt.close()
-            raise CheckpointError(
-                f"{phase}: no checkpoint of this phase can be read ({err.details}). They were "
-                f"moved aside (kept, not deleted) to {', '.join(str(m) for m in moved)}. Run "
-                f"the same command again to train the {phase} phase from its start (the "
-                f"earlier phases are kept):  {command(c, resume=True, run_dir=self.dir)}"
-            ) from err
+        again = command(c, resume=True, run_dir=self.dir)
+        data_state = run_folder.restore_phase(trainer, phase, again) if c.resume else None
         if data_state is not None:
             log(f"{phase}: resumed at step {trainer.step} from {ckpt.directory}")
         if c.resume:
@@ -342,59 +297,24 @@ class Run:
 def read_record(path: pathlib.Path, config: DistillConfig) -> dict:
     """A run folder's config.json (its flags); a ValueError naming the file, what is wrong and
     what to do when it cannot be read."""
-    new_run = command(config, resume=False, run_dir=_sibling(path.parent))
+    new_run = command(config, resume=False, run_dir=sibling(path.parent))
     advice = (
         "It records the run's flags: put back a good copy, or start a new run with:  " + new_run
     )
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} cannot be read ({err}). {advice}") from err
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        what = "is empty" if not text.strip() else f"is not valid JSON ({err})"
-        raise ValueError(f"{path} {what}. {advice}") from err
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"{path} must hold a JSON object of the run's flags; got {type(record).__name__}. "
-            + advice
-        )
-    grouped = any(isinstance(value, dict) for value in record.values())  # else the old flat
-    for key, value in record.items():
-        if grouped and key in _GROUPS and not isinstance(value, dict):
-            raise ValueError(
-                f"{path}: the group {key!r} must be a JSON object of flags; got "
-                f"{type(value).__name__} {value!r:.60}. {advice}"
-            )
+    record = run_folder.read_record(path, advice)
+    _check_groups(path, record, advice)
     return record
 
 
-def _sibling(folder: pathlib.Path) -> pathlib.Path:
-    """A folder beside ``folder`` that does not exist yet (``<name>-2``, ``-3``, ...)."""
-    n = 2
-    while folder.with_name(f"{folder.name}-{n}").exists():
-        n += 1
-    return folder.with_name(f"{folder.name}-{n}")
-
-
-def _checkpoint_steps(folder: pathlib.Path) -> dict[str, list[int]]:
-    """The committed checkpoint steps of each phase in a run folder (Orbax renames a step's
-    folder to its number when the write is complete)."""
-    steps = {}
-    for phase in sorted((folder / "checkpoints").glob("*")):
-        found = [int(p.name) for p in phase.glob("*") if p.name.isdigit() and p.is_dir()]
-        if found:
-            steps[phase.name] = sorted(found)
-    return steps
-
-
-def _failed_before_first_checkpoint(folder: pathlib.Path) -> bool:
-    """The folder holds only what a run writes before its first checkpoint: config.json,
-    metrics.jsonl and checkpoint folders without a committed step (no summary, no report)."""
-    allowed = {"config.json", "metrics.jsonl", "checkpoints"}
-    names = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
-    return names <= allowed and "config.json" in names and not _checkpoint_steps(folder)
+def _check_groups(path: pathlib.Path, record: dict, advice: str) -> None:
+    """Refuses a grouped config.json whose group is not an object of flags."""
+    grouped = any(isinstance(value, dict) for value in record.values())  # else the old flat
+    for key, value in record.items():
+        if grouped and key in _GROUPS and not isinstance(value, dict):
+            raise RunFolderError(
+                f"{path}: the group {key!r} must be a JSON object of flags; got "
+                f"{type(value).__name__} {value!r:.60}. {advice}"
+            )
 
 
 _GROUPS = tuple(
@@ -403,5 +323,7 @@ _GROUPS = tuple(
 
 
 def _record(config: DistillConfig, data_description: str) -> dict:
-    """What config.json holds: every group as a dict, and the data's description."""
-    return {**dataclasses.asdict(config), "data_description": data_description}
+    """What config.json holds: the program, every group as a dict, and the data's
+    description."""
+    record = {**dataclasses.asdict(config), "data_description": data_description}
+    return run_folder.with_program(record, "distill")
