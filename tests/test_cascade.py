@@ -403,6 +403,7 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog, capsys):
         summary = experiment.run(experiment.parse(args))
     # No Orbax warning for checkpoints saved without a metric (the phase has no evaluation).
     assert "tracked_metric" not in caplog.text
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["program"] == "cascade"
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["dense"] == summary["dense"] and set(saved) >= {
         "dense", "pruned", "keep_ratio", "heads_kept", "units_kept", "phase_seconds",
@@ -423,7 +424,7 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog, capsys):
     assert (tmp_path / "run" / "gates.png").exists()
     # A fresh start refuses the folder; --run.resume continues from the last checkpoints (no
     # update left) and measures the same models.
-    with pytest.raises(ValueError, match=r"already holds a run; continue it with --run\.resume"):
+    with pytest.raises(ValueError, match=r"already holds a run .* Continue it with --run\.resume"):
         experiment.run(experiment.parse(args))
     again = experiment.run(experiment.parse([*args, "--run.resume"]))
     assert again["dense"]["ppl"] == summary["dense"]["ppl"]
@@ -431,7 +432,7 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog, capsys):
     # A resume with flags that change what the checkpoints hold is refused, by name.
     with pytest.raises(ValueError, match=r"--run\.resume: the flags differ .*--train\.lr"):
         experiment.run(experiment.parse([*args, "--run.resume", "--train.lr", "0.01"]))
-    with pytest.raises(ValueError, match="holds no cascade run"):
+    with pytest.raises(ValueError, match="does not exist, so there is no cascade run to continue"):
         experiment.run(experiment.parse([*TINY_RUN, "--run.dir", str(tmp_path / "none"),
                                          "--run.resume"]))  # fmt: skip
     # A time limit (spent before the first update ends) stops the dense phase at step 1 with a

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Literal
 
 import tyro
 
 from experiments.common.flags import RunFlags, flag_name, set_ints_at_least
+from sparse_jax.data.text import resolve_source
 from sparse_jax.models import GPT2Config
 from sparse_jax.models.cascade import CascadeConfig
 from sparse_jax.models.gpt2 import PRESETS
@@ -132,15 +134,14 @@ class CascadeExperiment:
         try:  # the model's own checks, named by their flags
             self.cascade_config(vocab_size=257)
         except (ValueError, TypeError) as err:
-            flag = next(
-                (
-                    flag_name(f"model.{n}")
-                    for n in ("head_keep", "unit_keep")
-                    if f"`{n}`" in str(err)
-                ),
-                "--model.keep-ratios",
-            )
+            named = (_MODEL_FLAGS.get(n) for n in re.findall(r"`(\w+)`", str(err)))
+            flag = next((f for f in named if f is not None), "--model.keep-ratios")
             raise ValueError(f"{flag}: {err}") from err
+        if d.source != "default" and not d.source.startswith("tfds:"):
+            try:  # the corpus is there and of a kind read (a tfds: name is checked with the data)
+                resolve_source(d.source)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"--data.source: {err}") from err
 
     def cascade_config(self, vocab_size: int, keep_ratios=None) -> CascadeConfig:
         """The cascade's config; ``keep_ratios`` (a sweep point) replaces every target."""
@@ -164,6 +165,17 @@ class CascadeExperiment:
             return config
         slots = [1.0] + [min(1.0, r + m.capacity_slack) for r in config.keep_ratios[1:]]
         return dataclasses.replace(config, capacity=tuple(slots))
+
+
+# The flag of each CascadeConfig field its errors name (in backquotes).
+_SAME_NAME = ("keep_ratios", "head_keep", "unit_keep", "gate", "penalty", "l1_weight")
+_MODEL_FLAGS = {
+    **{name: flag_name(f"model.{name}") for name in _SAME_NAME},
+    "score_scaling": "--model.score-scaling",
+    "nested_heads": "--model.nested-heads",
+    "capacity": "--model.capacity-slack",
+    "gpt2": "--model.size",
+}
 
 
 def linear_schedule(final: float, blocks: int) -> tuple[float, ...]:

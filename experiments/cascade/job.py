@@ -35,8 +35,16 @@ from experiments.cascade.config import CascadeExperiment, linear_schedule, parse
 from experiments.cascade.report import write_report
 from experiments.common import measure
 from experiments.common.files import write_text_atomically
-from experiments.common.flags import check_resume
 from experiments.common.phase import main_of, stop_request, train_phase
+from experiments.common.run_folder import (
+    CASCADE,
+    RECORD,
+    check_folder,
+    check_same_flags,
+    check_writable,
+    clear_failed_start,
+    with_program,
+)
 from sparse_jax.data import text
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.models.cascade import CascadeLM, cascade_flops
@@ -180,24 +188,28 @@ def _run(cfg: CascadeExperiment, stop: StopRequest) -> dict:
     started = time.perf_counter()
     folder = cfg.run.dir or pathlib.Path("runs") / time.strftime("cascade-%Y%m%d-%H%M%S")
     folder = pathlib.Path(folder)
-    if (not cfg.run.resume and (folder / "summary.json").exists()) or (
-        not cfg.run.resume and (folder / "checkpoints").exists()
-    ):
-        raise ValueError(
-            f"--run.dir {str(folder)!r} already holds a run; continue it with --run.resume or "
-            "pass another --run.dir"
-        )
-    if cfg.run.resume:
-        # Only flags.CHECKPOINT_FLAGS must match: --sweep and --run.eval-batches may change.
-        check_resume(cfg, folder, kind="cascade")
     cache = pathlib.Path(cfg.run.cache_dir).expanduser()
+    # The folders, before any data or model work (experiments.common.run_folder).
+    saved = check_folder(folder, CASCADE, resume=cfg.run.resume)
+    if saved is not None:
+        # Only flags.CHECKPOINT_FLAGS must match: --sweep and --run.eval-batches may change.
+        check_same_flags(cfg, folder, CASCADE)
+    check_writable(folder, "--run.dir")
+    check_writable(cache, "--run.cache-dir")
     data = text.prepare(cfg.data.source, "byte", cfg.data.seq_len, data_dir=cache / "tfds")
     n_eval = min(len(data.eval), cfg.run.eval_batches * cfg.data.batch_size)
+    if n_eval < 1:
+        raise ValueError(
+            f"the evaluation split of --data.source {cfg.data.source!r} has no window of "
+            f"--data.seq-len + 1 = {cfg.data.seq_len + 1} tokens: pass a shorter --data.seq-len "
+            "or a longer corpus"
+        )
     windows = np.asarray(data.eval[list(range(n_eval))], np.int32)
+    if saved is None:
+        clear_failed_start(folder, log)
     folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(
-        folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"
-    )
+    record = with_program(dataclasses.asdict(cfg), CASCADE.name)
+    write_text_atomically(folder / RECORD, json.dumps(record, default=str, indent=2) + "\n")
     seconds = {}
     lap = time.perf_counter()
 
