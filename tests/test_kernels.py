@@ -660,12 +660,13 @@ def _kernel_numerics(numerics: str):
         return
     if jax.default_backend() != "cpu":  # jnp.nanmax's reduce_and has no Triton lowering
         pytest.skip("compiled for a GPU, the kernels' min/max are Triton's own: see 'xla'")
-    from sparse_jax import normalizers
+    from sparse_jax.normalizers import alpha_entmax, exact
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton, "jnp", _TritonMinMax())  # the kernels
         patch.setattr(tilemath, "jnp", _TritonMinMax())  # the tile maths they call
-        patch.setattr(normalizers, "jnp", _TritonMinMax())  # the searches' terms
+        patch.setattr(exact, "jnp", _TritonMinMax())  # the searches' terms
+        patch.setattr(alpha_entmax, "jnp", _TritonMinMax())
         yield
 
 

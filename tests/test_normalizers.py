@@ -399,9 +399,9 @@ def test_bad_input_raises_a_clear_error(call, error, match):
     "n, expected", [(264, (24, 264)), (259, (24, 264)), (1024, (64, 1024)), (40, None)]
 )
 def test_cpu_row_sums_split_rows_into_short_columns(n, expected):
-    from sparse_jax import normalizers
+    from sparse_jax.normalizers import search
 
-    plan = normalizers._cpu_sum_width(n)
+    plan = search._cpu_sum_width(n)
     assert plan == expected
     if plan is not None:
         width, padded = plan
@@ -415,7 +415,7 @@ def _two_stage_shape(text: str, padded: int, width: int) -> bool:
 @pytest.mark.parametrize("n", [259, 264])
 @pytest.mark.parametrize("name", ["sparsemax", "entmax15", "entmax-1.3"])
 def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkeypatch):
-    from sparse_jax import normalizers
+    from sparse_jax.normalizers import search
 
     fn = {"sparsemax": sj.sparsemax, "entmax15": sj.entmax15}.get(name) or (
         lambda x: sj.entmax(x, 1.3)
@@ -427,7 +427,7 @@ def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkey
     def value_and_grad(x):
         return jax.value_and_grad(lambda x: jnp.sum(fn(x) * cotangent))(x), fn(x)
 
-    width, padded = normalizers._cpu_sum_width(n)
+    width, padded = search._cpu_sum_width(n)
     # The CPU program sums over [.., n'/w, w]; one lowered for a GPU keeps plain row sums.
     cpu_text = jax.jit(value_and_grad).lower(x).compile().as_text()
     gpu_text = jax.jit(value_and_grad).trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -435,7 +435,7 @@ def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkey
     assert not _two_stage_shape(gpu_text, padded, width)
 
     ((_, grad), p) = jax.jit(value_and_grad)(x)
-    monkeypatch.setattr(normalizers, "_cpu_sum_width", lambda n: None)
+    monkeypatch.setattr(search, "_cpu_sum_width", lambda n: None)
     plain = jax.jit(lambda x: value_and_grad(x))  # a new function: traced again, without the split
     assert not _two_stage_shape(plain.lower(x).compile().as_text(), padded, width)
     ((_, grad_plain), p_plain) = plain(x)
@@ -548,6 +548,7 @@ def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(nor
     sorting (1.5-entmax without ``smallest`` after its polishing step; with it, the search
     polishes where it must)."""
     from sparse_jax import normalizers as nz
+    from sparse_jax.normalizers import search
 
     for x in _hard_rows(1):
         if normalizer == "sparsemax":
@@ -563,9 +564,9 @@ def test_a_search_is_exact_and_done_in_the_pass_whose_support_holds_its_root(nor
         _, tau = _passes(state, z32)
         # The XLA engines' runner (its row minima in the CPU's two-stage row sums for n = 300:
         # the sums' order differs, so τ to rounding)
-        np.testing.assert_allclose(nz._run_search(z32, state)[0], tau, atol=2e-7)
+        np.testing.assert_allclose(search.run_search(z32, state)[0], tau, atol=2e-7)
         if normalizer == "entmax15" and not smallest:
-            tau = nz.entmax15_polish(tau, nz._row_sums(*nz.entmax15_polish_terms(z32, tau)))
+            tau = nz.entmax15_polish(tau, search.row_sums(*nz.entmax15_polish_terms(z32, tau)))
         np.testing.assert_allclose(tau, exact, atol=2e-6)
         passes, _ = _passes(search_of(jnp.asarray(exact, jnp.float32) - 1e-7, done), z32)
         # started at (just below) the threshold: one pass, or a confirming one (or two: an

@@ -1,0 +1,184 @@
+"""Argument checking and layout shared by the normalizers (package-internal).
+
+Every public function of :mod:`sparse_jax.normalizers` checks its arguments here before
+anything is traced (a wrong type, an empty normalized axis, a bad ``axis``, ``where`` or
+``alpha`` raise ``TypeError``/``ValueError`` naming the argument), and :func:`prepare` /
+:func:`finish` move the normalized axis last and back, computing in float32 (float64 stays
+float64).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# No API here: the names without an underscore are shared by the package's modules only.
+__all__: list[str] = []
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """float64 stays float64 (with x64 enabled); every other float computes in float32."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def check_scores(x, name: str, arg: str = "x") -> jax.Array:
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number, list, tuple)):
+        raise TypeError(f"{name}: `{arg}` must be a float array; got {type(x).__name__} {x!r:.60}.")
+    try:
+        x = jnp.asarray(x)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{name}: `{arg}` must be a float array; got {x!r:.60} ({error})."
+        ) from None
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{name}: `{arg}` must have a floating dtype (float32, float16, bfloat16, float64); "
+            f"got dtype {x.dtype}. Cast it first, e.g. `{arg}.astype(jnp.float32)`."
+        )
+    if x.ndim == 0:
+        raise ValueError(f"{name}: `{arg}` must have at least one dimension; got a scalar.")
+    return x
+
+
+def check_row_length(x, axis: int, name: str, arg: str = "x") -> None:
+    if x.shape[axis] == 0:
+        raise ValueError(
+            f"{name}: `{arg}` with shape {tuple(x.shape)} has an empty axis {axis}, the axis that "
+            "is normalized; a distribution needs at least one entry (an empty batch axis is fine)."
+        )
+
+
+def check_axis(axis, ndim: int, name: str) -> int:
+    if isinstance(axis, (bool, np.bool_)):
+        raise TypeError(f"{name}: `axis` must be an int; got {axis!r}.")
+    try:
+        index = operator.index(axis)  # python and numpy integers, 0-d integer arrays
+    except TypeError:
+        raise TypeError(
+            f"{name}: `axis` must be a static int; got {axis!r:.60} ({type(axis).__name__})."
+        ) from None
+    if not -ndim <= index < ndim:
+        raise ValueError(
+            f"{name}: `axis`={index} is out of range for an input with {ndim} dimension(s); "
+            f"allowed: {-ndim} <= axis < {ndim}."
+        )
+    return index % ndim
+
+
+def check_where(where, shape: tuple[int, ...], name: str, arg: str = "where") -> jax.Array | None:
+    if where is None:
+        return None
+    if not isinstance(where, (jax.Array, np.ndarray, np.generic, bool, list, tuple)):
+        raise TypeError(
+            f"{name}: `{arg}` must be None or a boolean array (True = allowed); got "
+            f"{type(where).__name__}."
+        )
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(
+            f"{name}: `{arg}` must be a boolean array (True = allowed); got dtype {where.dtype}."
+        )
+    try:
+        np.broadcast_shapes(where.shape, shape)
+    except ValueError:
+        raise ValueError(
+            f"{name}: `{arg}` with shape {where.shape} does not broadcast to the scores' shape "
+            f"{shape}."
+        ) from None
+    return where
+
+
+def is_concrete(a) -> bool:
+    return not isinstance(a, jax.core.Tracer)
+
+
+def check_alpha(alpha, row_batch_shape: tuple[int, ...], name: str, arg: str = "alpha"):
+    """Returns a python float for scalar α, or a float array broadcastable to the row batch.
+
+    α must be finite and > 1; an array α is checked when it is concrete (a traced α cannot be).
+    """
+    allowed = "a finite float > 1, or a float array of such α"
+    if isinstance(alpha, (bool, np.bool_)):
+        raise TypeError(f"{name}: `{arg}` must be {allowed}; got {alpha!r}.")
+    if isinstance(alpha, numbers.Real):
+        value = float(alpha)
+        if not (math.isfinite(value) and value > 1.0):
+            raise ValueError(
+                f"{name}: `{arg}` must be finite and > 1 (α -> 1 is softmax, use "
+                f"jax.nn.softmax; α -> inf puts all weight on the maximum); got alpha={value}."
+            )
+        return value
+    if not isinstance(alpha, (jax.Array, np.ndarray, list, tuple)):
+        raise TypeError(
+            f"{name}: `{arg}` must be {allowed}; got {type(alpha).__name__} {alpha!r:.60}."
+        )
+    try:
+        alpha = jnp.asarray(alpha)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: `{arg}` must be {allowed}; got {alpha!r:.60}.") from None
+    if not (jnp.issubdtype(alpha.dtype, jnp.floating) or jnp.issubdtype(alpha.dtype, jnp.integer)):
+        raise TypeError(f"{name}: `{arg}` must be a real number or array; got dtype {alpha.dtype}.")
+    if alpha.ndim > len(row_batch_shape) or _broadcasts(alpha.shape, row_batch_shape) is None:
+        raise ValueError(
+            f"{name}: `{arg}` with shape {alpha.shape} must broadcast to the scores' shape "
+            f"without the normalized axis, {row_batch_shape} (for example one α per head)."
+        )
+    if is_concrete(alpha):
+        values = np.asarray(alpha)
+        bad = ~(np.isfinite(values) & (values > 1.0))
+        if bad.any():
+            raise ValueError(
+                f"{name}: every `{arg}` must be finite and > 1; got {values[bad][:5]} "
+                "(a learned α is usually parametrised as 1 + softplus(θ) or 1 + sigmoid(θ))."
+            )
+    return alpha
+
+
+def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]):
+    try:
+        out = np.broadcast_shapes(a, b)
+    except ValueError:
+        return None
+    return out if tuple(out) == tuple(b) else None
+
+
+def prepare(x, axis, where, name):
+    """Checks arguments; returns (scores with the row last and masked entries -inf, axis, dtype).
+
+    Masked entries become -inf whatever they held (NaN included): they never matter.
+    """
+    x = check_scores(x, name)
+    axis = check_axis(axis, x.ndim, name)
+    check_row_length(x, axis, name)
+    where = check_where(where, x.shape, name)
+    in_dtype = x.dtype
+    x = x.astype(compute_dtype(in_dtype))
+    x = _finite_above(x)
+    if where is not None:
+        x = jnp.where(where, x, -jnp.inf)
+    return jnp.moveaxis(x, axis, -1), axis, in_dtype
+
+
+@jax.custom_jvp
+def _finite_above(x):
+    """+inf -> the largest finite float (the policy for +inf: see search.shift_to_zero_max).
+
+    Done here, where x is formed anyway, with an identity derivative: as a plain jnp.minimum
+    in the row kernels, or differentiated (a saved mask and a select in the backward pass), it
+    slowed whole attention measurably.
+    """
+    return jnp.minimum(x, jnp.finfo(x.dtype).max)
+
+
+@_finite_above.defjvp
+def _finite_above_jvp(primals, tangents):
+    return _finite_above(primals[0]), tangents[0]
+
+
+def finish(p, axis, dtype):
+    return jnp.moveaxis(p, -1, axis).astype(dtype)
