@@ -28,6 +28,7 @@ from experiments.common.flags import (
     int_at_least,
     set_ints_at_least,
 )
+from experiments.common.run_folder import COT, check_folder
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig
@@ -38,7 +39,9 @@ __all__ = [
     "DESCRIPTION",
     "MODELS",
     "PRESETS",
+    "PROG",
     "SIZES",
+    "SUBCOMMANDS",
     "AllCommand",
     "AskCommand",
     "Command",
@@ -304,15 +307,14 @@ class TrainCommand:
                 f"--train.batch-size {self.train.batch_size} is more than the --data.train "
                 f"{self.data.train} problems"
             )
-        if (
-            self.run.dir is not None
-            and not self.run.resume
-            and (pathlib.Path(self.run.dir) / cot.RECORD).exists()
-        ):
-            raise ValueError(
-                f"--run.dir {str(self.run.dir)!r} already holds a run; continue it with "
-                "--run.resume or pass another --run.dir"
-            )
+        self.check_run_dir()
+
+    def check_run_dir(self) -> None:
+        """Refuses a --run.dir this command cannot use (reads only; run_folder.check_folder: a
+        fresh start refuses a folder that holds a run, --run.resume one that holds no
+        chain-of-thought run). Training checks it again before it writes."""
+        if self.run.dir is not None:
+            check_folder(self.run.dir, COT, resume=self.run.resume)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +350,10 @@ class SeedsCommand(TrainCommand):
             raise ValueError(
                 f"--run.seed {self.run.seed}: the seeds command takes its seeds from --seeds"
             )
+
+    def check_run_dir(self) -> None:
+        """Refuses a --run.dir that holds seeds' runs without --run.resume (each seed's folder
+        is checked when it trains)."""
         if self.run.dir is not None and not self.run.resume:
             held = sorted(p.name for p in pathlib.Path(self.run.dir).glob("seed-*"))
             if held:
@@ -470,6 +476,16 @@ def _preset(argv: list[str]) -> str:
 Command = Union[  # noqa: UP007
     AllCommand, TrainCommand, EvalCommand, AskCommand, SeedsCommand, RolesCommand
 ]
+PROG = "python -m experiments.cot"
+# The subcommands, in the order --help lists them (the first is the default).
+SUBCOMMANDS: dict[str, type] = {
+    "all": AllCommand,
+    "train": TrainCommand,
+    "eval": EvalCommand,
+    "ask": AskCommand,
+    "seeds": SeedsCommand,
+    "roles": RolesCommand,
+}
 
 
 def parse(argv: list[str] | None = None) -> Command:
@@ -483,12 +499,21 @@ def parse(argv: list[str] | None = None) -> Command:
     fields = dataclasses.fields(TrainCommand)
     train_base = TrainCommand(**{f.name: getattr(base, f.name) for f in fields})
     seeds_base = SeedsCommand(**{f.name: getattr(base, f.name) for f in fields}, eval=base.eval)
+    defaults = {"all": base, "train": train_base, "seeds": seeds_base}
+    if argv[0] in SUBCOMMANDS:
+        # The subcommand's own flags, parsed as the other programs' are: a bad flag's message
+        # names its group (under a union of subcommands tyro names its own wrapper instead).
+        return tyro.cli(
+            SUBCOMMANDS[argv[0]],
+            args=argv[1:],
+            default=defaults.get(argv[0]),
+            prog=f"{PROG} {argv[0]}",
+        )
     spec = Union[  # noqa: UP007
-        Annotated[AllCommand, tyro.conf.subcommand("all", default=base)],
-        Annotated[TrainCommand, tyro.conf.subcommand("train", default=train_base)],
-        Annotated[EvalCommand, tyro.conf.subcommand("eval")],
-        Annotated[AskCommand, tyro.conf.subcommand("ask")],
-        Annotated[SeedsCommand, tyro.conf.subcommand("seeds", default=seeds_base)],
-        Annotated[RolesCommand, tyro.conf.subcommand("roles")],
+        tuple(
+            Annotated[command, tyro.conf.subcommand(name, default=defaults.get(name))]
+            for name, command in SUBCOMMANDS.items()
+        )
     ]
-    return tyro.cli(spec, args=argv, description=DESCRIPTION)
+    # The list of subcommands (--help), or an unknown one (tyro says which exist).
+    return tyro.cli(spec, args=argv, prog=PROG, description=DESCRIPTION)

@@ -20,8 +20,16 @@ from flax import nnx
 
 from experiments.common import stats
 from experiments.common.files import write_text_atomically
-from experiments.common.flags import check_resume
 from experiments.common.phase import train_phase
+from experiments.common.run_folder import (
+    COT,
+    RECORD,
+    check_folder,
+    check_same_flags,
+    check_writable,
+    clear_failed_start,
+    with_program,
+)
 from experiments.cot.config import BEFORE_NEWER_FLAGS, MODELS, Data, Eval, TrainCommand
 from experiments.cot.report import kind_figures, write_report
 from sparse_jax import cot
@@ -38,7 +46,10 @@ def log(msg: str) -> None:
 
 
 def prepare_data(data: Data, cache_dir: pathlib.Path):
+    """The splits ``data`` describes, generated once into ``cache_dir`` (--run.cache-dir; a
+    folder that cannot be written is refused by name first)."""
     cache = pathlib.Path(cache_dir).expanduser()
+    check_writable(cache, "--run.cache-dir")
     return linalg_cot.prepare(
         cache / "tfds",
         train=data.train,
@@ -105,21 +116,24 @@ def train(
     training early with checkpoints (:class:`experiments.common.phase.RunStopped`)."""
     started = time.perf_counter()
     folder = pathlib.Path(cfg.run.dir or pathlib.Path("runs") / time.strftime("cot-%Y%m%d-%H%M%S"))
+    # The run folder, before any data or model work (experiments.common.run_folder).
+    saved = check_folder(folder, COT, resume=cfg.run.resume)
+    if saved is not None:
+        # The flags that decide the format, the models and their updates must match
+        # (flags.CHECKPOINT_FLAGS); the evaluation's may change.
+        # (A run older than a flag ran it as BEFORE_NEWER_FLAGS says.)
+        check_same_flags(cfg, folder, COT, defaults=BEFORE_NEWER_FLAGS)
+    check_writable(folder, "--run.dir")
     data = prepare_data(cfg.data, cfg.run.cache_dir)
     splits = (data.train, data.validation, data.test)
     problems = [list(s) for s in splits]
     fmt = cot.fit_format([p for split in problems for p in split], numbers=cfg.model.numbers)
     configs = _configs(cfg)
-    if cfg.run.resume:
-        cot.read_record(folder)  # a chain-of-thought run folder, else an error that says so
-        # The flags that decide the format, the models and their updates must match
-        # (flags.CHECKPOINT_FLAGS); the evaluation's may change.
-        # (A run older than a flag ran it as BEFORE_NEWER_FLAGS says.)
-        check_resume(cfg, folder, kind="chain-of-thought", defaults=BEFORE_NEWER_FLAGS)
+    if saved is None:
+        clear_failed_start(folder, log)
     folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(
-        folder / "config.json", json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n"
-    )
+    record = with_program(dataclasses.asdict(cfg), COT.name)
+    write_text_atomically(folder / RECORD, json.dumps(record, default=str, indent=2) + "\n")
     cot.write_record(folder, fmt, configs, kinds=cfg.data.kinds)
     # A cell of under 5% of the problems saves less time than its compilation costs.
     buckets = cot.length_buckets(

@@ -40,7 +40,9 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
     evaluated at a seed is read back, one whose training stopped continues from its checkpoint."""
     stamp = time.strftime("cot-seeds-%Y%m%d-%H%M%S")
     top = pathlib.Path(cmd.run.dir or pathlib.Path("runs") / stamp)
-    base = TrainCommand(**{f.name: getattr(cmd, f.name) for f in dataclasses.fields(TrainCommand)})
+    # Each seed's command, without a run folder yet (each seed's is checked as it is set below).
+    fields = {f.name: getattr(cmd, f.name) for f in dataclasses.fields(TrainCommand)}
+    base = TrainCommand(**{**fields, "run": dataclasses.replace(cmd.run, dir=None, resume=False)})
     data = prepare_data(cmd.data, cmd.run.cache_dir)
     test = list(data.test)
     rows = []
