@@ -572,7 +572,8 @@ FINISHED = (RUN_DIR / "summary.json").is_file()
 if (RUN_DIR / "config.json").is_file() and not FINISHED:
     args.append("--resume")
 config = distill.parse(args)
-print("the same run from a shell:", distill.command(config, resume="--resume" in args, run_dir=RUN_DIR))""",
+shell = distill.command(config, resume="--resume" in args, run_dir=RUN_DIR)
+print("the same run from a shell:", shell)""",
     ),
     (
         "md",
