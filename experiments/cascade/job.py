@@ -195,7 +195,7 @@ def _run(cfg: CascadeExperiment, stop: StopRequest) -> dict:
         # Only flags.CHECKPOINT_FLAGS must match: --sweep and --run.eval-batches may change.
         check_same_flags(cfg, folder, CASCADE)
     check_writable(folder, "--run.dir")
-    check_writable(cache, "--run.cache-dir")
+    check_writable(cache, "--run.cache-dir", existing_may_be_read_only=True)
     data = text.prepare(cfg.data.source, "byte", cfg.data.seq_len, data_dir=cache / "tfds")
     n_eval = min(len(data.eval), cfg.run.eval_batches * cfg.data.batch_size)
     if n_eval < 1:

@@ -289,12 +289,15 @@ def check_same_flags(
         raise RunFolderError(str(err)) from err
 
 
-def check_writable(path: str | os.PathLike, flag: str) -> None:
+def check_writable(path: str | os.PathLike, flag: str, *, existing_may_be_read_only=False) -> None:
     """Refuses (:class:`RunFolderError` naming ``flag`` and ``path``) a folder that cannot be
     created or written: a read-only filesystem or folder, a path that is a file or lies under
     one. Tries it: the folders it had to make and its test file are removed again, so a refusal
-    found later leaves nothing behind."""
+    found later leaves nothing behind. ``existing_may_be_read_only``: a folder that exists
+    passes untried (a data cache shared read-only may hold everything a run reads)."""
     path = pathlib.Path(path)
+    if existing_may_be_read_only and path.is_dir():
+        return
     made: list[pathlib.Path] = []
     try:
         missing, above = [], path

@@ -49,7 +49,7 @@ def prepare_data(data: Data, cache_dir: pathlib.Path):
     """The splits ``data`` describes, generated once into ``cache_dir`` (--run.cache-dir; a
     folder that cannot be written is refused by name first)."""
     cache = pathlib.Path(cache_dir).expanduser()
-    check_writable(cache, "--run.cache-dir")
+    check_writable(cache, "--run.cache-dir", existing_may_be_read_only=True)
     return linalg_cot.prepare(
         cache / "tfds",
         train=data.train,

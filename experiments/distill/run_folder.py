@@ -206,7 +206,7 @@ class Run:
         saved = run_folder.check_folder(self.dir, self.program(), resume=self.config.resume)
         if self.primary:  # the one that writes them
             check_writable(self.dir, "--run.dir")
-            check_writable(self.cache, "--run.cache-dir")
+            check_writable(self.cache, "--run.cache-dir", existing_may_be_read_only=True)
         return saved
 
     def program(self) -> Program:
