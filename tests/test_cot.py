@@ -891,10 +891,11 @@ def test_seeds_trains_each_model_at_each_seed_and_resumes(tmp_path, capsys):
     assert json.loads((top / "seeds.json").read_text()) == json.loads(json.dumps(summary))
     # A second call on the folder is refused without --run.resume; with it, what was evaluated
     # is read back and a missing evaluation is made again, training nothing.
-    with pytest.raises(SystemExit):
-        experiment.parse(["seeds", "--seeds", "3", "0", *flags])
-    printed = " ".join(capsys.readouterr().err.replace("│", " ").split())
-    assert "already holds runs (seed-0, seed-3)" in printed
+    with pytest.raises(SystemExit) as refused:
+        experiment.main(["seeds", "--seeds", "3", "0", *flags])
+    assert refused.value.code == 2
+    printed = capsys.readouterr().err
+    assert "already holds runs (seed-0, seed-3)" in printed and len(printed.splitlines()) == 1
     lines = {s: (top / f"seed-{s}" / "metrics.jsonl").read_text() for s in (0, 3)}
     (top / "seed-3" / "eval-dense.json").unlink()
     again = experiment.run(experiment.parse(["seeds", "--seeds", "3", "0", *flags, "--run.resume"]))

@@ -28,7 +28,6 @@ from experiments.common.flags import (
     int_at_least,
     set_ints_at_least,
 )
-from experiments.common.run_folder import COT, check_folder
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig
@@ -307,14 +306,6 @@ class TrainCommand:
                 f"--train.batch-size {self.train.batch_size} is more than the --data.train "
                 f"{self.data.train} problems"
             )
-        self.check_run_dir()
-
-    def check_run_dir(self) -> None:
-        """Refuses a --run.dir this command cannot use (reads only; run_folder.check_folder: a
-        fresh start refuses a folder that holds a run, --run.resume one that holds no
-        chain-of-thought run). Training checks it again before it writes."""
-        if self.run.dir is not None:
-            check_folder(self.run.dir, COT, resume=self.run.resume)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,17 +341,6 @@ class SeedsCommand(TrainCommand):
             raise ValueError(
                 f"--run.seed {self.run.seed}: the seeds command takes its seeds from --seeds"
             )
-
-    def check_run_dir(self) -> None:
-        """Refuses a --run.dir that holds seeds' runs without --run.resume (each seed's folder
-        is checked when it trains)."""
-        if self.run.dir is not None and not self.run.resume:
-            held = sorted(p.name for p in pathlib.Path(self.run.dir).glob("seed-*"))
-            if held:
-                raise ValueError(
-                    f"--run.dir {str(self.run.dir)!r} already holds runs ({', '.join(held)}); "
-                    "continue them with --run.resume or pass another --run.dir"
-                )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import numpy as np
 from experiments.common import stats
 from experiments.common.files import write_text_atomically
 from experiments.common.phase import RunStopped
+from experiments.common.run_folder import RunFolderError
 from experiments.cot.config import MODELS, SeedsCommand, TrainCommand
 from experiments.cot.report import (
     DIVERGENCES_TEXT,
@@ -40,6 +41,12 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
     evaluated at a seed is read back, one whose training stopped continues from its checkpoint."""
     stamp = time.strftime("cot-seeds-%Y%m%d-%H%M%S")
     top = pathlib.Path(cmd.run.dir or pathlib.Path("runs") / stamp)
+    held = sorted(p.name for p in top.glob("seed-*"))
+    if held and not cmd.run.resume:
+        raise RunFolderError(
+            f"--run.dir {str(top)!r} already holds runs ({', '.join(held)}); continue them "
+            "with --run.resume or pass another --run.dir"
+        )
     # Each seed's command, without a run folder yet (each seed's is checked as it is set below).
     fields = {f.name: getattr(cmd, f.name) for f in dataclasses.fields(TrainCommand)}
     base = TrainCommand(**{**fields, "run": dataclasses.replace(cmd.run, dir=None, resume=False)})
