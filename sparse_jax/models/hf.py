@@ -165,8 +165,9 @@ def from_pretrained(
       FileNotFoundError: missing folder or files (the message lists them).
       PretrainedFileError: (a ``ValueError``) ``config.json`` is not valid JSON, lacks a key
         or holds a value of the wrong type; ``model.safetensors`` is empty, truncated, not a
-        safetensors file, or holds tensors that do not fit ``config.json``. The message names
-        the file, what is wrong and what to do.
+        safetensors file, or holds tensors that do not fit ``config.json``, or a tensor holds
+        NaN/inf or implausibly large entries (bytes overwritten). The message names the file,
+        the tensor, what is wrong and what to do.
       ValueError: a pickled checkpoint only (refused).
 
     Example (a round trip through a folder: see :func:`save_pretrained`):
@@ -345,7 +346,27 @@ def _assign(model, tensors: dict[str, np.ndarray], folder) -> None:
                 f"tensor {name!r} has shape {tuple(value.shape)}; config.json needs {shape}",
                 "Pass a folder whose config.json and model.safetensors belong together.",
             )
-        _variable(model, name)[...] = np.asarray(value, np.float32)
+        value = np.asarray(value, np.float32)
+        _check_values(weights_file, name, value)
+        _variable(model, name)[...] = value
+
+
+# No trained GPT-2 weight comes near this; bytes overwritten by junk decode to far larger
+# numbers (or NaN/inf) almost always.
+_MAX_WEIGHT = 1e6
+
+
+def _check_values(weights_file: pathlib.Path, name: str, value: np.ndarray) -> None:
+    """Refuses a tensor holding NaN/inf or entries beyond ``_MAX_WEIGHT`` (one pass)."""
+    largest = float(np.max(np.abs(value))) if value.size else 0.0
+    if largest <= _MAX_WEIGHT:  # False for NaN too
+        return
+    if np.isfinite(largest):
+        what = f"entries as large as {largest:.3g} (beyond {_MAX_WEIGHT:g}, no trained weight's)"
+    else:
+        bad = int(np.count_nonzero(~np.isfinite(value)))
+        what = f"{bad} NaN or infinite entries of {value.size}"
+    raise PretrainedFileError(weights_file, f"tensor {name!r} holds {what}: the file is damaged")
 
 
 def save_pretrained(
