@@ -350,8 +350,10 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
         allowed = jnp.transpose(allowed, (0, 1, 3, 2, 4))[None, :, None]
         if mask is not None:  # run-time part: evaluate the predicate on the gathered positions
             # Absolute positions: queries [step, bq], gathered keys [H, step, K, bkv].
-            q_pos = rows[:, None] * p_.bq + jnp.arange(p_.bq, dtype=jnp.int32)
-            kv_pos = idx[..., None] * p_.bkv + jnp.arange(p_.bkv, dtype=jnp.int32)
+            q_pos = rows[:, None] * p_.bq + jnp.arange(p_.bq, dtype=jnp.int32)[None, :]
+            kv_pos = idx[..., None] * p_.bkv + jnp.arange(p_.bkv, dtype=jnp.int32).reshape(
+                1, 1, 1, p_.bkv
+            )
             h = idx.shape[0]
             live = mask.predicate(
                 q_pos[None, None, :, :, None, None],

@@ -274,6 +274,14 @@ class Mask:
             batch = xp.arange(self.batch_size).reshape((self.batch_size,) + (1,) * nd)
             shapes.append(batch.shape)
         shape = np.broadcast_shapes(*shapes)
+        # Every index array at the result's rank, so that the leaves combine arrays of equal
+        # rank (jax's rank promotion may be set to "raise"); scalars broadcast freely.
+        q, kv, head, batch = (
+            x
+            if x is None or x.ndim in (0, len(shape))
+            else x.reshape((1,) * (len(shape) - x.ndim) + x.shape)
+            for x in (q, kv, head, batch)
+        )
         if xp is np:
             with np.errstate(over="ignore"):
                 value = self._eval(q, kv, head, batch, np)
