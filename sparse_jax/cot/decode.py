@@ -9,13 +9,14 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from sparse_jax.cot.batches import loss_fn
@@ -28,7 +29,7 @@ from sparse_jax.cot.format import (
     encode_question,
     round_up,
 )
-from sparse_jax.cot.record import read_record
+from sparse_jax.cot.record import RECORD, generator_of, inside, read_record
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
 from sparse_jax.training.checkpoint import Checkpointer
@@ -174,6 +175,152 @@ def _refusal(why: str, kind: str | None = None) -> Answer:
     return Answer(text=text, final=None, steps=(), seconds=0.0, kind=kind, error=why)
 
 
+def _from_record(cls, fields: Mapping[str, Any], path: Path, field: str):
+    """``cls(**fields)``, a ``ValueError`` naming the record's file and field when refused."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"Solver.load: {path}: `{field}` is not a {cls.__name__}: {err}") from None
+
+
+def _check_links(folder: Path, directory: Path, field: str) -> None:
+    """Refuses a symbolic link under ``directory`` that leads outside the run ``folder``."""
+    root = folder.resolve()
+    for parent, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            entry = Path(parent) / name
+            if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+                raise ValueError(
+                    f"{field}: {entry} is a link to {entry.resolve()}, outside the run folder "
+                    f"{root}: refused (a run folder only names files inside itself)"
+                )
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """``{"encoder/0/attn/q/kernel": shape}`` of a state's arrays (``value`` wrappers dropped)."""
+    out = {}
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        names = [_key_name(k) for k in keys]
+        out["/".join(n for n in names if n != "value")] = tuple(getattr(leaf, "shape", ()))
+    return out
+
+
+def _model_shapes(config: EncDecConfig) -> dict[str, tuple[int, ...]]:
+    abstract = nnx.eval_shape(lambda: EncoderDecoder(config, rngs=nnx.Rngs(0)))
+    return _shapes(nnx.state(abstract))
+
+
+def _saved_shapes(step_dir: Path) -> dict[str, tuple[int, ...]] | None:
+    """The model state's shapes in a checkpoint's metadata (None: it cannot be read)."""
+    try:
+        with ocp.StandardCheckpointer() as reader:
+            meta = reader.metadata(step_dir / "state")  # the Checkpointer's state item
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        return {**_shapes(tree["params"]), **_shapes(tree["rest"])}  # Trainer.state's split
+    except Exception:  # unreadable: Checkpointer.restore skips it with a warning
+        return None
+
+
+def _check_shapes(
+    net: EncoderDecoder, config: EncDecConfig, directory: Path, steps, path: Path, field: str
+) -> None:
+    """Raises ``ValueError`` naming ``field``'s size that disagrees with the newest readable
+    checkpoint's parameter shapes (before Orbax would refuse them without saying why)."""
+    for step in reversed(steps):
+        saved = _saved_shapes(directory / str(step))
+        if saved is not None:
+            break
+    else:
+        return
+    want = _shapes(nnx.state(net))
+    where = f"Solver.load: {path}:"
+    missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    if missing or extra:
+        raise ValueError(
+            f"{where} `{field}` does not describe the model of checkpoint "
+            f"{directory / str(step)}: the config has parameters it lacks {missing[:4]}, it has "
+            f"parameters the config lacks {extra[:4]} (a changed number of layers or steps?)"
+        )
+    wrong = [(k, want[k], saved[k]) for k in want if want[k] != saved[k]]
+    if not wrong:
+        return
+    name, config_shape, saved_shape = wrong[0]
+    culprits = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if type(value) is not int or f.name == "seed":
+            continue
+        tried = {s for k, w, got in wrong for c, s in zip(w, got, strict=False) if c == value != s}
+        for size in sorted(tried):
+            try:
+                other = dataclasses.replace(config, **{f.name: size})
+            except (TypeError, ValueError):
+                continue
+            if _model_shapes(other) == saved:
+                culprits.append((f.name, value, size))
+    shapes = (
+        f"parameter {name} has shape {saved_shape} in checkpoint {directory / str(step)} and "
+        f"{config_shape} under the record's config ({len(wrong)} parameters differ)"
+    )
+    if culprits:
+        f_name, value, size = culprits[0]
+        raise ValueError(
+            f"{where} `{field}.{f_name}`={value} does not match the checkpoint, trained with "
+            f"{f_name}={size}: {shapes}"
+        )
+    raise ValueError(f"{where} `{field}` does not match the checkpoint: {shapes}")
+
+
+def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> str | None:
+    """Why question ``q`` is beyond the problems ``gen`` makes (None: it is not)."""
+    trained = f"this model was trained on {q.kind} questions"
+    entries: list[Any] = []
+    if q.kind in ("rref", "nullspace", "column_space", "elimination"):
+        matrix = q.R if q.kind == "elimination" else q.A
+        rows, cols = len(matrix), len(matrix[0]) if matrix else 0
+        if q.kind == "rref" and q.block is not None:
+            if gen.block_rate == 0:
+                return f"{trained} without block matrices; this one asks about one"
+            rows, cols = rows * len(q.block), cols * len(q.block[0])
+        limit = getattr(gen, f"{q.kind}_shape")
+        if rows > limit[0] or cols > limit[1]:
+            return (
+                f"{trained} of matrices up to {limit[0]} x {limit[1]}; this one is {rows} x {cols}"
+            )
+        if q.kind == "elimination" and len(q.operations) > gen.elimination_ops:
+            return (
+                f"{trained} of up to {gen.elimination_ops} elimination steps; this one has "
+                f"{len(q.operations)}"
+            )
+        if q.kind != "elimination":
+            entries = [x for row in q.A for x in row] + list(q.b or ())
+    elif q.kind == "solvability":
+        if max(q.rows, q.cols) > gen.solvability_dim:
+            return (
+                f"{trained} of m and n up to {gen.solvability_dim}; this one has m = {q.rows}, "
+                f"n = {q.cols}"
+            )
+    elif q.kind == "complete_solution":
+        if len(q.x_p) != gen.unknowns:
+            return f"{trained} of {gen.unknowns} unknowns; this one has {len(q.x_p)}"
+        entries = list(q.x_p) + [x for s in q.special for x in s]
+    largest = max((abs(x) for x in entries), default=0)
+    if largest > gen.max_entry:
+        return (
+            f"{trained} of entries up to {gen.max_entry} in size; this one has "
+            f"{linalg_cot.format_number(largest)}"
+        )
+    return None
+
+
 class Solver:
     """Answers linear-algebra questions with a trained encoder–decoder (greedy decoding; never
     :func:`~sparse_jax.data.linalg_cot.solve`).
@@ -188,7 +335,11 @@ class Solver:
       name: a label (e.g. ``"sparse"``).
       batch_size: questions decoded together by :meth:`answer_batch`.
       chunk: positions per compiled decoding call (:class:`GreedyDecoder`).
-      kinds: the kinds it was trained on (informative; None: unknown).
+      kinds: the kinds it was trained on: a question of another kind is not decoded, its
+        answer says why (None: unknown, every kind is decoded).
+      generator: the sizes of the problems it was trained on (the training data's
+        ``GeneratorConfig``): a question beyond them (a larger matrix, larger entries, more
+        unknowns...) is not decoded, its answer says why (None: unknown, not checked).
       step: the training step its weights are from (None: unknown).
 
     Example (an untrained tiny model; a question that fits ``fmt`` is decoded, compiling the
@@ -214,6 +365,7 @@ class Solver:
         batch_size: int = 32,
         chunk: int = 32,
         kinds: Sequence[str] | None = None,
+        generator: linalg_cot.GeneratorConfig | None = None,
         step: int | None = None,
     ):
         if not isinstance(fmt, CotFormat):
@@ -227,7 +379,19 @@ class Solver:
                 f"(numbers={fmt.numbers}) writes {fmt.vocab_size}: pass the format it was "
                 "trained with"
             )
+        if kinds is not None and (
+            isinstance(kinds, str) or not set(kinds) <= set(linalg_cot.KINDS) or not kinds
+        ):
+            raise ValueError(
+                f"Solver: `kinds` must be None or kinds of {list(linalg_cot.KINDS)}; got {kinds!r}"
+            )
+        if generator is not None and not isinstance(generator, linalg_cot.GeneratorConfig):
+            raise TypeError(
+                f"Solver: `generator` must be a GeneratorConfig or None; got "
+                f"{type(generator).__name__}"
+            )
         self.kinds = None if kinds is None else tuple(kinds)
+        self.generator = generator
         self.step = step
         self._stats_fn = self._next_fn = None
 
@@ -244,28 +408,40 @@ class Solver:
         chunk: int = 32,
     ) -> Solver:
         """The ``model`` (``"sparse"`` or ``"dense"``) that ``python -m experiments.cot``
-        trained in ``run_folder``, restored from its Orbax checkpoint.
+        trained in ``run_folder``, restored from its Orbax checkpoint, with the kinds and sizes
+        of questions it was trained on (:data:`RECORD`; questions beyond them are refused).
+
+        A run folder may come from elsewhere: every path read from it must resolve inside it
+        (symbolic links included), and what it holds is checked before it is used. A
+        checkpoint that cannot be read is skipped for the newest readable earlier one, with a
+        :class:`~sparse_jax.training.checkpoint.CorruptCheckpointWarning` naming it (the
+        training's own mechanism: the unreadable one is moved aside to ``<step>.corrupt``).
 
         Raises:
           FileNotFoundError: the folder has no :data:`RECORD` (not a run folder) or no
             checkpoint of that model (it was never trained).
-          ValueError: ``model`` is not one of the run's models, or its latest checkpoint is
+          ValueError: ``model`` is not one of the run's models; its latest checkpoint is
             from before the end of its training (``partial=True`` loads it anyway; not while
-            that training runs: opening its checkpoints removes unfinished writes).
+            that training runs: opening its checkpoints removes unfinished writes);
+            :data:`RECORD` cannot be read (naming the file and what is wrong), names a path
+            outside the folder, or describes a model whose parameter shapes differ from the
+            checkpoint's (naming the field and both shapes).
         """
         partial = check_bool(partial, "partial", "Solver.load")
         folder = Path(run_folder)
         record = read_record(folder)
+        path = folder / RECORD
         if model not in record["models"]:
             raise ValueError(
                 f"Solver.load: `model`={model!r} is not a model of {folder}; allowed: "
                 f"{sorted(record['models'])}"
             )
-        entry = record["models"][model]
-        config = EncDecConfig(**entry["model"])
-        train = TrainConfig(**entry["train"])
-        fmt = CotFormat(**record["format"])
-        directory = folder / entry["checkpoint"]
+        entry, field = record["models"][model], f"models.{model}"
+        config = _from_record(EncDecConfig, entry["model"], path, f"{field}.model")
+        train = _from_record(TrainConfig, entry["train"], path, f"{field}.train")
+        fmt = CotFormat(**record["format"])  # checked by read_record
+        generator = generator_of(record)  # checked by read_record
+        directory = inside(folder, entry["checkpoint"], f"Solver.load: {path}: {field}.checkpoint")
         steps = (
             sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
             if directory.is_dir()
@@ -277,25 +453,22 @@ class Solver:
                 f"has not been trained (python -m experiments.cot train --run.dir {folder}, "
                 "with --run.resume to continue a run)"
             )
-
-        def unfinished(step: int) -> ValueError:
-            return ValueError(
-                f"Solver.load: the {model!r} model of {folder} is trained to step {step} of "
-                f"{train.steps} only (an interrupted run: continue it with python -m "
-                f"experiments.cot train --run.dir {folder} --run.resume, or pass partial=True)"
-            )
+        _check_links(folder, directory, f"Solver.load: {path}: {field}.checkpoint")
 
         # Checked before the checkpoints are opened (opening them clears unfinished writes,
         # which may be a running training's).
         if steps[-1] < train.steps and not partial:
-            raise unfinished(steps[-1])
+            raise ValueError(
+                f"Solver.load: the {model!r} model of {folder} is trained to step {steps[-1]} "
+                f"of {train.steps} only (an interrupted run: continue it with python -m "
+                f"experiments.cot train --run.dir {folder} --run.resume, or pass partial=True)"
+            )
         net = EncoderDecoder(config, rngs=nnx.Rngs(0))
+        _check_shapes(net, config, directory, steps, path, f"{field}.model")
         loss = functools.partial(loss_fn, source_len=fmt.source_len)
         with Checkpointer(directory, save_every=max(train.steps, 1)) as ckpt:
             trainer = Trainer(net, loss, train, checkpointer=ckpt)
-            trainer.restore()  # the latest readable checkpoint
-        if trainer.step < train.steps and not partial:
-            raise unfinished(trainer.step)
+            trainer.restore()  # the latest readable checkpoint (the others: a warning)
         return cls(
             trainer.sync_model(),
             fmt,
@@ -303,6 +476,7 @@ class Solver:
             batch_size=batch_size,
             chunk=chunk,
             kinds=record.get("kinds"),
+            generator=generator,
             step=trainer.step,
         )
 
@@ -316,9 +490,19 @@ class Solver:
         if not text:
             return None, _refusal("could not parse the question: it is empty")
         try:
-            kind = linalg_cot.parse_question(text).kind
+            parsed = linalg_cot.parse_question(text)
         except ValueError as err:
             return None, _refusal(str(err))
+        kind = parsed.kind
+        if self.kinds is not None and kind not in self.kinds:
+            why = (
+                f"this model was trained on {', '.join(self.kinds)} questions only; this is "
+                f"a {kind} question"
+            )
+            return None, _refusal(why, kind)
+        why = None if self.generator is None else _beyond(parsed, self.generator)
+        if why is not None:
+            return None, _refusal(why, kind)
         ids = encode_question(text, self.fmt)
         if ids.size > self.fmt.source_len:
             why = (

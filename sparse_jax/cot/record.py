@@ -1,6 +1,10 @@
-"""The run folder's record, :data:`RECORD` (``cot.json``): the format and, per model, its
-configs and checkpoint folder, what :meth:`~sparse_jax.cot.Solver.load` reads
-(:func:`write_record`, :func:`read_record`).
+"""The run folder's record, :data:`RECORD` (``cot.json``): the format, the question kinds and
+sizes trained on and, per model, its configs and checkpoint folder, what
+:meth:`~sparse_jax.cot.Solver.load` reads (:func:`write_record`, :func:`read_record`).
+
+A run folder is data a user may have downloaded: every path it names is resolved inside it
+(:func:`inside`), and a record that cannot be read is a ``ValueError`` naming the file and
+what is wrong.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from sparse_jax.cot.format import BOS_ID, EOS_ID, PAD_ID, CotFormat
+from sparse_jax.data.linalg_cot import KINDS, GeneratorConfig
 from sparse_jax.models.encdec import EncDecConfig
 
-__all__ = ["RECORD", "read_record", "write_record"]
+__all__ = ["RECORD", "generator_of", "inside", "read_record", "write_record"]
 
 RECORD = "cot.json"  # the run folder's file that Solver.load reads (format, model configs)
 
@@ -26,10 +31,13 @@ def write_record(
     models: Mapping[str, tuple[EncDecConfig, Any]],
     *,
     kinds: Sequence[str] | None = None,
+    generator: GeneratorConfig | None = None,
 ) -> Path:
-    """Writes ``folder/cot.json``: the format, and per model name its ``EncDecConfig``, its
-    ``TrainConfig`` and checkpoint folder (``checkpoints/<name>``), what :meth:`Solver.load`
-    needs. Written atomically (a temporary file, then a rename); returns its path.
+    """Writes ``folder/cot.json``: the format, the kinds trained on, the problem sizes (the
+    ``GeneratorConfig`` of the training data, None: unknown), and per model name its
+    ``EncDecConfig``, its ``TrainConfig`` and checkpoint folder (``checkpoints/<name>``), what
+    :meth:`Solver.load` needs. Written atomically (a temporary file, then a rename); returns
+    its path.
 
     Example (the record of a run with a sparse model and its dense baseline):
       >>> import tempfile
@@ -46,6 +54,11 @@ def write_record(
     """
     if not isinstance(fmt, CotFormat):
         raise TypeError(f"write_record: `fmt` must be a CotFormat; got {type(fmt).__name__}")
+    if generator is not None and not isinstance(generator, GeneratorConfig):
+        raise TypeError(
+            f"write_record: `generator` must be a GeneratorConfig or None; got "
+            f"{type(generator).__name__}"
+        )
     entries = {}
     for name, (config, train) in models.items():
         if not isinstance(config, EncDecConfig):
@@ -59,6 +72,7 @@ def write_record(
         "format": dataclasses.asdict(fmt),
         "models": entries,
         "kinds": None if kinds is None else list(kinds),
+        "generator": None if generator is None else dataclasses.asdict(generator),
         "tokens": {"bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID, "vocab_size": fmt.vocab_size},
     }
     path = Path(folder) / RECORD
@@ -101,16 +115,104 @@ def read_record(folder: str | os.PathLike) -> dict[str, Any]:
             f"{folder} is not a chain-of-thought run folder: it has no {RECORD} (python -m "
             f"experiments.cot train --run.dir {folder} makes one)"
         )
+    inside(folder, RECORD, f"{path}")
     try:
-        record = json.loads(path.read_text())
-        tokens = record["tokens"]
-        if (tokens["bos"], tokens["eos"], tokens["pad"]) != (BOS_ID, EOS_ID, PAD_ID):
-            raise ValueError(f"its special tokens {tokens} are not this version's")
-        for name, entry in record["models"].items():
-            missing = {"model", "train", "checkpoint"} - set(entry)
-            if missing:
-                raise ValueError(f"model {name!r} lacks {sorted(missing)}")
-        CotFormat(**record["format"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} cannot be read as a chain-of-thought run record: it is not UTF-8 text "
+            f"(byte {err.start}: {err.reason}); the file is damaged"
+        ) from None
+    except OSError as err:
+        raise ValueError(f"{path} cannot be read as a chain-of-thought run record: {err}") from err
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        what = "it is empty" if not text.strip() else f"it is not valid JSON ({err})"
+        raise ValueError(
+            f"{path} cannot be read as a chain-of-thought run record: {what}"
+        ) from None
+    try:
+        _check_record(record)
+    except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path} cannot be read as a chain-of-thought run record: {err}") from err
     return record
+
+
+def _check_record(record: Any) -> None:
+    """Raises naming the first field of ``record`` that is not as :func:`write_record` wrote."""
+
+    def mapping(value: Any, field: str) -> Mapping:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"`{field}` must be a JSON object; got {type(value).__name__}")
+        return value
+
+    mapping(record, "the file")
+    for key in ("format", "models", "tokens"):
+        if key not in record:
+            raise ValueError(f"it lacks the field `{key}`")
+    tokens = mapping(record["tokens"], "tokens")
+    if (tokens.get("bos"), tokens.get("eos"), tokens.get("pad")) != (BOS_ID, EOS_ID, PAD_ID):
+        raise ValueError(f"its special tokens {dict(tokens)} are not this version's")
+    try:
+        CotFormat(**mapping(record["format"], "format"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"`format`: {err}") from None
+    for name, entry in mapping(record["models"], "models").items():
+        entry = mapping(entry, f"models.{name}")
+        missing = {"model", "train", "checkpoint"} - set(entry)
+        if missing:
+            raise ValueError(f"model {name!r} lacks {sorted(missing)}")
+        mapping(entry["model"], f"models.{name}.model")
+        mapping(entry["train"], f"models.{name}.train")
+        if not isinstance(entry["checkpoint"], str) or not entry["checkpoint"]:
+            raise ValueError(
+                f"`models.{name}.checkpoint` must be a folder name; got {entry['checkpoint']!r}"
+            )
+    kinds = record.get("kinds")
+    if kinds is not None and (
+        not isinstance(kinds, list) or not kinds or any(k not in KINDS for k in kinds)
+    ):
+        raise ValueError(f"`kinds` must be null or a list of {list(KINDS)}; got {kinds!r}")
+    if record.get("generator") is not None:
+        generator_of(record)
+
+
+def generator_of(record: Mapping[str, Any]) -> GeneratorConfig | None:
+    """The ``GeneratorConfig`` of a record's training data (the sizes of its problems), or None
+    when the record does not say (written without ``generator``)."""
+    fields = record.get("generator")
+    if fields is None:
+        return None
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"`generator` must be a JSON object; got {type(fields).__name__}")
+    try:
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        return GeneratorConfig(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"`generator`: {err}") from None
+
+
+def inside(folder: str | os.PathLike, name: str, field: str) -> Path:
+    """``folder/name`` resolved (symbolic links followed), refused with a ``ValueError`` naming
+    ``field`` (where the name was read) when it lies outside ``folder``.
+
+    Example:
+      >>> import tempfile
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> inside(tmp.name, "checkpoints/sparse", "cot.json: models.sparse.checkpoint").name
+      'sparse'
+      >>> inside(tmp.name, "../../etc", "cot.json: models.sparse.checkpoint")
+      Traceback (most recent call last):
+      ...
+      ValueError: cot.json: models.sparse.checkpoint: the path '../../etc' resolves to ...
+      >>> tmp.cleanup()
+    """
+    root = Path(folder).resolve()
+    path = (root / name).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(
+            f"{field}: the path {name!r} resolves to {path}, outside the run folder {root}: "
+            "refused (a run folder only names files inside itself)"
+        )
+    return path
