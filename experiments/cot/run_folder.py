@@ -134,7 +134,7 @@ def train(
     folder.mkdir(parents=True, exist_ok=True)
     record = with_program(dataclasses.asdict(cfg), COT.name)
     write_text_atomically(folder / RECORD, json.dumps(record, default=str, indent=2) + "\n")
-    cot.write_record(folder, fmt, configs, kinds=cfg.data.kinds)
+    cot.write_record(folder, fmt, configs, kinds=cfg.data.kinds, generator=cfg.data.generator())
     # A cell of under 5% of the problems saves less time than its compilation costs.
     buckets = cot.length_buckets(
         problems[0], fmt, source_cuts=cfg.train.buckets[0], target_cuts=cfg.train.buckets[1],
