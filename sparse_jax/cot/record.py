@@ -180,7 +180,14 @@ def _check_record(record: Any) -> None:
 
 def generator_of(record: Mapping[str, Any]) -> GeneratorConfig | None:
     """The ``GeneratorConfig`` of a record's training data (the sizes of its problems), or None
-    when the record does not say (written without ``generator``)."""
+    when the record does not say (written without ``generator``).
+
+    Example (a record as :func:`read_record` returns it; JSON lists become tuples again):
+      >>> generator_of({"generator": {"kinds": ["rref"], "rref_shape": [2, 3]}}).rref_shape
+      (2, 3)
+      >>> generator_of({"kinds": ["rref"]}) is None
+      True
+    """
     fields = record.get("generator")
     if fields is None:
         return None
