@@ -83,6 +83,7 @@ blocks the work. ``normalizer`` α must be finite and > 1.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -93,7 +94,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.blocksparse import blocksparse_attention, blocksparse_cost, nonfinite_values
+from sparse_jax.blocksparse import (
+    blocksparse_attention,
+    blocksparse_cost,
+    compiled_normalize,
+    nonfinite_values,
+)
 from sparse_jax.fused import (
     cudnn_attention,
     cudnn_mask_arguments,
@@ -102,7 +108,7 @@ from sparse_jax.fused import (
     splash_mask_parts,
 )
 from sparse_jax.kernels import pallas_attention, pallas_supports
-from sparse_jax.normalizers import NORMALIZERS, normalize
+from sparse_jax.normalizers import NORMALIZERS
 from sparse_jax.validation import (
     as_4d_broadcastable,
     check_bias,
@@ -447,6 +453,43 @@ def _split_rows(x: jax.Array, num: int, size: int, fill: Any) -> jax.Array:
     return jnp.moveaxis(x, 2, 0)
 
 
+def _widened(x: jax.Array, compute: Any) -> jax.Array:
+    """``x`` in ``compute`` (float32/64) when its dtype is narrower, else ``x``."""
+    return x.astype(compute) if jnp.finfo(x.dtype).bits < jnp.finfo(compute).bits else x
+
+
+def _einsum_shared(spec: str, a: jax.Array, shared: jax.Array, dtype, compute, precision):
+    """``einsum(spec, a, shared.astype(dtype))`` accumulated in ``compute``, where ``shared`` may
+    be a widened copy of a ``dtype`` operand that every chunk reads (:func:`_widened`); then its
+    derivative stays in ``compute`` too instead of being rounded to ``dtype`` chunk by chunk."""
+    if shared.dtype == dtype:
+        return jnp.einsum(spec, a, shared, preferred_element_type=compute, precision=precision)
+    return _einsum_wide(spec, dtype, compute, precision, a, shared)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _einsum_wide(spec, dtype, compute, precision, a, wide):
+    return jnp.einsum(
+        spec, a, wide.astype(dtype), preferred_element_type=compute, precision=precision
+    )
+
+
+@_einsum_wide.defjvp
+def _einsum_wide_jvp(spec, dtype, compute, precision, primals, tangents):
+    a, wide = primals
+    a_dot, wide_dot = tangents
+    narrow = wide.astype(dtype)
+    out = jnp.einsum(spec, a, narrow, preferred_element_type=compute, precision=precision)
+    # The tangent of the wide operand meets ``a`` in ``compute``: its transpose (the gradient of
+    # ``wide``) is then never rounded to ``dtype``.
+    out_dot = jnp.einsum(
+        spec, a_dot, narrow, preferred_element_type=compute, precision=precision
+    ) + jnp.einsum(
+        spec, a.astype(compute), wide_dot, preferred_element_type=compute, precision=precision
+    )
+    return out, out_dot
+
+
 def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     q, k, v = args.q, args.k, args.v
     b, tq, n, h = q.shape
@@ -459,16 +502,20 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
         normalizer = normalizer[:, None]  # one α per query head of the [B, N, C, Tk] scores
     v, key_nan = nonfinite_values(v)  # non-finite value vectors -> NaN scores of their keys
     key_nan = jnp.repeat(jnp.moveaxis(key_nan, 2, 1), g, axis=1)[:, :, None, :]  # [B, N, 1, Tk]
+    # Every chunk adds its part to the gradients of k, v (and of a bias shared by the queries):
+    # summed in half precision over many chunks that loses digits, so what the chunks share
+    # enters the loop in float32 (its cotangents add up in float32) and is cast inside each.
+    k_in, v_in, shared_bias = k, v, args.bias
+    if num > 1:
+        k_in, v_in = _widened(k, compute), _widened(v, compute)
+        if shared_bias is not None and shared_bias.shape[2] == 1:
+            shared_bias = _widened(shared_bias, compute)
 
     def chunk(q_c, start, mask_c, bias_c):
         # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
         c = q_c.shape[1]
-        s = jnp.einsum(
-            "bckgh,bskh->bkgcs",
-            q_c.reshape(b, c, kh, g, h),
-            k,
-            preferred_element_type=compute,
-            precision=precision,
+        s = _einsum_shared(
+            "bckgh,bskh->bkgcs", q_c.reshape(b, c, kh, g, h), k_in, k.dtype, compute, precision
         ).reshape(b, n, c, tk)
         s = s * jnp.asarray(scale, compute) + key_nan.astype(compute)
         if bias_c is not None:
@@ -483,13 +530,14 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             if mask_obj.batch_size is None:
                 m = m[None]
             allowed = m if allowed is None else allowed & m
-        p = normalize(s, allowed, normalizer)  # [B, N, C, Tk]
-        out = jnp.einsum(
+        p = compiled_normalize(s, allowed, normalizer)  # [B, N, C, Tk]
+        out = _einsum_shared(
             "bkgcs,bskh->bckgh",
             p.reshape(b, kh, g, c, tk).astype(v.dtype),
-            v,
-            preferred_element_type=compute,
-            precision=precision,
+            v_in,
+            v.dtype,
+            compute,
+            precision,
         ).reshape(b, c, n, hv)
         out = out.astype(q.dtype)
         return (out, p.astype(q.dtype)) if return_weights else out
@@ -514,7 +562,7 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
 
         def body(x):
             mask_c = x["mask"] if "mask" in x else args.mask_arr
-            bias_c = x["bias"] if "bias" in x else args.bias
+            bias_c = x["bias"] if "bias" in x else shared_bias
             return chunk(x["q"], x["start"], mask_c, bias_c)
 
         result = jax.lax.map(jax.checkpoint(body, prevent_cse=False), xs)
