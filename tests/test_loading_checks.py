@@ -32,7 +32,7 @@ from sparse_jax.training.loop import TrainConfig, Trainer
 
 TINY = EncDecConfig(vocab_size=cot.VOCAB_SIZE, d_model=16, num_heads=2, d_ff=32,
                     encoder_layers=1, decoder_layers=1, cot_steps=0)  # fmt: skip
-# The sizes the run was "trained" on: 2 x 3 rref matrices with entries up to 3, no blocks.
+# The sizes the run was "trained" on: rref matrices up to 2 x 3, no block matrices.
 SIZES = lc.GeneratorConfig(kinds=("rref",), rref_shape=(2, 3), block_rate=0.0, max_entry=3)
 FMT = cot.CotFormat(64, 32)
 RREF = "Find the reduced row echelon form R of A = [[2, 1], [1, 3]]."
@@ -178,8 +178,8 @@ def solver(run):
          "trained on rref questions only; this is a column_space question"),
         ("Find the reduced row echelon form R of A = [[1, 2, 0], [2, 1, 1], [0, 0, 1]].",
          "trained on rref questions of matrices up to 2 x 3; this one is 3 x 3"),
-        ("Find the reduced row echelon form R of A = [[9, 1], [1, 2]].",
-         "trained on rref questions of entries up to 3 in size; this one has 9"),
+        ("Find the reduced row echelon form R of [[A, A]] for A = [[1, 2], [3, 4]].",
+         "trained on rref questions without block matrices; this one asks about one"),
     ],
 )  # fmt: skip
 def test_a_question_the_model_was_not_trained_for_is_answered_with_the_reason(

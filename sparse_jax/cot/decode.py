@@ -280,9 +280,9 @@ def _check_shapes(
 
 
 def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> str | None:
-    """Why question ``q`` is beyond the problems ``gen`` makes (None: it is not)."""
+    """Why question ``q`` is larger than the problems ``gen`` makes (None: it is not): its
+    matrix, its m and n, its unknowns, its elimination steps; not its entries' values."""
     trained = f"this model was trained on {q.kind} questions"
-    entries: list[Any] = []
     if q.kind in ("rref", "nullspace", "column_space", "elimination"):
         matrix = q.R if q.kind == "elimination" else q.A
         rows, cols = len(matrix), len(matrix[0]) if matrix else 0
@@ -300,8 +300,6 @@ def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> st
                 f"{trained} of up to {gen.elimination_ops} elimination steps; this one has "
                 f"{len(q.operations)}"
             )
-        if q.kind != "elimination":
-            entries = [x for row in q.A for x in row] + list(q.b or ())
     elif q.kind == "solvability":
         if max(q.rows, q.cols) > gen.solvability_dim:
             return (
@@ -311,13 +309,6 @@ def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> st
     elif q.kind == "complete_solution":
         if len(q.x_p) != gen.unknowns:
             return f"{trained} of {gen.unknowns} unknowns; this one has {len(q.x_p)}"
-        entries = list(q.x_p) + [x for s in q.special for x in s]
-    largest = max((abs(x) for x in entries), default=0)
-    if largest > gen.max_entry:
-        return (
-            f"{trained} of entries up to {gen.max_entry} in size; this one has "
-            f"{linalg_cot.format_number(largest)}"
-        )
     return None
 
 
@@ -338,8 +329,8 @@ class Solver:
       kinds: the kinds it was trained on: a question of another kind is not decoded, its
         answer says why (None: unknown, every kind is decoded).
       generator: the sizes of the problems it was trained on (the training data's
-        ``GeneratorConfig``): a question beyond them (a larger matrix, larger entries, more
-        unknowns...) is not decoded, its answer says why (None: unknown, not checked).
+        ``GeneratorConfig``): a larger question (a larger matrix, more unknowns...) is not
+        decoded, its answer says why (None: unknown, not checked).
       step: the training step its weights are from (None: unknown).
 
     Example (an untrained tiny model; a question that fits ``fmt`` is decoded, compiling the
