@@ -75,7 +75,9 @@ included; a ``-inf`` bias masks; a ``+inf`` bias puts all of the row's weight, u
 ``+inf`` keys. A value vector in ``v`` holding NaN or ±inf makes NaN (with their gradients) the
 rows whose mask allows its key, whatever weight they give it: it enters as a NaN score of that
 key, since ``p @ v`` would otherwise spread ``0 * NaN`` to rows that depend on how an engine
-blocks the work. ``normalizer`` α must be finite and > 1.
+blocks the work. ``normalizer`` α follows the rule of :func:`sparse_jax.entmax`, the same in
+every engine: α = 1 is softmax; α < 1, NaN or ±inf raise when concrete and make that head's
+rows NaN when traced (``jax.experimental.checkify`` reports them).
 
 :func:`attention_fn` adapts :func:`attention` to the ``attention_fn`` argument of
 ``flax.nnx.MultiHeadAttention``.
@@ -86,6 +88,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -252,6 +255,87 @@ def _check_fused(impl, normalizer, bias, mask_arr, return_weights, caller) -> No
         )
 
 
+def _check_seq_lengths(value: Any, name: str, batch: int, caller: str) -> Any:
+    """int ``[batch]`` sequence lengths (numpy or jax, possibly traced), values >= 0."""
+    x = value if isinstance(value, jax.Array) else np.asarray(value)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(
+            f"{caller}: `{name}` must be an int array [batch] of sequence lengths; got dtype "
+            f"{x.dtype}"
+        )
+    if x.shape != (batch,):
+        raise ValueError(
+            f"{caller}: `{name}` must have shape [batch] = ({batch},); got shape {tuple(x.shape)}"
+        )
+    if not isinstance(x, jax.core.Tracer) and (np.asarray(x) < 0).any():
+        raise ValueError(
+            f"{caller}: `{name}` must be >= 0 (a length, as in jax.nn.dot_product_attention); "
+            f"got {np.asarray(x).tolist()!r:.200}"
+        )
+    return x
+
+
+def _query_padding(lengths: Any, q_len: int, kv_len: int) -> masks_lib.Mask:
+    """Query row ``i`` of batch element ``b`` sees no key when ``i >= lengths[b]``: the
+    ``segments`` mask whose query ids are 0 inside the length and -1 past it, key ids all 0
+    (a run-time leaf every engine evaluates, so each computes the same zero rows)."""
+    xp = jnp if isinstance(lengths, jax.Array) else np
+    rows = xp.arange(q_len, dtype=np.int32)[None, :]
+    q_ids = xp.where(rows < xp.asarray(lengths, np.int32)[:, None], 0, -1).astype(np.int32)
+    return masks_lib.segments(q_ids, xp.zeros((lengths.shape[0], kv_len), np.int32))
+
+
+def _keyword_mask(
+    shape: tuple[int, int, int],
+    is_causal: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    local_window_size: Any,
+    caller: str,
+) -> masks_lib.Mask | None:
+    """The :class:`~sparse_jax.masks.Mask` of ``jax.nn.dot_product_attention``'s mask keywords
+    for ``shape`` = (batch, Tq, Tk): ``causal()``, ``local(left, right)``,
+    ``padding(key_value_seq_lengths)`` and a query padding, AND-ed; None when none is given."""
+    b, tq, tk = shape
+    parts = []
+    if check_bool(is_causal, "is_causal", caller):
+        parts.append(masks_lib.causal())
+    if local_window_size is not None:
+        window = local_window_size
+        if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+            window = (window, window)
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(
+                f"{caller}: `local_window_size` must be an int or a (left, right) pair of ints "
+                f">= 0; got {local_window_size!r}"
+            )
+        left, right = (
+            check_int(w, f"local_window_size[{i}]", caller, low=0) for i, w in enumerate(window)
+        )
+        parts.append(masks_lib.local(left, right))
+    if key_value_seq_lengths is not None:
+        lengths = _check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, caller)
+        parts.append(masks_lib.padding(lengths))
+    if query_seq_lengths is not None:
+        lengths = _check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, caller)
+        parts.append(_query_padding(lengths, tq, tk))
+    return functools.reduce(operator.and_, parts) if parts else None
+
+
+def _add_batch(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any, bool]:
+    """q, k, v of rank 3 ([seq, heads, head_dim], as jax.nn.dot_product_attention takes them)
+    with a batch axis of 1 in front, and True; other inputs as they are, and False."""
+    if not all(getattr(x, "ndim", None) == 3 for x in (q, k, v)):
+        return q, k, v, False
+
+    def lift(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((1, *x.shape), x.dtype)
+        return x[None]
+
+    return lift(q), lift(k), lift(v), True
+
+
 class _Args(NamedTuple):
     q: jax.Array
     k: jax.Array
@@ -265,6 +349,7 @@ class _Args(NamedTuple):
     query_chunk: int
     block_size: tuple[int, int]
     return_weights: bool
+    return_residual: bool = False  # also the log-sum-exp [B, Tq, N] (softmax, impl 'xla')
 
 
 def _check_all(
@@ -281,17 +366,67 @@ def _check_all(
     return_weights,
     caller,
     abstract=False,
+    keywords=None,
 ) -> _Args:
+    """Checks every argument; ``keywords``: jax.nn.dot_product_attention's ``is_causal``,
+    ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` (turned into a Mask
+    AND-ed with ``mask``) and ``return_residual``."""
     q, k, v = check_qkv(q, k, v, caller, abstract)
     b, tq, n, h = q.shape
     target = (b, n, tq, k.shape[1])
     mask = _check_mask(mask, target, caller)
+    kw = keywords or {}
+    extra = _keyword_mask(
+        (b, tq, k.shape[1]),
+        kw.get("is_causal", False),
+        kw.get("query_seq_lengths"),
+        kw.get("key_value_seq_lengths"),
+        kw.get("local_window_size"),
+        caller,
+    )
+    beside = None  # a bool-array mask kept beside the keywords' Mask (impl 'xla' takes both)
+    if extra is not None:
+        extra = check_mask_fits(
+            extra, caller, batch_size=b, num_heads=n, q_len=tq, kv_len=k.shape[1]
+        )
+        if isinstance(mask, masks_lib.Mask):
+            mask = mask & extra
+        elif mask is None:
+            mask = extra
+        else:
+            beside, mask = mask, extra
     is_obj = isinstance(mask, masks_lib.Mask)
     bias = check_bias(bias, target, caller)
     normalizer = check_normalizer(normalizer, n, caller)
     scale = check_scale(scale, h, caller)
     impl = check_choice(impl, "impl", IMPLS, caller)
     block_size = check_block_size(block_size, caller)
+    if beside is not None and impl not in ("auto", "xla"):
+        raise ValueError(
+            f"{caller}: impl={impl!r} takes one sparse_jax.masks.Mask, and a bool-array `mask` "
+            "given with is_causal, query_seq_lengths, key_value_seq_lengths or "
+            "local_window_size is not one. Use impl='xla', or describe the whole mask with "
+            "sparse_jax.masks"
+        )
+    return_residual = check_bool(kw.get("return_residual", False), "return_residual", caller)
+    if return_residual:
+        if not (isinstance(normalizer, str) and normalizer == "softmax"):
+            raise ValueError(
+                f"{caller}: return_residual=True returns softmax's log-sum-exp of the scores; "
+                f"normalizer={normalizer!r} has none (sparsemax and entmax normalize by a "
+                "threshold, not by a sum of exponentials). Use normalizer='softmax' or "
+                "return_residual=False"
+            )
+        if impl not in ("auto", "xla"):
+            raise ValueError(
+                f"{caller}: return_residual=True is computed by impl='xla' only; got "
+                f"impl={impl!r}. Use impl='auto' or impl='xla'"
+            )
+        if return_weights:
+            raise ValueError(
+                f"{caller}: return_weights=True and return_residual=True cannot be combined; "
+                "ask for one of them"
+            )
     if impl in ("blocksparse", "pallas") and not isinstance(mask, masks_lib.Mask):
         raise ValueError(
             f"{caller}: `impl`={impl!r} needs `mask` to be a sparse_jax.masks.Mask (the "
@@ -316,7 +451,7 @@ def _check_all(
                 f"{caller}: impl='pallas' cannot compute this call: {why}. Use "
                 "impl='blocksparse' (every run-time mask, return_weights) or impl='xla'"
             )
-    return _Args(
+    args = _Args(
         q,
         k,
         v,
@@ -330,6 +465,9 @@ def _check_all(
         block_size,
         bool(return_weights),
     )
+    if beside is not None:
+        args = args._replace(mask_arr=beside)
+    return args._replace(return_residual=bool(return_residual))
 
 
 # impl="auto" takes the block-sparse kernel when it forms at most this fraction of the dense
@@ -366,6 +504,15 @@ def _splash_takes(mask: masks_lib.Mask | None, num_heads: int) -> bool:
 def _resolve_impl(args: _Args) -> ImplChoice:
     if args.impl != "auto":
         return ImplChoice(args.impl, f"impl={args.impl!r} was requested explicitly")
+    if args.return_residual:
+        return ImplChoice(
+            "xla", "impl='auto': return_residual=True: 'xla' computes the log-sum-exp"
+        )
+    if args.mask_arr is not None and args.mask_obj is not None:
+        return ImplChoice(
+            "xla",
+            "impl='auto': a bool-array mask beside a sparse_jax.masks.Mask: 'xla' takes both",
+        )
     backend = jax.default_backend()
     mask = args.mask_obj
     softmax_ok = not _fused_problems(args.normalizer, args.bias, args.mask_arr, args.return_weights)
@@ -539,15 +686,19 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             compute,
             precision,
         ).reshape(b, c, n, hv)
-        out = out.astype(q.dtype)
-        return (out, p.astype(q.dtype)) if return_weights else out
+        result = {"out": out.astype(q.dtype)}
+        if return_weights:
+            result["weights"] = p.astype(q.dtype)
+        if args.return_residual:
+            result["lse"] = _log_sum_exp(s, allowed, q.dtype)  # [B, N, C]
+        return result
 
     def per_query(x):  # the query axis of a [b', n', tq', tk'] mask/bias: 1 or Tq
         return x is not None and x.shape[2] != 1
 
     if num == 1:
         result = chunk(q, jnp.int32(0), args.mask_arr, args.bias)
-        out, weights = result if return_weights else (result, None)
+        out, weights, lse = result["out"], result.get("weights"), result.get("lse")
     else:
         pad = num * size - tq
         q_p = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else q
@@ -566,11 +717,34 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             return chunk(x["q"], x["start"], mask_c, bias_c)
 
         result = jax.lax.map(jax.checkpoint(body, prevent_cse=False), xs)
-        out, weights = result if return_weights else (result, None)
+        out, weights, lse = result["out"], result.get("weights"), result.get("lse")
         out = jnp.moveaxis(out, 0, 1).reshape(b, num * size, n, hv)[:, :tq]
         if weights is not None:
             weights = jnp.moveaxis(weights, 0, 2).reshape(b, n, num * size, tk)[:, :, :tq]
-    return (out, weights) if return_weights else out
+        if lse is not None:
+            lse = jnp.moveaxis(lse, 0, 2).reshape(b, n, num * size)[:, :, :tq]
+    if return_weights:
+        return out, weights
+    if args.return_residual:
+        return out, jnp.transpose(lse, (0, 2, 1))  # [B, Tq, N], as jax.nn returns it
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _log_sum_exp(s: jax.Array, allowed: Any, dtype: Any) -> jax.Array:
+    """``log Σ_j exp(s[..., j])`` over the allowed keys, ``[B, N, C, Tk] -> [B, N, C]`` in
+    ``dtype``, without gradient (the residual of ``return_residual``). The scores follow the
+    softmax policy: ``-inf`` masks, ``+inf`` counts as the largest float, an allowed NaN gives
+    NaN. A row with no allowed key gets ``finfo(dtype).min``, a finite stand-in for -inf."""
+    s = jnp.minimum(s, jnp.finfo(s.dtype).max)
+    keep = ~(s == -jnp.inf)
+    if allowed is not None:
+        keep = keep & allowed
+    row_max = jnp.max(jnp.where(keep, s, jnp.finfo(s.dtype).min), axis=-1, keepdims=True)
+    e = jnp.where(keep, jnp.exp(jnp.where(keep, s, row_max) - row_max), 0.0)
+    has_any = jnp.any(keep, axis=-1)
+    lse = row_max[..., 0] + jnp.log(jnp.where(has_any, jnp.sum(e, axis=-1), 1.0))
+    return jax.lax.stop_gradient(jnp.where(has_any, lse.astype(dtype), jnp.finfo(dtype).min))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -588,6 +762,11 @@ def attention_impl(
     impl: str = "auto",
     block_size: tuple[int, int] = (128, 128),
     return_weights: bool = False,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residual: bool = False,
 ) -> ImplChoice:
     """The implementation :func:`attention` would run for these arguments, and why.
 
@@ -603,8 +782,29 @@ def attention_impl(
       >>> attention_impl(q, q, q, normalizer="sparsemax").impl
       'xla'
     """
+    q, k, v, _ = _add_batch(q, k, v)
+    keywords = {
+        "is_causal": is_causal,
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+        "local_window_size": local_window_size,
+        "return_residual": return_residual,
+    }
     args = _check_all(
-        q, k, v, mask, bias, normalizer, None, impl, block_size, None, return_weights, _NAME, True
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        normalizer,
+        None,
+        impl,
+        block_size,
+        None,
+        return_weights,
+        _NAME,
+        True,
+        keywords,
     )
     return _resolve_impl(args)
 
@@ -623,6 +823,11 @@ def attention(
     return_weights: bool = False,
     query_chunk: int | None = None,
     precision: Any = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residual: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Multi-head attention with a sparse or dense normalizer and an optional mask.
 
@@ -642,9 +847,10 @@ def attention(
       bias: optional float array broadcastable to ``[B, N, Tq, Tk]``, added to the scaled
         scores (``-inf`` entries are masked).
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
-        float > 1 (2.0 and 1.5 use the exact sparsemax/entmax15 algorithms), or a float array
-        of shape ``[]`` or ``[N]`` (one α per *query* head). An array α is differentiable:
-        parametrise a learned α as ``1 + softplus(θ)`` (a traced α cannot be checked).
+        float >= 1 (2.0 and 1.5 use the exact sparsemax/entmax15 algorithms, 1.0 is softmax),
+        or a float array of shape ``[]`` or ``[N]`` (one α per *query* head). An array α is
+        differentiable: parametrise a learned α as ``1 + softplus(θ)``; a traced α < 1 or
+        non-finite makes its head's rows NaN (see :func:`sparse_jax.entmax`).
       scale: multiplier of ``q·k``; default ``H ** -0.5``. A scalar float array is accepted.
       impl: ``"auto"``, ``"xla"``, ``"blocksparse"``, ``"pallas"``, ``"splash"`` or ``"cudnn"``
         (see the module docstring; :func:`attention_impl` tells which ``"auto"`` takes and why).
@@ -678,6 +884,14 @@ def attention(
       >>> (6 * w[0, 0]).round().astype(int).tolist()  # equal scores: uniform on allowed keys
       [[6, 0, 0], [3, 3, 0], [2, 2, 2]]
     """
+    q, k, v, unbatched = _add_batch(q, k, v)
+    keywords = {
+        "is_causal": is_causal,
+        "query_seq_lengths": query_seq_lengths,
+        "key_value_seq_lengths": key_value_seq_lengths,
+        "local_window_size": local_window_size,
+        "return_residual": return_residual,
+    }
     args = _check_all(
         q,
         k,
@@ -691,8 +905,13 @@ def attention(
         query_chunk,
         return_weights,
         _NAME,
+        False,
+        keywords,
     )
-    return _run(args, _resolve_impl(args), precision)
+    result = _run(args, _resolve_impl(args), precision)
+    if not unbatched:
+        return result
+    return jax.tree.map(lambda x: x[0], result)  # out [Tq, N, Hv], weights [N, Tq, Tk], lse [Tq, N]
 
 
 def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
