@@ -252,3 +252,13 @@ def test_a_broken_safetensors_header_is_a_value_error_naming_the_file(hf_folder,
     weights.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=re.escape(str(weights))):
         hf.from_pretrained(folder)
+
+
+def test_tensors_of_a_type_numpy_cannot_read_are_a_value_error_naming_the_file(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder, tmp_path / "gpt2")
+    weights = folder / "model.safetensors"
+    header = json.dumps({"wte.weight": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}})
+    weights.write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(2))
+    with pytest.raises(hf.PretrainedFileError) as info:
+        hf.from_pretrained(folder)
+    assert str(weights) in str(info.value) and "float8" in str(info.value)

@@ -282,6 +282,12 @@ def _read_weights(weights_file: pathlib.Path) -> dict[str, np.ndarray]:
         return load_file(weights_file)
     except (SafetensorError, OSError, ValueError) as err:
         raise _weights_error(weights_file, err) from err
+    except (TypeError, AttributeError) as err:  # a dtype numpy lacks: bfloat16, float8 ...
+        raise PretrainedFileError(
+            weights_file,
+            f"holds tensors of a data type that cannot be read here ({err})",
+            "Save the weights as float32 or float16 (save_pretrained writes either).",
+        ) from err
 
 
 def _expected(config) -> dict[str, tuple[int, ...]]:
