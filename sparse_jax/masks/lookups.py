@@ -123,7 +123,7 @@ class RandomBlocks(Mask):
 
     density: float  # probability of keeping a block pair, in (0, 1]
     block: int  # block size of the pattern (>= 1)
-    seed: int  # any int
+    seed: int  # in [-2**31, 2**31)
 
     def __post_init__(self):
         d = self.density
@@ -137,6 +137,11 @@ class RandomBlocks(Mask):
         )
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise TypeError(f"random_blocks: seed must be an int, got {self.seed!r}")
+        if not -(2**31) <= int(self.seed) < 2**31:  # another int would alias one of these
+            raise ValueError(
+                f"random_blocks: `seed` must be an int in [-2**31, 2**31) (the pattern's hash "
+                f"takes 32 bits); got seed={int(self.seed)}"
+            )
         object.__setattr__(self, "seed", int(self.seed))
 
     @functools.cached_property
@@ -285,7 +290,8 @@ def random_blocks(density: float, block: int, seed: int) -> Mask:
     Args:
       density: float in (0, 1].
       block: int >= 1, block size of the pattern (need not equal the kernel's block size).
-      seed: int.
+      seed: int in ``[-2**31, 2**31)``, one seed per value of the pattern's 32-bit hash
+        (others raise a ``ValueError`` rather than silently repeat a seed of that range).
 
     Example:
       >>> m = random_blocks(0.5, 2, seed=0)
