@@ -10,6 +10,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from sparse_jax.normalizers.alpha_entmax import entmax
 from sparse_jax.normalizers.arguments import (
@@ -48,14 +49,17 @@ def _fenchel_young_loss(logits, labels, alpha, where, name):
             f"got {labels.shape}."
         )
     num_classes = logits.shape[-1]
-    if is_concrete(labels) and labels.size:
-        low, high = int(np.min(np.asarray(labels))), int(np.max(np.asarray(labels)))
-        if low < 0 or high >= num_classes:
-            raise ValueError(
-                f"{name}: `labels` must lie in [0, {num_classes}) for {num_classes} classes; "
-                f"got values in [{low}, {high}]."
-            )
     where = check_where(where, labels.shape, name)
+    if is_concrete(labels) and (where is None or is_concrete(where)):
+        # Padding rows (``where`` False) may hold any label, e.g. -100.
+        kept = np.asarray(labels)
+        if where is not None:
+            kept = kept[np.broadcast_to(np.asarray(where), labels.shape)]
+        if kept.size and (kept.min() < 0 or kept.max() >= num_classes):
+            raise ValueError(
+                f"{name}: `labels` must lie in [0, {num_classes}) for {num_classes} classes "
+                f"(at rows that are not padding); got values in [{kept.min()}, {kept.max()}]."
+            )
     alpha = check_alpha(alpha, logits.shape[:-1], name)
 
     in_dtype = logits.dtype
@@ -71,20 +75,36 @@ def _fenchel_young_loss(logits, labels, alpha, where, name):
         alpha_rows = jnp.broadcast_to(jnp.asarray(alpha, theta.dtype), labels.shape)
         eps_rows = (alpha_rows - 1.0)[..., None]
         p = entmax(jax.lax.stop_gradient(theta), jax.lax.stop_gradient(alpha_rows))
-    theta = theta - jax.lax.stop_gradient(jnp.max(theta, axis=-1, keepdims=True))
+    row_max = jnp.max(theta, axis=-1, keepdims=True)
+    theta = theta - jax.lax.stop_gradient(jnp.where(row_max == -jnp.inf, 0.0, row_max))
     support = p > 0.0
     inner = jnp.sum(jnp.where(support, p * theta, 0.0), axis=-1)
-    theta_label = jnp.take_along_axis(theta, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # A label out of [0, num_classes) (possible only when traced) makes its row's loss NaN: a
+    # wrapped or filled gather would give a plausible value instead.
+    bad_label = (labels < 0) | (labels >= num_classes)
+    if where is not None:
+        bad_label = bad_label & where
+    checkify.debug_check(
+        ~jnp.any(bad_label),
+        f"{name}: every label must lie in [0, {num_classes}); got {{}}",
+        labels.reshape(-1)[jnp.argmax(bad_label.reshape(-1))],
+    )
+    safe_labels = jnp.where(bad_label, 0, labels).astype(jnp.int32)
+    theta_label = jnp.take_along_axis(theta, safe_labels[..., None], axis=-1)[..., 0]
     # H_α(p) = (1 - Σ p^α) / (α (α-1)) = -Σ p log p · φ((α-1) log p) / α with φ(a) = expm1(a)/a
     # (using Σ p = 1): no 1/(α-1) left, so it tends to the Shannon entropy as α -> 1 instead of
     # dividing float rounding by α - 1.
     log_p = jnp.log(jnp.where(support, p, 1.0))
     weighted = jnp.where(support, p * log_p * _expm1_ratio(eps_rows * log_p), 0.0)
     tsallis = -jnp.sum(weighted, axis=-1) / alpha_rows
+    # A -inf logit at the label: +inf (the label has probability 0), gradient p - onehot.
     loss = inner - theta_label + tsallis
     # A Fenchel–Young loss is >= 0; rounding can leave -1e-7 near a one-hot p. The value is
-    # clamped, the gradient (p - onehot) is kept.
-    loss = loss + jax.lax.stop_gradient(jnp.maximum(loss, 0.0) - loss)
+    # clamped, the gradient (p - onehot) is kept (and +inf stays +inf).
+    loss = loss + jax.lax.stop_gradient(jnp.maximum(-loss, 0.0))
+    # NaN (with a zero gradient, as training.cross_entropy_loss) for a bad label or a NaN row
+    # of p (an α that breaks the rule; the sums above skip p's NaN entries as off the support).
+    loss = jnp.where(bad_label | jnp.isnan(p[..., 0]), jnp.nan, loss)
     if where is not None:
         loss = jnp.where(where, loss, 0.0)
     return loss.astype(in_dtype)
@@ -115,11 +135,18 @@ def sparsemax_loss(logits, labels, *, where=None) -> jax.Array:
 
     Args:
       logits: ``[..., num_classes]`` float scores.
-      labels: ``[...]`` integer class indices in ``[0, num_classes)``.
-      where: optional ``[...]`` boolean; False entries (padding) get loss 0 and zero gradient.
+      labels: ``[...]`` integer class indices in ``[0, num_classes)``. Out of range at a row
+        that is not padding: a ``ValueError`` naming ``labels`` when concrete; when traced
+        (under ``jit``), that row's loss is NaN with a zero gradient (never a wrapped or
+        clipped label; as :func:`sparse_jax.training.losses.cross_entropy_loss`), and
+        ``jax.experimental.checkify`` reports it as an error.
+      where: optional ``[...]`` boolean; False entries (padding) get loss 0 and zero gradient,
+        whatever their label (e.g. -100).
 
     Returns:
-      Per-example losses ``[...]`` (no reduction), in the logits' dtype.
+      Per-example losses ``[...]`` (no reduction), in the logits' dtype: ``+inf`` where the
+      label's logit is ``-inf`` (the label has probability 0; the gradient stays
+      ``p - onehot(y)``), NaN for a NaN logit in a row that is not padding.
 
     Example:
       >>> print(np.asarray(sparsemax_loss(jnp.array([[2.0, 0.0, -1.0]]), jnp.array([0]))))
@@ -145,8 +172,10 @@ def entmax_loss(logits, labels, alpha, *, where=None) -> jax.Array:
     """Multiclass α-entmax Fenchel–Young loss over the last axis, differentiable in ``alpha``.
 
     ``loss = <p, θ> - θ_y + (1 - Σ p^α) / (α (α - 1))`` with ``p = entmax(θ, α)``; gradient
-    ``p - onehot(y)`` in the logits. ``alpha``: a float > 1 or an array broadcastable to
-    ``labels``' shape. Other arguments as :func:`sparsemax_loss`.
+    ``p - onehot(y)`` in the logits. ``alpha``: a float >= 1 or an array broadcastable to
+    ``labels``' shape, under :func:`~sparse_jax.normalizers.entmax`'s rule for α (α = 1 is
+    softmax, where the loss is the cross-entropy; a traced α < 1 or non-finite gives NaN
+    rows). Other arguments as :func:`sparsemax_loss`.
 
     Example:
       >>> print(np.asarray(entmax_loss(jnp.array([[0.0, 0.0]]), jnp.array([1]), 2.0)))
