@@ -478,8 +478,9 @@ def blocksparse_attention(
         with ``mask.predicate`` on the gathered positions, batch element by batch element).
         Ignored for static layouts, which are exact.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
-        float > 1, or a float array of shape ``[]``, ``[1]`` or ``[N]`` (one α per query head;
-        differentiable).
+        float >= 1, or a float array of shape ``[]``, ``[1]`` or ``[N]`` (one α per query head;
+        differentiable), under the rule of :func:`sparse_jax.entmax` (α = 1 is softmax; a
+        traced α < 1 or non-finite makes its head's rows NaN).
       scale: multiplier of ``q·k``; default ``D ** -0.5``. A scalar float array is accepted.
       bias: optional float array broadcastable to ``[B, N, Tq, Tk]`` (rank <= 4), added to the
         scaled scores; ``-inf`` entries are masked. It is gathered block by block like the keys,

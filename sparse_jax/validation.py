@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_jax.normalizers import NORMALIZERS
+from sparse_jax.normalizers import NORMALIZERS, bad_alpha
 
 #: The α of α-entmax that each sparse normalizer name is (sparsemax is 2-entmax): where a
 #: learned α starts from (``learn_alpha``).
@@ -332,20 +332,26 @@ def check_bias(bias: Any, target: tuple[int, int, int, int], caller: str) -> Any
 
 
 def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
-    """A name of NORMALIZERS, a python float α > 1, or a float array α of shape [] or [N].
+    """A name of NORMALIZERS, a python float α >= 1, or a float array α of shape [] or [N].
+
+    α follows the rule of :func:`sparse_jax.entmax`: α = 1 is softmax (a python float 1
+    comes back as ``"softmax"``); α < 1, NaN and ±inf raise when concrete; a traced array α
+    cannot be checked, and its bad entries give NaN rows in every engine.
 
     Example:
       >>> check_normalizer("sparsemax", 4, "my_kernel"), check_normalizer(1.5, 4, "my_kernel")
       ('sparsemax', 1.5)
-      >>> check_normalizer(np.array([1.2, 1.5, 2.0, 3.0]), 4, "my_kernel").shape  # α per head
+      >>> check_normalizer(np.array([1.2, 1.0, 2.0, 3.0]), 4, "my_kernel").shape  # α per head
       (4,)
       >>> check_normalizer(1.0, 4, "my_kernel")
+      'softmax'
+      >>> check_normalizer(0.5, 4, "my_kernel")
       Traceback (most recent call last):
       ...
-      ValueError: my_kernel: `normalizer` α must be finite and > 1 (α -> 1 is softmax: pass ...
+      ValueError: my_kernel: `normalizer` α must be finite and >= 1 (α = 1 is softmax); got 0.5
     """
     allowed = (
-        f"one of {list(NORMALIZERS)}, a float α > 1, or a float array of α > 1 of shape [] or "
+        f"one of {list(NORMALIZERS)}, a float α >= 1, or a float array of α >= 1 of shape [] or "
         f"[heads] = [{num_heads}] (one α per query head)"
     )
     if isinstance(normalizer, str):
@@ -356,12 +362,11 @@ def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
         raise TypeError(f"{caller}: `normalizer` must be {allowed}; got {normalizer!r}")
     if isinstance(normalizer, numbers.Real):
         alpha = float(normalizer)
-        if not (alpha > 1.0 and math.isfinite(alpha)):
+        if bad_alpha(alpha):
             raise ValueError(
-                f"{caller}: `normalizer` α must be finite and > 1 (α -> 1 is softmax: pass "
-                f'normalizer="softmax"); got {alpha}'
+                f"{caller}: `normalizer` α must be finite and >= 1 (α = 1 is softmax); got {alpha}"
             )
-        return alpha
+        return "softmax" if alpha == 1.0 else alpha
     if isinstance(normalizer, (jax.Array, np.ndarray)):
         if not jnp.issubdtype(normalizer.dtype, jnp.floating):
             raise TypeError(
@@ -376,10 +381,10 @@ def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
             )
         if not isinstance(normalizer, jax.core.Tracer):
             values = np.asarray(normalizer)
-            if not ((values > 1.0) & np.isfinite(values)).all():
+            if bad_alpha(values).any():
                 raise ValueError(
-                    f"{caller}: every α of `normalizer` must be finite and > 1; got "
-                    f"{values.tolist()!r:.200} "
+                    f"{caller}: every α of `normalizer` must be finite and >= 1 (α = 1 is "
+                    f"softmax); got {values.tolist()!r:.200} "
                     "(parametrise a learned α as 1 + softplus(θ))"
                 )
         return jnp.asarray(normalizer)
@@ -388,7 +393,8 @@ def check_normalizer(normalizer: Any, num_heads: int, caller: str) -> Any:
 
 def check_alpha_start(normalizer: Any, caller: str) -> float:
     """The α a learned α starts from (``learn_alpha``): the α of a sparse normalizer name
-    (:data:`ALPHA_OF_NORMALIZER`: ``"sparsemax"`` 2, ``"entmax15"`` 1.5) or a real α > 1.
+    (:data:`ALPHA_OF_NORMALIZER`: ``"sparsemax"`` 2, ``"entmax15"`` 1.5) or a real α > 1
+    (α = 1 + softplus(θ) reaches 1 only at θ = -inf).
 
     Example:
       >>> check_alpha_start("entmax15", "my_layer"), check_alpha_start(1.2, "my_layer")
@@ -401,7 +407,9 @@ def check_alpha_start(normalizer: Any, caller: str) -> float:
     if isinstance(normalizer, str) and normalizer in ALPHA_OF_NORMALIZER:
         return ALPHA_OF_NORMALIZER[normalizer]
     if isinstance(normalizer, numbers.Real) and not isinstance(normalizer, (bool, np.bool_)):
-        return check_normalizer(normalizer, 1, caller)
+        alpha = check_normalizer(normalizer, 1, caller)
+        if alpha != "softmax":
+            return alpha
     raise ValueError(
         f"{caller}: `learn_alpha` needs a sparse `normalizer` to start α from: one of "
         f"{tuple(ALPHA_OF_NORMALIZER)} or a float α > 1 (the initial α); got "

@@ -485,11 +485,11 @@ _K = jnp.zeros((2, 6, 2, 8))
             ValueError,
             r"unknown `normalizer`='entmax'.*'softmax', 'sparsemax', 'entmax15'",
         ),
-        ({"normalizer": 1.0}, ValueError, r"α must be finite and > 1 .*softmax.*got 1.0"),
+        ({"normalizer": 0.5}, ValueError, r"α must be finite and >= 1 .*softmax.*got 0.5"),
         ({"normalizer": float("inf")}, ValueError, r"attention: `normalizer` α must be finite"),
         ({"normalizer": jnp.array(jnp.nan)}, ValueError, r"every α .* must be finite"),
         ({"normalizer": True}, TypeError, r"`normalizer` must be"),
-        ({"normalizer": jnp.array([1.5, 0.9, 2.0, 2.0])}, ValueError, r"every α .* > 1"),
+        ({"normalizer": jnp.array([1.5, 0.9, 2.0, 2.0])}, ValueError, r"every α .* >= 1"),
         ({"normalizer": jnp.ones((2,)) * 1.5}, ValueError, r"shape \[\], \[1\] or \[heads\]"),
         ({"normalizer": jnp.array([2, 2, 2, 2])}, TypeError, r"floating dtype"),
         (

@@ -383,7 +383,7 @@ def test_scale_array_and_jit():
         ({"block_size": (8, 0)}, ValueError, r"`block_size\[1\]` must be an int >= 1"),
         ({"causal": 1}, TypeError, r"`causal` must be a bool"),
         ({"normalizer": "relu"}, ValueError, r"unknown `normalizer`='relu'"),
-        ({"normalizer": 1.0}, ValueError, r"α must be finite and > 1"),
+        ({"normalizer": 0.5}, ValueError, r"α must be finite and >= 1"),
         ({"scale": float("nan")}, ValueError, r"`scale` must be finite"),
         ({"return_weights": "yes"}, TypeError, r"`return_weights` must be a bool"),
         ({"return_indices": None}, TypeError, r"`return_indices` must be a bool"),

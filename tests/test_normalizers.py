@@ -359,7 +359,7 @@ def test_losses_with_labels_closed_over_under_jit():
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda: sj.entmax(jnp.ones(3), 1.0), ValueError, "alpha.*> 1.*alpha=1.0"),
+        (lambda: sj.entmax(jnp.ones(3), 0.99), ValueError, "alpha.*>= 1.*alpha=0.99"),
         (lambda: sj.entmax(jnp.ones(3), 0.5), ValueError, "alpha"),
         (lambda: sj.entmax(jnp.ones((2, 3)), jnp.array([1.5, 0.9])), ValueError, r"\[0.9"),
         (lambda: sj.entmax(jnp.ones((2, 3)), jnp.ones(3) * 1.5), ValueError, "shape"),
@@ -383,7 +383,7 @@ def test_losses_with_labels_closed_over_under_jit():
         (lambda: sj.entmax15_loss(jnp.ones((2, 3)), jnp.array([-1, 0])), ValueError, "labels"),
         (lambda: sj.sparsemax_loss(jnp.ones((2, 3)), jnp.array([0.0, 1.0])), TypeError, "integer"),
         (lambda: sj.sparsemax_loss(jnp.ones((2, 3)), jnp.array([0])), ValueError, r"shape.*\(2,\)"),
-        (lambda: sj.entmax_loss(jnp.ones((2, 3)), jnp.array([0, 1]), 1.0), ValueError, "alpha"),
+        (lambda: sj.entmax_loss(jnp.ones((2, 3)), jnp.array([0, 1]), 0.5), ValueError, "alpha"),
         (lambda: sj.sparsemax_loss(jnp.ones((2, 3), int), jnp.array([0, 1])), TypeError, "logits"),
     ],
 )

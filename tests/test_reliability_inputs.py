@@ -183,7 +183,7 @@ def test_normalizers_refuse_an_empty_normalized_axis_by_name(name):
 
 
 def test_entmax_refuses_alpha_as_a_string():
-    with pytest.raises(TypeError, match="entmax: `alpha` must be a finite float > 1"):
+    with pytest.raises(TypeError, match="entmax: `alpha` must be a finite float >= 1"):
         sj.normalizers.entmax(jnp.zeros(3), "1.5")
 
 

@@ -217,7 +217,9 @@ def pallas_attention(
         and one ``segments`` leaf under ``|`` and ``~`` (e.g. ``causal() | padding(prefix)``);
         ignored for static layouts.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"``, or α-entmax's α: a python
-        float > 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable).
+        float >= 1 or a float array of shape ``[]``, ``[1]`` or ``[N]`` (differentiable),
+        under the rule of :func:`sparse_jax.entmax` (α = 1 is softmax; a traced α < 1 or
+        non-finite makes its head's rows NaN).
       scale: multiplier of ``q·k``, default ``D ** -0.5``; a scalar array is differentiable.
       bias: optional float array broadcastable to ``[B, N, Tq, Tk]`` (rank <= 4), added to the
         scaled scores (``-inf`` masks), read tile by tile; differentiable (its gradient is

@@ -212,7 +212,8 @@ def _forward_kernel(len_ref, scale_ref, eps_ref, idx_ref, cnt_ref, full_ref, pmi
 
     init = (jnp.full((bq, 1), -jnp.inf, _F32), jnp.zeros((bq, 1), _F32))
     row_max, n_valid = _stream(count, views(False), k_bufs, sem, first, init)
-    nan_row = jnp.isnan(row_max)
+    nan_row = jnp.isnan(row_max) | tilemath.bad_alpha(eps)
+    row_max = jnp.where(nan_row, jnp.nan, row_max)
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
 
     def row_sums(terms_of, n_terms, minima=0):

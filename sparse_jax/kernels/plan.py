@@ -37,7 +37,7 @@ from sparse_jax.masks import (
     split_runtime,
     tile_expression,
 )
-from sparse_jax.normalizers import SIGMA_MAX_EPS
+from sparse_jax.normalizers import SIGMA_MAX_EPS, alpha_eps
 from sparse_jax.validation import (
     check_bias,
     check_bool,
@@ -543,7 +543,12 @@ def prepare(
         sigma = normalizer - 1.0 <= SIGMA_MAX_EPS
     elif not isinstance(normalizer, str):
         kind, alpha = "entmax", jnp.broadcast_to(normalizer.astype(_F32).reshape(-1), (n,))
-    eps = (jnp.asarray(alpha, _F32) - 1.0) if kind == "entmax" else jnp.zeros((), _F32)
+    if kind != "entmax":
+        eps = jnp.zeros((), _F32)
+    elif isinstance(alpha, float):
+        eps = jnp.asarray(alpha - 1.0, _F32)
+    else:  # the α rule: α = 1 is softmax, a bad α NaN (its rows then NaN in the kernels)
+        eps = alpha_eps(alpha, _F32)
     eps = jnp.broadcast_to(eps, (n,)).reshape(n, 1)
 
     nq, nk = layout.num_q_blocks, layout.num_kv_blocks

@@ -63,6 +63,12 @@ def weights(kind: str, z, tau, eps, sigma):
     return entmax_powers(z, tau, eps, sigma)
 
 
+def bad_alpha(eps):
+    """Rows whose α breaks the α rule (ε NaN, :func:`sparse_jax.normalizers.alpha_eps`): the
+    kernels make them NaN rows, as a NaN score would; False for the other normalizers."""
+    return False if eps is None else jnp.isnan(eps)
+
+
 def row_search(
     kind: str, row_max, n_valid, eps, sigma, row_length: int, expm1=jnp.expm1, tau0=None
 ):

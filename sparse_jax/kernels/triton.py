@@ -220,7 +220,7 @@ def _forward_sparse_kernel(scale_ref, len_ref, eps_ref, q_ref, k_ref, v_ref, bia
 
     init = ((jnp.full((bq, 1), -jnp.inf, _F32),) * n_top, jnp.zeros((bq, 1), _F32))
     top, n_valid = jax.lax.fori_loop(0, count, first_pass, init)
-    nan_row = top[0] == jnp.inf
+    nan_row = (top[0] == jnp.inf) | tilemath.bad_alpha(eps)
     row_max = jnp.where(nan_row, jnp.nan, top[0])
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN stays NaN: its z is NaN
     tau0 = (

@@ -5,8 +5,9 @@
     p_i = [(α - 1) x_i - τ]_+ ^ (1 / (α - 1)),      with τ chosen so that Σ_i p_i = 1.
 
 α → 1 recovers softmax, α = 2 is sparsemax (Martins & Astudillo, 2016) and α = 1.5 is 1.5-entmax
-(Peters, Niculae & Martins, 2019); every α > 1 gives exact zeros. "Adaptively Sparse Transformers"
-(Correia et al., 2019) learn one α per attention head, so ``entmax`` differentiates in α too.
+(Peters, Niculae & Martins, 2019); every α > 1 gives exact zeros, and α = 1 is softmax itself.
+"Adaptively Sparse Transformers" (Correia et al., 2019) learn one α per attention head, so
+``entmax`` differentiates in α too.
 
 How the threshold τ is found (the part that decides speed)
 -----------------------------------------------------------
@@ -63,9 +64,11 @@ and, through them, both attention engines:
 * ``+inf`` at an allowed position: the row's weight goes uniformly to its ``+inf`` entries
   (the limit of raising them together); the others get 0, the values and gradients are finite.
   (Scores equal to the largest finite float count as ``+inf``.)
-* ``alpha`` must be finite and > 1: ``inf``, NaN, <= 1 raise a ``ValueError`` naming it
-  (when concrete; a traced α cannot be checked). The losses are NaN for a NaN logit in a row
-  that is not padding.
+* ``alpha``: α > 1 is α-entmax and α = 1 exactly is softmax; α < 1, NaN and ±inf raise a
+  ``ValueError`` naming it when concrete, and make their rows NaN when traced (the same rule
+  in every attention engine; ``jax.experimental.checkify`` turns it into an error under
+  ``jit``: see :func:`entmax`). The losses are NaN for a NaN logit in a row that is not
+  padding.
 
 Arguments are checked before anything is traced: a wrong type, an empty normalized axis, a bad
 ``axis`` (python or numpy integers, 0-d integer arrays), ``where`` or ``alpha`` raise
@@ -88,6 +91,8 @@ from sparse_jax.normalizers.alpha_entmax import entmax_alpha_terms as entmax_alp
 from sparse_jax.normalizers.alpha_entmax import entmax_powers as entmax_powers
 from sparse_jax.normalizers.alpha_entmax import entmax_search as entmax_search
 from sparse_jax.normalizers.alpha_entmax import expm1_from_exp as expm1_from_exp
+from sparse_jax.normalizers.arguments import alpha_eps as alpha_eps
+from sparse_jax.normalizers.arguments import bad_alpha as bad_alpha
 from sparse_jax.normalizers.exact import POLISH_FREE_EXCESS as POLISH_FREE_EXCESS
 from sparse_jax.normalizers.exact import entmax15, sparsemax
 from sparse_jax.normalizers.exact import entmax15_polish as entmax15_polish
@@ -102,7 +107,8 @@ from sparse_jax.normalizers.search import RowSearch as RowSearch
 from sparse_jax.normalizers.softmax import masked_softmax
 
 # The API. The names imported `as` themselves are the searches and constants the fused kernels
-# share (sparse_jax.kernels, experiments.bench), kept here under the names they had.
+# share (sparse_jax.kernels, experiments.bench), kept here under the names they had, and the α
+# rule the engines share (sparse_jax.validation, sparse_jax.kernels).
 __all__ = [
     "NORMALIZERS",
     "entmax",

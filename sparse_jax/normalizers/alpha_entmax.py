@@ -1,4 +1,5 @@
-"""α-entmax for any α > 1, a float or an array (e.g. one α per head), differentiable in α.
+"""α-entmax for any α >= 1 (α = 1: softmax), a float or an array (e.g. one α per head),
+differentiable in α.
 
 Safeguarded Newton on the threshold, held as σ = 1 + τ for α near 1 (package docstring, "How
 the threshold τ is found"), and the α derivative of Correia et al. (2019) without a division
@@ -17,12 +18,14 @@ import jax.numpy as jnp
 import numpy as np  # noqa: F401 (the examples use it)
 
 from sparse_jax.normalizers.arguments import (
+    alpha_eps,
     check_alpha,
     check_axis,
     check_row_length,
     check_scores,
     finish,
     prepare,
+    softmax_eps,
 )
 from sparse_jax.normalizers.exact import entmax15, sparsemax
 from sparse_jax.normalizers.search import (
@@ -246,6 +249,8 @@ def _entmax_rows(x, eps, sigma):
     to choose per row from eps.
     """
     z, has_any, nan_row = shift_to_zero_max(x)
+    bad_alpha = jnp.isnan(eps)  # a row whose α breaks the rule (arguments.alpha_eps): NaN
+    has_any, nan_row = has_any & ~bad_alpha, nan_row | bad_alpha
     z = eps * z
 
     def solve(sigma):
@@ -293,13 +298,33 @@ def entmax(x, alpha, axis: int = -1, *, where=None) -> jax.Array:
     rounding, with the output divided by its sum so that rows sum to one.
 
     Differentiable with respect to ``x`` and ``alpha`` (learned α per head, as in "Adaptively
-    Sparse Transformers"). A traced α cannot be checked for α > 1: parametrise a learned α as
-    ``1 + softplus(θ)`` (or ``1 + sigmoid(θ)`` for α ∈ (1, 2)).
+    Sparse Transformers"); parametrise a learned α as ``1 + softplus(θ)`` (or
+    ``1 + sigmoid(θ)`` for α ∈ [1, 2]).
+
+    The rule for α, the same here, in the losses and in every attention engine, eager or
+    under ``jit``: α > 1 is α-entmax; α = 1 exactly is softmax (with the derivative in α of
+    the limit α ↓ 1); α < 1, NaN and ±inf are not α-entmax. Such an α raises a ``ValueError``
+    naming ``alpha`` when it is concrete; a traced α cannot be checked, and every row whose
+    α breaks the rule is NaN (values and derivatives; the other rows are unaffected). To get
+    an error under ``jit``, run the function under ``jax.experimental.checkify``:
+
+      >>> from jax.experimental import checkify
+      >>> scores = jnp.zeros((2, 3))  # [heads, keys]
+      >>> step = jax.jit(lambda a: entmax(scores, a))  # α per head: [heads]
+      >>> print(np.asarray(step(jnp.array([1.0, 0.5]))).round(3))  # α = 1: softmax
+      [[0.333 0.333 0.333]
+       [  nan   nan   nan]]
+      >>> error, _ = checkify.checkify(step)(jnp.array([1.0, 0.5]))
+      >>> error.throw()
+      Traceback (most recent call last):
+      ...
+      jax._src.checkify.JaxRuntimeError: α-entmax: every α must be ... got α = 0.5 (1 of 2 ...
 
     Args:
       x: scores of any float dtype, e.g. ``[batch, heads, q, kv]``.
-      alpha: a float > 1, or an array broadcastable to ``x`` without ``axis`` (e.g. one α per
-        head: shape ``[heads, 1]`` for scores ``[batch, heads, q, kv]`` with ``axis=-1``).
+      alpha: a float >= 1, or an array broadcastable to ``x`` without ``axis`` (e.g. one α
+        per head: shape ``[heads, 1]`` for scores ``[batch, heads, q, kv]`` with
+        ``axis=-1``).
       axis: the axis that sums to one.
       where: optional boolean mask broadcastable to ``x`` (True = allowed); ``-inf`` also masks.
 
@@ -320,9 +345,10 @@ def entmax(x, alpha, axis: int = -1, *, where=None) -> jax.Array:
         return entmax15(x, axis, where=where)
     x, axis, dtype = prepare(x, axis, where, "entmax")
     if isinstance(alpha, float):  # α - 1 in python float64: α = 1 + 1e-7 is not a float32
-        eps = jnp.full((*x.shape[:-1], 1), alpha - 1.0, x.dtype)
-        sigma = alpha - 1.0 <= SIGMA_MAX_EPS
+        eps_value = alpha - 1.0 if alpha > 1.0 else softmax_eps(x.dtype)
+        eps = jnp.full((*x.shape[:-1], 1), eps_value, x.dtype)
+        sigma = eps_value <= SIGMA_MAX_EPS
     else:
-        eps = jnp.broadcast_to(jnp.asarray(alpha, x.dtype), x.shape[:-1])[..., None] - 1.0
+        eps = jnp.broadcast_to(alpha_eps(alpha, x.dtype), x.shape[:-1])[..., None]
         sigma = None  # chosen per row
     return finish(_entmax_rows(x, eps, sigma), axis, dtype)

@@ -9,13 +9,13 @@ float64).
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 # No API here: the names without an underscore are shared by the package's modules only.
 __all__: list[str] = []
@@ -97,20 +97,28 @@ def is_concrete(a) -> bool:
     return not isinstance(a, jax.core.Tracer)
 
 
+def bad_alpha(values) -> np.ndarray:
+    """Where concrete α values break the rule for α (α < 1, NaN, ±inf; :func:`entmax`'s
+    docstring), as a numpy bool array."""
+    values = np.asarray(values, np.float64)
+    return ~(np.isfinite(values) & (values >= 1.0))
+
+
 def check_alpha(alpha, row_batch_shape: tuple[int, ...], name: str, arg: str = "alpha"):
     """Returns a python float for scalar α, or a float array broadcastable to the row batch.
 
-    α must be finite and > 1; an array α is checked when it is concrete (a traced α cannot be).
+    α must be finite and >= 1 (the rule for α); an array α is checked when it is concrete
+    (a traced one is handled by :func:`alpha_eps`).
     """
-    allowed = "a finite float > 1, or a float array of such α"
+    allowed = "a finite float >= 1, or a float array of such α"
     if isinstance(alpha, (bool, np.bool_)):
         raise TypeError(f"{name}: `{arg}` must be {allowed}; got {alpha!r}.")
     if isinstance(alpha, numbers.Real):
         value = float(alpha)
-        if not (math.isfinite(value) and value > 1.0):
+        if bad_alpha(value):
             raise ValueError(
-                f"{name}: `{arg}` must be finite and > 1 (α -> 1 is softmax, use "
-                f"jax.nn.softmax; α -> inf puts all weight on the maximum); got alpha={value}."
+                f"{name}: `{arg}` must be finite and >= 1 (α = 1 is softmax; α -> inf puts all "
+                f"weight on the maximum); got alpha={value}."
             )
         return value
     if not isinstance(alpha, (jax.Array, np.ndarray, list, tuple)):
@@ -130,13 +138,44 @@ def check_alpha(alpha, row_batch_shape: tuple[int, ...], name: str, arg: str = "
         )
     if is_concrete(alpha):
         values = np.asarray(alpha)
-        bad = ~(np.isfinite(values) & (values > 1.0))
+        bad = bad_alpha(values)
         if bad.any():
             raise ValueError(
-                f"{name}: every `{arg}` must be finite and > 1; got {values[bad][:5]} "
-                "(a learned α is usually parametrised as 1 + softplus(θ) or 1 + sigmoid(θ))."
+                f"{name}: every `{arg}` must be finite and >= 1 (α = 1 is softmax); got "
+                f"{values[bad][:5]} (a learned α is usually parametrised as 1 + softplus(θ) or "
+                "1 + sigmoid(θ))."
             )
     return alpha
+
+
+def softmax_eps(dtype) -> float:
+    """The ε = α - 1 that α = 1 is computed with: the square of the dtype's machine epsilon
+    (2⁻⁴⁶ in float32). α-entmax at ε differs from softmax by O(ε x²) relative, far below the
+    dtype's rounding, and runs the same search and derivatives as any α (the threshold held as
+    σ = 1 + τ), so a row of α = 1 is softmax in every engine and dα there is its limit."""
+    return float(jnp.finfo(dtype).eps) ** 2
+
+
+def alpha_eps(alpha, dtype) -> jax.Array:
+    """ε = α - 1 of an α array (traced or not) under the rule for α, in ``dtype``.
+
+    α = 1 gives :func:`softmax_eps` (softmax); α < 1, NaN or ±inf give NaN, which the
+    normalizer and the kernels turn into NaN rows. dε/dα = 1 everywhere. Under
+    ``jax.experimental.checkify.checkify`` a bad α is also reported (a ``debug_check``,
+    dropped otherwise): the way to an error for a traced α.
+    """
+    alpha = jnp.asarray(alpha, dtype)
+    bad = ~((alpha >= 1.0) & (alpha < jnp.inf))  # NaN compares False
+    flat = bad.reshape(-1)
+    checkify.debug_check(
+        ~jnp.any(bad),
+        "α-entmax: every α must be finite and >= 1 (α = 1 is softmax); got α = {} ({} of "
+        f"{flat.size} values break the rule)",
+        alpha.reshape(-1)[jnp.argmax(flat)],
+        jnp.sum(flat),
+    )
+    nudge = jnp.where(alpha == 1.0, softmax_eps(dtype), jnp.where(bad, jnp.nan, 0.0))
+    return (alpha - 1.0) + nudge.astype(dtype)
 
 
 def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]):
