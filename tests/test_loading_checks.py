@@ -158,12 +158,15 @@ def test_a_size_that_disagrees_with_the_checkpoint_names_the_field_and_both_shap
     assert str(folder / cot.RECORD) in message
 
 
-def test_a_changed_layer_count_names_the_parameters(copy):
+def test_a_changed_layer_count_names_the_field_and_the_parameters(copy):
     folder, record = copy
     record["models"]["sparse"]["model"]["encoder_layers"] = 2
     _write(folder, record)
-    with pytest.raises(ValueError, match=r"`models.sparse.model` does not describe the model"):
+    with pytest.raises(ValueError) as info:
         cot.Solver.load(folder)
+    message = str(info.value)
+    assert "`models.sparse.model.encoder_layers`=2 does not match the checkpoint" in message
+    assert "trained with encoder_layers=1" in message and "'encoder/1/" in message
 
 
 @pytest.fixture(scope="module")

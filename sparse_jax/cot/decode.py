@@ -229,54 +229,69 @@ def _saved_shapes(step_dir: Path) -> dict[str, tuple[int, ...]] | None:
         return None
 
 
+def _culprit(config: EncDecConfig, saved, candidates) -> tuple[str, int, int] | None:
+    """``(field, value, size)``: the first of ``candidates`` (``(field, sizes)`` pairs) whose
+    size gives the model the ``saved`` shapes (None: no single field does)."""
+    for name, sizes in candidates:
+        value = getattr(config, name)
+        for size in sorted(set(sizes) - {value}):
+            try:
+                other = dataclasses.replace(config, **{name: size})
+            except (TypeError, ValueError):
+                continue
+            if _model_shapes(other) == saved:
+                return name, value, size
+    return None
+
+
+_LAYER_FIELDS = ("encoder_layers", "decoder_layers", "cot_steps")  # change the parameters' tree
+
+
 def _check_shapes(
     net: EncoderDecoder, config: EncDecConfig, directory: Path, steps, path: Path, field: str
 ) -> None:
     """Raises ``ValueError`` naming ``field``'s size that disagrees with the newest readable
-    checkpoint's parameter shapes (before Orbax would refuse them without saying why)."""
+    checkpoint's parameter shapes, with both shapes (before Orbax would refuse them without
+    naming the config's field)."""
     for step in reversed(steps):
         saved = _saved_shapes(directory / str(step))
         if saved is not None:
             break
     else:
         return
+    checkpoint = directory / str(step)
     want = _shapes(nnx.state(net))
-    where = f"Solver.load: {path}:"
     missing, extra = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+    wrong = [(k, want[k], saved[k]) for k in want if k in saved and want[k] != saved[k]]
     if missing or extra:
-        raise ValueError(
-            f"{where} `{field}` does not describe the model of checkpoint "
-            f"{directory / str(step)}: the config has parameters it lacks {missing[:4]}, it has "
-            f"parameters the config lacks {extra[:4]} (a changed number of layers or steps?)"
+        candidates = [(name, range(13)) for name in _LAYER_FIELDS]
+        parts = [f"the config has parameters it lacks: {missing[:3]}"] if missing else []
+        parts += [f"it has parameters the config lacks: {extra[:3]}"] if extra else []
+        what = f"checkpoint {checkpoint}: " + "; ".join(parts)
+    elif wrong:
+        name, config_shape, saved_shape = wrong[0]
+        candidates = []
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if type(value) is int and f.name != "seed":
+                sizes = {
+                    s for _, w, got in wrong for c, s in zip(w, got, strict=False) if c == value
+                }
+                candidates.append((f.name, sizes))
+        what = (
+            f"parameter {name} has shape {saved_shape} in checkpoint {checkpoint} and "
+            f"{config_shape} under the record's config ({len(wrong)} parameters differ)"
         )
-    wrong = [(k, want[k], saved[k]) for k in want if want[k] != saved[k]]
-    if not wrong:
+    else:
         return
-    name, config_shape, saved_shape = wrong[0]
-    culprits = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if type(value) is not int or f.name == "seed":
-            continue
-        tried = {s for k, w, got in wrong for c, s in zip(w, got, strict=False) if c == value != s}
-        for size in sorted(tried):
-            try:
-                other = dataclasses.replace(config, **{f.name: size})
-            except (TypeError, ValueError):
-                continue
-            if _model_shapes(other) == saved:
-                culprits.append((f.name, value, size))
-    shapes = (
-        f"parameter {name} has shape {saved_shape} in checkpoint {directory / str(step)} and "
-        f"{config_shape} under the record's config ({len(wrong)} parameters differ)"
+    culprit = _culprit(config, saved, candidates)
+    if culprit is None:
+        raise ValueError(f"Solver.load: {path}: `{field}` does not match the checkpoint: {what}")
+    name, value, size = culprit
+    raise ValueError(
+        f"Solver.load: {path}: `{field}.{name}`={value} does not match the checkpoint, trained "
+        f"with {name}={size}: {what}"
     )
-    if culprits:
-        f_name, value, size = culprits[0]
-        raise ValueError(
-            f"{where} `{field}.{f_name}`={value} does not match the checkpoint, trained with "
-            f"{f_name}={size}: {shapes}"
-        )
-    raise ValueError(f"{where} `{field}` does not match the checkpoint: {shapes}")
 
 
 def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> str | None:
