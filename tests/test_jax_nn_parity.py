@@ -115,8 +115,8 @@ def _mask_case(mode):
 def _engines(mode):
     if "custom" in mode or mode == ("bias",):  # a bool array or no mask: the dense engine
         return ["xla"]
-    # The Pallas kernel runs in interpret mode on CPU (slow): the modes with run-time leaves.
-    pallas = ["pallas"] if "padding" in mode or "sliding_window" in mode else []
+    # The Pallas kernel runs in interpret mode on CPU (slow): one mode with run-time leaves.
+    pallas = ["pallas"] if mode == ("causal", "padding") else []
     return ["xla", "blocksparse", *pallas]
 
 
@@ -193,7 +193,7 @@ def test_debug_infs_masked_call(engine, normalizer, empty):
 
 def test_bf16_chunked_gradients_as_accurate_as_one_chunk():
     keys = jax.random.split(jax.random.key(3), 4)
-    q, k, v, g = (_normal(key, (B, 128, N, 32), jnp.bfloat16) for key in keys)
+    q, k, v, g = (_normal(key, (1, 64, 2, 32), jnp.bfloat16) for key in keys)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, g)]
     _, vjp = jax.vjp(jax.nn.dot_product_attention, *f32[:3])
     exact = vjp(f32[3])
@@ -205,7 +205,7 @@ def test_bf16_chunked_gradients_as_accurate_as_one_chunk():
             for a, b in zip(vjp(g), exact, strict=True)
         ]
 
-    whole, chunked = errors(None), errors(16)  # one chunk of 128 queries, 8 chunks of 16
+    whole, chunked = errors(None), errors(8)  # one chunk of 64 queries, 8 chunks of 8
     for name, one, many in zip(("dq", "dk", "dv"), whole, chunked, strict=True):
         assert many <= 1.1 * one, f"{name}: {many} with 8 chunks, {one} with one"
 
@@ -242,7 +242,7 @@ def test_rank3_inputs_and_residual():
     assert out.shape == (T, N, H) and lse.shape == (T, N)
     _close(out, out_ref, 1e-5)
     _close(lse, lse_ref, 1e-5)
-    weights = attention(q, k, v, is_causal=True, return_weights=True, impl="blocksparse")[1]
+    weights = attention(q, k, v, is_causal=True, return_weights=True)[1]
     assert weights.shape == (N, T, T)
 
 
