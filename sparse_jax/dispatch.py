@@ -79,6 +79,12 @@ blocks the work. ``normalizer`` α follows the rule of :func:`sparse_jax.entmax`
 every engine: α = 1 is softmax; α < 1, NaN or ±inf raise when concrete and make that head's
 rows NaN when traced (``jax.experimental.checkify`` reports them).
 
+As a drop-in for ``jax.nn.dot_product_attention``, :func:`attention` also takes its keywords
+``is_causal``, ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` (turned
+into mask leaves), ``return_residual`` (softmax's log-sum-exp) and rank-3 inputs; it runs under
+``jax.numpy_rank_promotion("raise")``, and under ``jax.debug_infs(True)`` the normalizer's
+``-inf`` masking stays inside one compiled call, so a masked call is not stopped by it.
+
 :func:`attention_fn` adapts :func:`attention` to the ``attention_fn`` argument of
 ``flax.nnx.MultiHeadAttention``.
 """
@@ -866,10 +872,28 @@ def attention(
         (2**22; on CPU ``CPU_CHUNK_SCORES``, 2**20, and at least ``2·H`` rows), at least 8, so
         small problems run as one chunk (no loop, no recomputation in the backward pass).
       precision: passed to the two einsums (``jax.lax.Precision``), as in flax.
+      is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the mask keywords
+        of ``jax.nn.dot_product_attention``, with its meaning, turned into
+        :mod:`sparse_jax.masks` leaves AND-ed with ``mask`` (so every engine sees one mask):
+        ``is_causal=True`` is ``causal()``; ``local_window_size`` (an int ``w`` for ``(w, w)``,
+        or ``(left, right)``, ints >= 0) is ``local(left, right)``; ``key_value_seq_lengths``
+        (int ``[B]``, >= 0, may be traced) is ``padding(lengths)``; ``query_seq_lengths`` (int
+        ``[B]``) leaves query rows ``i >= lengths[b]`` without keys (a ``segments`` leaf), so
+        they are 0, as jax makes them. With a bool-array ``mask`` the keywords' mask rides
+        beside it and only ``"xla"`` takes the call. Unlike jax, a row left with no key gives
+        0 (the policy above), where jax averages the values.
+      return_residual: also return softmax's log-sum-exp of the (scaled, biased, masked) scores
+        ``[B, Tq, N]`` in ``q``'s dtype, without gradient, as jax does; a row with no allowed
+        key gets ``finfo(dtype).min`` (finite). Softmax only (sparsemax and entmax normalize by
+        a threshold and have no such sum: ``ValueError``), computed by ``"xla"``.
+
+    Inputs of rank 3 (``q [Tq, N, H]``, ``k``/``v [Tk, K, H]``, no batch axis, as jax takes
+    them) run as a batch of one and return without the batch axis.
 
     Returns:
       ``[B, Tq, N, Hv]`` in ``q``'s dtype; with ``return_weights``, ``(out, weights)`` with
-      weights ``[B, N, Tq, Tk]`` in ``q``'s dtype (rows sum to 1, or are 0 where fully masked).
+      weights ``[B, N, Tq, Tk]`` in ``q``'s dtype (rows sum to 1, or are 0 where fully masked);
+      with ``return_residual``, ``(out, log_sum_exp)``.
 
     Raises:
       ValueError, TypeError: for bad arguments, before anything is traced or compiled.
@@ -883,6 +907,9 @@ def attention(
       ((1, 3, 2, 4), (1, 2, 3, 3))
       >>> (6 * w[0, 0]).round().astype(int).tolist()  # equal scores: uniform on allowed keys
       [[6, 0, 0], [3, 3, 0], [2, 2, 2]]
+      >>> out, lse = attention(q[0], k[0], v[0], is_causal=True, return_residual=True)
+      >>> out.shape, lse.shape  # jax.nn's keywords; rank-3 inputs: no batch axis
+      ((3, 2, 4), (3, 2))
     """
     q, k, v, unbatched = _add_batch(q, k, v)
     keywords = {
