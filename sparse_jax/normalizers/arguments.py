@@ -150,9 +150,10 @@ def check_alpha(alpha, row_batch_shape: tuple[int, ...], name: str, arg: str = "
 
 def softmax_eps(dtype) -> float:
     """The ε = α - 1 that α = 1 is computed with: the square of the dtype's machine epsilon
-    (2⁻⁴⁶ in float32). α-entmax at ε differs from softmax by O(ε x²) relative, far below the
-    dtype's rounding, and runs the same search and derivatives as any α (the threshold held as
-    σ = 1 + τ), so a row of α = 1 is softmax in every engine and dα there is its limit."""
+    (2⁻⁴⁶ in float32). α-entmax at ε differs from softmax by O(ε x²) relative (x: a score
+    less the row's maximum), below the dtype's rounding for |x| up to about 10³, and runs the
+    same search and derivatives as any α (the threshold held as σ = 1 + τ), so a row of α = 1
+    is softmax in every engine and dα there is its limit from above."""
     return float(jnp.finfo(dtype).eps) ** 2
 
 
