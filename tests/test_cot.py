@@ -741,9 +741,11 @@ def test_the_experiment_evaluates_answers_and_resumes(run, capsys, tmp_path):
     ):
         experiment.run(experiment.parse(
             ["train", *run["args"], "--run.resume", "--train.lr", "0.02"]))  # fmt: skip
-    with pytest.raises(SystemExit):
-        experiment.parse(["train", *run["args"]])
-    assert "already holds a run" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    with pytest.raises(SystemExit) as refused:
+        experiment.main(["train", *run["args"]])
+    assert refused.value.code == 2
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith("[cot] error: --run.dir ") and "already holds a run" in said, said
     # A run from before --train.buckets drew its batches in one format: it resumes as `1 1`;
     # one from before --data.arithmetic wrote no arithmetic: it resumes as --data.no-arithmetic
     # (and --data.no-products); one from before --model.numbers wrote bytes: --model.numbers 0.
