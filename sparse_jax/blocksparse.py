@@ -265,6 +265,44 @@ def nonfinite_values(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return clean, jnp.where(bad, jnp.nan, 0.0)
 
 
+def widened(x: jax.Array, compute: Any) -> jax.Array:
+    """``x`` in ``compute`` (float32/64) when its dtype is narrower, else ``x``."""
+    return x.astype(compute) if jnp.finfo(x.dtype).bits < jnp.finfo(compute).bits else x
+
+
+def shared_einsum(spec: str, a: jax.Array, shared: jax.Array, dtype, compute, precision):
+    """``einsum(spec, a, shared.astype(dtype))`` accumulated in ``compute``, where ``shared`` may
+    be a widened copy of a ``dtype`` operand (:func:`widened`) that many query chunks or blocks
+    read; then its derivative stays in ``compute`` too instead of being rounded to ``dtype``
+    piece by piece before the pieces are summed."""
+    if shared.dtype == dtype:
+        return jnp.einsum(spec, a, shared, preferred_element_type=compute, precision=precision)
+    return _einsum_wide(spec, dtype, compute, precision, a, shared)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _einsum_wide(spec, dtype, compute, precision, a, wide):
+    return jnp.einsum(
+        spec, a, wide.astype(dtype), preferred_element_type=compute, precision=precision
+    )
+
+
+@_einsum_wide.defjvp
+def _einsum_wide_jvp(spec, dtype, compute, precision, primals, tangents):
+    a, wide = primals
+    a_dot, wide_dot = tangents
+    narrow = wide.astype(dtype)
+    out = jnp.einsum(spec, a, narrow, preferred_element_type=compute, precision=precision)
+    # The tangent of the wide operand meets ``a`` in ``compute``: its transpose (the gradient of
+    # ``wide``) is then never rounded to ``dtype``.
+    out_dot = jnp.einsum(
+        spec, a_dot, narrow, preferred_element_type=compute, precision=precision
+    ) + jnp.einsum(
+        spec, a.astype(compute), wide_dot, preferred_element_type=compute, precision=precision
+    )
+    return out, out_dot
+
+
 @functools.partial(jax.jit, static_argnames=("name",))
 def _normalize_jit(s: jax.Array, allowed: Any, alpha: Any, name: Any) -> jax.Array:
     return normalize(s, allowed, name if alpha is None else alpha)
@@ -323,6 +361,10 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
     v, key_nan = nonfinite_values(v)  # non-finite value vectors -> NaN scores of their keys
     vb = jnp.pad(v, ((0, 0), (0, tk_p - tk), (0, 0), (0, 0)))
     vb = jnp.transpose(vb.reshape(b, p_.nk, p_.bkv, kh, dv), (0, 3, 1, 2, 4))
+    # Each key block is read by many query blocks, whose gradients add up (a scatter-add, then
+    # over the steps): in half precision that sum loses digits, so the blocks are gathered
+    # widened and their gradients stay in float32 until the one cast back (shared_einsum).
+    kb, vb = widened(kb, compute), widened(vb, compute)
     key_nan = jnp.pad(key_nan.astype(compute), ((0, 0), (0, tk_p - tk), (0, 0)))
     key_nan = jnp.transpose(key_nan.reshape(b, p_.nk, p_.bkv, kh), (0, 3, 1, 2))
 
@@ -356,9 +398,7 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
             sel = (slice(None), slice(None), idx[0])
         kg, vg, nan_g = kb[sel], vb[sel], key_nan[sel]
         qg = jnp.moveaxis(qb[rows], 0, 3)  # [B, A, G', step, bq, D]
-        s = jnp.einsum(
-            "bagcid,backjd->bagcikj", qg, kg, preferred_element_type=compute, precision=precision
-        )
+        s = shared_einsum("bagcid,backjd->bagcikj", qg, kg, k.dtype, compute, precision)
         s = s * jnp.asarray(scale, compute) + nan_g[:, :, None, :, None]
         if bias is not None:
             s = s + _gather_bias(bias, rows, idx, p_)
@@ -387,12 +427,8 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
         allowed = jnp.broadcast_to(allowed, (allowed.shape[0], *s.shape[1:]))
         allowed = allowed.reshape(*allowed.shape[:5], width * p_.bkv)
         p = compiled_normalize(s_rows, allowed, normalizer).reshape(s.shape)
-        out = jnp.einsum(
-            "bagcikj,backje->bagcie",
-            p.astype(v.dtype),
-            vg,
-            preferred_element_type=compute,
-            precision=precision,
+        out = shared_einsum(
+            "bagcikj,backje->bagcie", p.astype(v.dtype), vg, v.dtype, compute, precision
         ).astype(q.dtype)
         return (out, p.astype(q.dtype)) if return_weights else out
 

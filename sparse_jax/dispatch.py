@@ -108,6 +108,8 @@ from sparse_jax.blocksparse import (
     blocksparse_cost,
     compiled_normalize,
     nonfinite_values,
+    shared_einsum,
+    widened,
 )
 from sparse_jax.fused import (
     cudnn_attention,
@@ -606,43 +608,6 @@ def _split_rows(x: jax.Array, num: int, size: int, fill: Any) -> jax.Array:
     return jnp.moveaxis(x, 2, 0)
 
 
-def _widened(x: jax.Array, compute: Any) -> jax.Array:
-    """``x`` in ``compute`` (float32/64) when its dtype is narrower, else ``x``."""
-    return x.astype(compute) if jnp.finfo(x.dtype).bits < jnp.finfo(compute).bits else x
-
-
-def _einsum_shared(spec: str, a: jax.Array, shared: jax.Array, dtype, compute, precision):
-    """``einsum(spec, a, shared.astype(dtype))`` accumulated in ``compute``, where ``shared`` may
-    be a widened copy of a ``dtype`` operand that every chunk reads (:func:`_widened`); then its
-    derivative stays in ``compute`` too instead of being rounded to ``dtype`` chunk by chunk."""
-    if shared.dtype == dtype:
-        return jnp.einsum(spec, a, shared, preferred_element_type=compute, precision=precision)
-    return _einsum_wide(spec, dtype, compute, precision, a, shared)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _einsum_wide(spec, dtype, compute, precision, a, wide):
-    return jnp.einsum(
-        spec, a, wide.astype(dtype), preferred_element_type=compute, precision=precision
-    )
-
-
-@_einsum_wide.defjvp
-def _einsum_wide_jvp(spec, dtype, compute, precision, primals, tangents):
-    a, wide = primals
-    a_dot, wide_dot = tangents
-    narrow = wide.astype(dtype)
-    out = jnp.einsum(spec, a, narrow, preferred_element_type=compute, precision=precision)
-    # The tangent of the wide operand meets ``a`` in ``compute``: its transpose (the gradient of
-    # ``wide``) is then never rounded to ``dtype``.
-    out_dot = jnp.einsum(
-        spec, a_dot, narrow, preferred_element_type=compute, precision=precision
-    ) + jnp.einsum(
-        spec, a.astype(compute), wide_dot, preferred_element_type=compute, precision=precision
-    )
-    return out, out_dot
-
-
 def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     q, k, v = args.q, args.k, args.v
     b, tq, n, h = q.shape
@@ -660,14 +625,14 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     # enters the loop in float32 (its cotangents add up in float32) and is cast inside each.
     k_in, v_in, shared_bias = k, v, args.bias
     if num > 1:
-        k_in, v_in = _widened(k, compute), _widened(v, compute)
+        k_in, v_in = widened(k, compute), widened(v, compute)
         if shared_bias is not None and shared_bias.shape[2] == 1:
-            shared_bias = _widened(shared_bias, compute)
+            shared_bias = widened(shared_bias, compute)
 
     def chunk(q_c, start, mask_c, bias_c):
         # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
         c = q_c.shape[1]
-        s = _einsum_shared(
+        s = shared_einsum(
             "bckgh,bskh->bkgcs", q_c.reshape(b, c, kh, g, h), k_in, k.dtype, compute, precision
         ).reshape(b, n, c, tk)
         s = s * jnp.asarray(scale, compute) + key_nan.astype(compute)
@@ -684,7 +649,7 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
                 m = m[None]
             allowed = m if allowed is None else allowed & m
         p = compiled_normalize(s, allowed, normalizer)  # [B, N, C, Tk]
-        out = _einsum_shared(
+        out = shared_einsum(
             "bkgcs,bskh->bckgh",
             p.reshape(b, kh, g, c, tk).astype(v.dtype),
             v_in,

@@ -191,23 +191,29 @@ def test_debug_infs_masked_call(engine, normalizer, empty):
 # Half-precision gradients over query chunks: the chunks' dK/dV add up in float32.
 
 
-def test_bf16_chunked_gradients_as_accurate_as_one_chunk():
+@pytest.mark.parametrize(
+    "engine,kwargs",
+    [("xla", {"query_chunk": 8}), ("blocksparse", {"block_size": (8, 8)})],
+)
+def test_bf16_gradients_over_pieces_as_accurate_as_one_chunk(engine, kwargs):
+    # 8 query chunks of 8 rows, or 8 x 8 blocks: each piece adds to dK/dV.
     keys = jax.random.split(jax.random.key(3), 4)
     q, k, v, g = (_normal(key, (1, 64, 2, 32), jnp.bfloat16) for key in keys)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, g)]
-    _, vjp = jax.vjp(jax.nn.dot_product_attention, *f32[:3])
+    _, vjp = jax.vjp(functools.partial(jax.nn.dot_product_attention, is_causal=True), *f32[:3])
     exact = vjp(f32[3])
 
-    def errors(chunk):
-        _, vjp = jax.vjp(functools.partial(attention, impl="xla", query_chunk=chunk), q, k, v)
+    def errors(**kw):
+        fn = functools.partial(attention, is_causal=True, **kw)
+        _, vjp = jax.vjp(fn, q, k, v)
         return [
             float(jnp.abs(a.astype(jnp.float32) - b).max())
             for a, b in zip(vjp(g), exact, strict=True)
         ]
 
-    whole, chunked = errors(None), errors(8)  # one chunk of 64 queries, 8 chunks of 8
-    for name, one, many in zip(("dq", "dk", "dv"), whole, chunked, strict=True):
-        assert many <= 1.1 * one, f"{name}: {many} with 8 chunks, {one} with one"
+    whole, pieces = errors(impl="xla"), errors(impl=engine, **kwargs)
+    for name, one, many in zip(("dq", "dk", "dv"), whole, pieces, strict=True):
+        assert many <= 1.1 * one, f"{name}: {many} in pieces, {one} in one chunk"
 
 
 # ----------------------------------------------------------------------------------------------
