@@ -303,6 +303,23 @@ def _einsum_wide_jvp(spec, dtype, compute, precision, primals, tangents):
     return out, out_dot
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def log_sum_exp(s: jax.Array, allowed: Any, dtype: Any) -> jax.Array:
+    """``log Σ_j exp(s[..., j])`` over the allowed keys, ``[B, N, C, Tk] -> [B, N, C]`` in
+    ``dtype``, without gradient (the residual of ``return_residual``). The scores follow the
+    softmax policy: ``-inf`` masks, ``+inf`` counts as the largest float, an allowed NaN gives
+    NaN. A row with no allowed key gets ``finfo(dtype).min``, a finite stand-in for -inf."""
+    s = jnp.minimum(s, jnp.finfo(s.dtype).max)
+    keep = ~(s == -jnp.inf)
+    if allowed is not None:
+        keep = keep & allowed
+    row_max = jnp.max(jnp.where(keep, s, jnp.finfo(s.dtype).min), axis=-1, keepdims=True)
+    e = jnp.where(keep, jnp.exp(jnp.where(keep, s, row_max) - row_max), 0.0)
+    has_any = jnp.any(keep, axis=-1)
+    lse = row_max[..., 0] + jnp.log(jnp.where(has_any, jnp.sum(e, axis=-1), 1.0))
+    return jax.lax.stop_gradient(jnp.where(has_any, lse.astype(dtype), jnp.finfo(dtype).min))
+
+
 @functools.partial(jax.jit, static_argnames=("name",))
 def _normalize_jit(s: jax.Array, allowed: Any, alpha: Any, name: Any) -> jax.Array:
     return normalize(s, allowed, name if alpha is None else alpha)

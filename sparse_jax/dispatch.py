@@ -91,10 +91,8 @@ into mask leaves), ``return_residual`` (softmax's log-sum-exp) and rank-3 inputs
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -107,6 +105,7 @@ from sparse_jax.blocksparse import (
     blocksparse_attention,
     blocksparse_cost,
     compiled_normalize,
+    log_sum_exp,
     nonfinite_values,
     shared_einsum,
     widened,
@@ -263,73 +262,6 @@ def _check_fused(impl, normalizer, bias, mask_arr, return_weights, caller) -> No
         )
 
 
-def _check_seq_lengths(value: Any, name: str, batch: int, caller: str) -> Any:
-    """int ``[batch]`` sequence lengths (numpy or jax, possibly traced), values >= 0."""
-    x = value if isinstance(value, jax.Array) else np.asarray(value)
-    if not np.issubdtype(x.dtype, np.integer):
-        raise TypeError(
-            f"{caller}: `{name}` must be an int array [batch] of sequence lengths; got dtype "
-            f"{x.dtype}"
-        )
-    if x.shape != (batch,):
-        raise ValueError(
-            f"{caller}: `{name}` must have shape [batch] = ({batch},); got shape {tuple(x.shape)}"
-        )
-    if not isinstance(x, jax.core.Tracer) and (np.asarray(x) < 0).any():
-        raise ValueError(
-            f"{caller}: `{name}` must be >= 0 (a length, as in jax.nn.dot_product_attention); "
-            f"got {np.asarray(x).tolist()!r:.200}"
-        )
-    return x
-
-
-def _query_padding(lengths: Any, q_len: int, kv_len: int) -> masks_lib.Mask:
-    """Query row ``i`` of batch element ``b`` sees no key when ``i >= lengths[b]``: the
-    ``segments`` mask whose query ids are 0 inside the length and -1 past it, key ids all 0
-    (a run-time leaf every engine evaluates, so each computes the same zero rows)."""
-    xp = jnp if isinstance(lengths, jax.Array) else np
-    rows = xp.arange(q_len, dtype=np.int32)[None, :]
-    q_ids = xp.where(rows < xp.asarray(lengths, np.int32)[:, None], 0, -1).astype(np.int32)
-    return masks_lib.segments(q_ids, xp.zeros((lengths.shape[0], kv_len), np.int32))
-
-
-def _keyword_mask(
-    shape: tuple[int, int, int],
-    is_causal: Any,
-    query_seq_lengths: Any,
-    key_value_seq_lengths: Any,
-    local_window_size: Any,
-    caller: str,
-) -> masks_lib.Mask | None:
-    """The :class:`~sparse_jax.masks.Mask` of ``jax.nn.dot_product_attention``'s mask keywords
-    for ``shape`` = (batch, Tq, Tk): ``causal()``, ``local(left, right)``,
-    ``padding(key_value_seq_lengths)`` and a query padding, AND-ed; None when none is given."""
-    b, tq, tk = shape
-    parts = []
-    if check_bool(is_causal, "is_causal", caller):
-        parts.append(masks_lib.causal())
-    if local_window_size is not None:
-        window = local_window_size
-        if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
-            window = (window, window)
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise TypeError(
-                f"{caller}: `local_window_size` must be an int or a (left, right) pair of ints "
-                f">= 0; got {local_window_size!r}"
-            )
-        left, right = (
-            check_int(w, f"local_window_size[{i}]", caller, low=0) for i, w in enumerate(window)
-        )
-        parts.append(masks_lib.local(left, right))
-    if key_value_seq_lengths is not None:
-        lengths = _check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, caller)
-        parts.append(masks_lib.padding(lengths))
-    if query_seq_lengths is not None:
-        lengths = _check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, caller)
-        parts.append(_query_padding(lengths, tq, tk))
-    return functools.reduce(operator.and_, parts) if parts else None
-
-
 def _add_batch(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any, bool]:
     """q, k, v of rank 3 ([seq, heads, head_dim], as jax.nn.dot_product_attention takes them)
     with a batch axis of 1 in front, and True; other inputs as they are, and False."""
@@ -374,23 +306,23 @@ def _check_all(
     return_weights,
     caller,
     abstract=False,
-    keywords=None,
+    jax_nn=(False, None, None, None, False),
 ) -> _Args:
-    """Checks every argument; ``keywords``: jax.nn.dot_product_attention's ``is_causal``,
+    """Checks every argument; ``jax_nn``: jax.nn.dot_product_attention's ``is_causal``,
     ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` (turned into a Mask
     AND-ed with ``mask``) and ``return_residual``."""
     q, k, v = check_qkv(q, k, v, caller, abstract)
     b, tq, n, h = q.shape
     target = (b, n, tq, k.shape[1])
     mask = _check_mask(mask, target, caller)
-    kw = keywords or {}
-    extra = _keyword_mask(
+    is_causal, q_lengths, kv_lengths, window, return_residual = jax_nn
+    extra = masks_lib.jax_nn_mask(
         (b, tq, k.shape[1]),
-        kw.get("is_causal", False),
-        kw.get("query_seq_lengths"),
-        kw.get("key_value_seq_lengths"),
-        kw.get("local_window_size"),
-        caller,
+        is_causal=is_causal,
+        query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths,
+        local_window_size=window,
+        caller=caller,
     )
     beside = None  # a bool-array mask kept beside the keywords' Mask (impl 'xla' takes both)
     if extra is not None:
@@ -416,24 +348,22 @@ def _check_all(
             "local_window_size is not one. Use impl='xla', or describe the whole mask with "
             "sparse_jax.masks"
         )
-    return_residual = check_bool(kw.get("return_residual", False), "return_residual", caller)
+    return_residual = check_bool(return_residual, "return_residual", caller)
     if return_residual:
-        if not (isinstance(normalizer, str) and normalizer == "softmax"):
+        problem = (
+            f"normalizer={normalizer!r} has none (sparsemax and entmax normalize by a threshold, "
+            "not by a sum of exponentials): use normalizer='softmax'"
+            if not (isinstance(normalizer, str) and normalizer == "softmax")
+            else f"impl={impl!r} does not compute it: use impl='auto' or 'xla'"
+            if impl not in ("auto", "xla")
+            else "it cannot be combined with return_weights=True: ask for one of them"
+            if return_weights
+            else None
+        )
+        if problem:
             raise ValueError(
                 f"{caller}: return_residual=True returns softmax's log-sum-exp of the scores; "
-                f"normalizer={normalizer!r} has none (sparsemax and entmax normalize by a "
-                "threshold, not by a sum of exponentials). Use normalizer='softmax' or "
-                "return_residual=False"
-            )
-        if impl not in ("auto", "xla"):
-            raise ValueError(
-                f"{caller}: return_residual=True is computed by impl='xla' only; got "
-                f"impl={impl!r}. Use impl='auto' or impl='xla'"
-            )
-        if return_weights:
-            raise ValueError(
-                f"{caller}: return_weights=True and return_residual=True cannot be combined; "
-                "ask for one of them"
+                + problem
             )
     if impl in ("blocksparse", "pallas") and not isinstance(mask, masks_lib.Mask):
         raise ValueError(
@@ -661,7 +591,7 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
         if return_weights:
             result["weights"] = p.astype(q.dtype)
         if args.return_residual:
-            result["lse"] = _log_sum_exp(s, allowed, q.dtype)  # [B, N, C]
+            result["lse"] = log_sum_exp(s, allowed, q.dtype)  # [B, N, C]
         return result
 
     def per_query(x):  # the query axis of a [b', n', tq', tk'] mask/bias: 1 or Tq
@@ -701,23 +631,6 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _log_sum_exp(s: jax.Array, allowed: Any, dtype: Any) -> jax.Array:
-    """``log Σ_j exp(s[..., j])`` over the allowed keys, ``[B, N, C, Tk] -> [B, N, C]`` in
-    ``dtype``, without gradient (the residual of ``return_residual``). The scores follow the
-    softmax policy: ``-inf`` masks, ``+inf`` counts as the largest float, an allowed NaN gives
-    NaN. A row with no allowed key gets ``finfo(dtype).min``, a finite stand-in for -inf."""
-    s = jnp.minimum(s, jnp.finfo(s.dtype).max)
-    keep = ~(s == -jnp.inf)
-    if allowed is not None:
-        keep = keep & allowed
-    row_max = jnp.max(jnp.where(keep, s, jnp.finfo(s.dtype).min), axis=-1, keepdims=True)
-    e = jnp.where(keep, jnp.exp(jnp.where(keep, s, row_max) - row_max), 0.0)
-    has_any = jnp.any(keep, axis=-1)
-    lse = row_max[..., 0] + jnp.log(jnp.where(has_any, jnp.sum(e, axis=-1), 1.0))
-    return jax.lax.stop_gradient(jnp.where(has_any, lse.astype(dtype), jnp.finfo(dtype).min))
-
-
 # ----------------------------------------------------------------------------------------------
 # Public API.
 
@@ -754,13 +667,7 @@ def attention_impl(
       'xla'
     """
     q, k, v, _ = _add_batch(q, k, v)
-    keywords = {
-        "is_causal": is_causal,
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-        "local_window_size": local_window_size,
-        "return_residual": return_residual,
-    }
+    jax_nn = (is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
     args = _check_all(
         q,
         k,
@@ -775,7 +682,7 @@ def attention_impl(
         return_weights,
         _NAME,
         True,
-        keywords,
+        (*jax_nn, return_residual),
     )
     return _resolve_impl(args)
 
@@ -838,15 +745,11 @@ def attention(
         small problems run as one chunk (no loop, no recomputation in the backward pass).
       precision: passed to the two einsums (``jax.lax.Precision``), as in flax.
       is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: the mask keywords
-        of ``jax.nn.dot_product_attention``, with its meaning, turned into
-        :mod:`sparse_jax.masks` leaves AND-ed with ``mask`` (so every engine sees one mask):
-        ``is_causal=True`` is ``causal()``; ``local_window_size`` (an int ``w`` for ``(w, w)``,
-        or ``(left, right)``, ints >= 0) is ``local(left, right)``; ``key_value_seq_lengths``
-        (int ``[B]``, >= 0, may be traced) is ``padding(lengths)``; ``query_seq_lengths`` (int
-        ``[B]``) leaves query rows ``i >= lengths[b]`` without keys (a ``segments`` leaf), so
-        they are 0, as jax makes them. With a bool-array ``mask`` the keywords' mask rides
-        beside it and only ``"xla"`` takes the call. Unlike jax, a row left with no key gives
-        0 (the policy above), where jax averages the values.
+        of ``jax.nn.dot_product_attention`` with its meaning (lengths int ``[B]``, may be
+        traced; a window ``w`` or ``(left, right)``), as mask leaves AND-ed with ``mask``
+        (:func:`sparse_jax.masks.jax_nn_mask`), so every engine sees one mask; beside a
+        bool-array ``mask`` only ``"xla"`` takes them. A row left with no key gives 0 (where
+        jax averages the values); rows past a query length are 0, as in jax.
       return_residual: also return softmax's log-sum-exp of the (scaled, biased, masked) scores
         ``[B, Tq, N]`` in ``q``'s dtype, without gradient, as jax does; a row with no allowed
         key gets ``finfo(dtype).min`` (finite). Softmax only (sparsemax and entmax normalize by
@@ -877,13 +780,7 @@ def attention(
       ((3, 2, 4), (3, 2))
     """
     q, k, v, unbatched = _add_batch(q, k, v)
-    keywords = {
-        "is_causal": is_causal,
-        "query_seq_lengths": query_seq_lengths,
-        "key_value_seq_lengths": key_value_seq_lengths,
-        "local_window_size": local_window_size,
-        "return_residual": return_residual,
-    }
+    jax_nn = (is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
     args = _check_all(
         q,
         k,
@@ -898,7 +795,7 @@ def attention(
         return_weights,
         _NAME,
         False,
-        keywords,
+        (*jax_nn, return_residual),
     )
     result = _run(args, _resolve_impl(args), precision)
     if not unbatched:

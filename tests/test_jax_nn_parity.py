@@ -310,7 +310,7 @@ def test_query_seq_lengths_zero_rows_under_jit():
         (
             {"return_residual": True, "impl": "blocksparse", "mask": masks.causal()},
             ValueError,
-            r"return_residual=True is computed by impl='xla' only",
+            r"return_residual=True .*impl='blocksparse' does not compute it",
         ),
         ({"return_residual": True, "return_weights": True}, ValueError, r"cannot be combined"),
         ({"return_residual": "yes"}, TypeError, r"`return_residual` must be a bool"),

@@ -4,6 +4,9 @@ them apart: :func:`split_runtime` and :func:`runtime_leaves` (the leaves, for ke
 apply them as lengths and ids), :func:`key_lengths` and :func:`segment_ids` (their arrays for a
 call), and :func:`tile_expression` (the expression a fused kernel evaluates on one tile).
 
+The mask keywords of ``jax.nn.dot_product_attention`` become leaves here too:
+:func:`jax_nn_mask` (and :func:`query_padding`, the query side of its sequence lengths).
+
 Example:
   >>> from sparse_jax.masks import causal
   >>> static, paddings, segs = split_runtime(causal() & padding([2, 3]))
@@ -25,14 +28,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_jax.masks.algebra import And, Mask, Not, Or, Shifted, check_mask, is_jax
-from sparse_jax.masks.kinds import Causal, Chunked, Dilated, Fixed, Full, Local, Sink, Strided, full
+from sparse_jax.masks.kinds import (
+    Causal,
+    Chunked,
+    Dilated,
+    Fixed,
+    Full,
+    Local,
+    Sink,
+    Strided,
+    causal,
+    full,
+    local,
+)
+from sparse_jax.validation import check_bool, check_int
 
 __all__ = [
     "Padding",
     "Segments",
     "TileExpression",
+    "jax_nn_mask",
     "key_lengths",
     "padding",
+    "query_padding",
     "runtime_leaves",
     "segment_ids",
     "segments",
@@ -214,6 +232,97 @@ def segments(q_ids: Any, kv_ids: Any = None) -> Mask:
       [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     """
     return Segments(q_ids, q_ids if kv_ids is None else kv_ids)
+
+
+def query_padding(lengths: Any, q_len: int, kv_len: int) -> Mask:
+    """Run-time query padding: query row ``i`` of batch element ``b`` sees no key when
+    ``i >= lengths[b]`` (its output is then 0). A :func:`segments` mask whose query ids are 0
+    inside the length and -1 past it, key ids all 0, so its shape is ``(q_len, kv_len)`` and
+    every engine that takes ``segments`` takes it.
+
+    Args:
+      lengths: int array ``[batch]`` (numpy, or jax, possibly traced), values >= 0.
+      q_len, kv_len: the query and key lengths of the call.
+
+    Example:
+      >>> query_padding([1, 2], 2, 3).dense(2, 3).astype(int).tolist()  # [batch, q, kv]
+      [[[1, 1, 1], [0, 0, 0]], [[1, 1, 1], [1, 1, 1]]]
+    """
+    xp = jnp if is_jax(lengths) else np
+    lengths = xp.asarray(lengths)
+    rows = xp.arange(q_len, dtype=np.int32)[None, :]
+    q_ids = xp.where(rows < lengths.astype(np.int32)[:, None], 0, -1).astype(np.int32)
+    return segments(q_ids, xp.zeros((lengths.shape[0], kv_len), np.int32))
+
+
+def _check_seq_lengths(value: Any, name: str, batch: int, caller: str) -> Any:
+    """int ``[batch]`` sequence lengths (numpy or jax, possibly traced), values >= 0."""
+    x = value if is_jax(value) else np.asarray(value)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(
+            f"{caller}: `{name}` must be an int array [batch] of sequence lengths; got dtype "
+            f"{x.dtype}"
+        )
+    if x.shape != (batch,):
+        raise ValueError(
+            f"{caller}: `{name}` must have shape [batch] = ({batch},); got shape {tuple(x.shape)}"
+        )
+    if not isinstance(x, jax.core.Tracer) and (np.asarray(x) < 0).any():
+        raise ValueError(
+            f"{caller}: `{name}` must be >= 0 (a length, as in jax.nn.dot_product_attention); "
+            f"got {np.asarray(x).tolist()!r:.200}"
+        )
+    return x
+
+
+def jax_nn_mask(
+    shape: tuple[int, int, int],
+    *,
+    is_causal: Any = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: Any = None,
+    caller: str = "jax_nn_mask",
+) -> Mask | None:
+    """The mask of ``jax.nn.dot_product_attention``'s mask keywords, with its meaning, for
+    ``shape`` = ``(batch, q_len, kv_len)``: ``causal()`` for ``is_causal``, ``local(left,
+    right)`` for ``local_window_size`` (an int ``w`` is ``(w, w)``), ``padding(lengths)`` for
+    ``key_value_seq_lengths`` and :func:`query_padding` for ``query_seq_lengths`` (int
+    ``[batch]``, >= 0, may be traced), AND-ed; None when no keyword asks for a mask. Bad values
+    raise ``ValueError``/``TypeError`` naming the keyword and ``caller``.
+
+    Example:
+      >>> jax_nn_mask((2, 4, 4), is_causal=True, local_window_size=(1, 0))
+      (Causal() & Local(left=1, right=0))
+      >>> jax_nn_mask((1, 4, 4), key_value_seq_lengths=[-1])
+      Traceback (most recent call last):
+      ...
+      ValueError: jax_nn_mask: `key_value_seq_lengths` must be >= 0 (a length, as in ...
+    """
+    b, q_len, kv_len = shape
+    parts = []
+    if check_bool(is_causal, "is_causal", caller):
+        parts.append(causal())
+    if local_window_size is not None:
+        window = local_window_size
+        if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+            window = (window, window)
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(
+                f"{caller}: `local_window_size` must be an int or a (left, right) pair of ints "
+                f">= 0; got {local_window_size!r}"
+            )
+        left, right = (
+            check_int(w, f"local_window_size[{i}]", caller, low=0) for i, w in enumerate(window)
+        )
+        parts.append(local(left, right))
+    if key_value_seq_lengths is not None:
+        lengths = _check_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b, caller)
+        parts.append(padding(lengths))
+    if query_seq_lengths is not None:
+        lengths = _check_seq_lengths(query_seq_lengths, "query_seq_lengths", b, caller)
+        parts.append(query_padding(lengths, q_len, kv_len))
+    return functools.reduce(operator.and_, parts) if parts else None
 
 
 # ----------------------------------------------------------------------------------------------
