@@ -152,6 +152,29 @@ def test_auto_takes_xla_for_a_bool_mask_beside_keywords():
     )
 
 
+# jax's testDotProductAttentionBiasGradient: x as q, k and v, a bias per batch element, a
+# [1, 1, S] mask, under vmap (rank-3 inputs and a rank-3 bias inside) and jit.
+def test_bias_gradient_under_vmap():
+    dtype = jnp.bfloat16
+    keys = jax.random.split(jax.random.key(5), 2)
+    x = _normal(keys[0], (B, T, N, H), dtype)
+    bias = _normal(keys[1], (B, N, T, T), dtype)
+    mask = jnp.ones((1, 1, T), bool)
+
+    def ref(x, bias):
+        return jax.nn.dot_product_attention(x, x, x, bias, mask)
+
+    def ours(x, bias):
+        return attention(x, x, x, bias=bias, mask=mask, impl="xla")
+
+    batched = jax.jit(jax.vmap(ours, in_axes=(0, 0)))
+    _close(batched(x, bias), jax.vmap(ref)(x, bias), 0.01)
+    grad_ref = jax.jit(jax.vjp(ref, x, bias)[1])(x)
+    grad = jax.jit(jax.vjp(jax.vmap(ours), x, bias)[1])(x)
+    _close(grad[0], grad_ref[0], 0.02)
+    _close(grad[1], grad_ref[1], 0.1)
+
+
 # ----------------------------------------------------------------------------------------------
 # jax.debug_infs: masking makes no infinite value that an eager call's checks would see.
 
