@@ -294,6 +294,8 @@ def test_a_time_limit_stops_with_a_checkpoint_and_resume_ends_identically(whole_
             "--student.weighting reviving_sparsemax needs --student.combine mixture; got soft_u",
         ),
         (["--train.lr", "0"], "--train.lr must be a number > 0; got 0.0"),
+        (["--train.trainable", "(["], "--train.trainable '([' is not a regex"),
+        (["--train.fast-params", "a)"], "--train.fast-params 'a)' is not a regex"),
         (["--run.model-axis", "0"], "--run.model-axis must be an int >= 1; got 0"),
         (["--run.max-minutes", "-2"], "--run.max-minutes must be a number of minutes > 0"),
         (["--teacher.size", "huge"], "--teacher.size"),
@@ -306,7 +308,7 @@ def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys)
     message = str(info.value) + capsys.readouterr().err
     message = " ".join(message.replace("│", " ").split())  # tyro boxes and wraps the message
     assert match in message
-    assert not (tmp_path / "bad" / "checkpoints").exists()
+    assert not (tmp_path / "bad").exists()  # refused before the run folder is made
 
 
 def test_the_mask_price_is_off_then_ramped_in():

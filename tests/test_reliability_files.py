@@ -226,25 +226,35 @@ def test_teacher_cache_survives_an_interrupted_write(shared_run, monkeypatch):
 # Class 5: the run folder.
 
 
-def test_resume_of_a_folder_that_does_not_exist_fails_and_says_how_to_start(tmp_path):
-    with pytest.raises(ValueError, match="does not exist, so there is no run to continue") as info:
-        distill.main(_args(tmp_path, "missing", "--resume"))
-    command = str(info.value).split("Start it with:")[1].strip()
+def _refused(argv, capsys) -> str:
+    """The one line ``python -m experiments.distill argv`` prints when it refuses its run
+    folder (exit status 2, no traceback)."""
+    with pytest.raises(SystemExit) as info:
+        distill.main(argv)
+    assert info.value.code == 2
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.startswith("error: "), said
+    return said
+
+
+def test_resume_of_a_folder_that_does_not_exist_fails_and_says_how_to_start(tmp_path, capsys):
+    said = _refused(_args(tmp_path, "missing", "--resume"), capsys)
+    assert "does not exist, so there is no run to continue" in said
+    command = said.split("Start it with:")[1].strip()
     assert not (tmp_path / "missing").exists()
     parsed = distill.parse(shlex.split(command)[3:])
     assert not parsed.resume and parsed == distill.parse(_args(tmp_path, "missing"))
 
 
-def test_resume_of_a_folder_without_a_run_and_a_file_as_run_dir(tmp_path):
+def test_resume_of_a_folder_without_a_run_and_a_file_as_run_dir(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"holds no run to continue \(no config.json\)") as info:
-        distill.main(_args(tmp_path, "empty", "--resume"))
-    command = str(info.value).split("Start one with:")[1].strip()
+    said = _refused(_args(tmp_path, "empty", "--resume"), capsys)
+    assert "holds no run to continue (no config.json)" in said
+    command = said.split("Start one with:")[1].strip()
     assert distill.parse(shlex.split(command)[3:]) == distill.parse(_args(tmp_path, "empty"))
     assert os.listdir(tmp_path / "empty") == []
     (tmp_path / "file").write_text("mine")
-    with pytest.raises(ValueError, match=r"is a file; choose another --run.dir"):
-        distill.main(_args(tmp_path, "file"))
+    assert "is a file; choose another --run.dir" in _refused(_args(tmp_path, "file"), capsys)
     assert (tmp_path / "file").read_text() == "mine"
 
 
@@ -280,7 +290,9 @@ class _Stop(Exception):
     """Raised by a stubbed phase: the run got past its set-up."""
 
 
-def test_failed_run_then_corrected_rerun_in_the_same_folder(hf_folder, tmp_path, monkeypatch):
+def test_failed_run_then_corrected_rerun_in_the_same_folder(
+    hf_folder, tmp_path, monkeypatch, capsys
+):
     teacher = ["--teacher.source", str(hf_folder)]
     run_dir = tmp_path / "run"
 
@@ -299,9 +311,9 @@ def test_failed_run_then_corrected_rerun_in_the_same_folder(hf_folder, tmp_path,
 
     # --resume with corrected flags is refused, naming the command that starts them in place.
     corrected = _args(tmp_path, "run", *teacher, "--train.steps", "9")
-    with pytest.raises(ValueError, match=r"--train.steps \(run: 8, now: 9\)") as info:
-        distill.main([*corrected, "--resume"])
-    command = str(info.value).split("or start these flags afresh:")[1].strip()
+    said = _refused([*corrected, "--resume"], capsys)
+    assert "--train.steps (run: 8, now: 9)" in said
+    command = said.split("or start these flags afresh:")[1].strip()
     assert distill.parse(shlex.split(command)[3:]) == distill.parse(corrected)
     # That command (a fresh start) takes the folder, since nothing was checkpointed.
     monkeypatch.setattr(distill_phases, "student", stop)

@@ -23,6 +23,7 @@ import json
 import math
 import numbers
 import pathlib
+import re
 from typing import Any, ClassVar, Literal
 
 from experiments.common.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
@@ -393,6 +394,15 @@ class TrainConfig(_Group):
         self.number("lr", positive=True)
         self.number("fast_lr_multiplier", positive=True)
         self.number("fast_eps", positive=True)
+        for name in ("trainable", "fast_params"):
+            if name == "trainable" and self.trainable == "auto":
+                continue
+            try:
+                re.compile(getattr(self, name))
+            except re.error as err:
+                raise ValueError(
+                    f"{self.flag(name)} {getattr(self, name)!r} is not a regex: {err}"
+                ) from None
 
 
 @dataclasses.dataclass(frozen=True)

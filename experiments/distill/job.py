@@ -46,11 +46,13 @@ import numpy as np
 from experiments.common import measure
 from experiments.common.files import write_text_atomically
 from experiments.common.phase import EXIT_STOPPED, RunStopped, stop_request
+from experiments.common.run_folder import RunFolderError
 from experiments.distill import phases as distill_phases
 from experiments.distill.cli import command, parse
 from experiments.distill.config import DistillConfig
 from experiments.distill.report import write_report
 from experiments.distill.run_folder import Run, log
+from sparse_jax.training.checkpoint import CheckpointError
 
 __all__ = ["DistillConfig", "Run", "main", "parse", "run"]
 
@@ -175,3 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     except RunStopped as stopped:
         log(f"{stopped}. Continue with:  {command(config, resume=True, run_dir=stopped.folder)}")
         raise SystemExit(EXIT_STOPPED) from None
+    except RunFolderError as refused:  # one line and status 2, as a bad flag is
+        log(f"error: {refused}")
+        raise SystemExit(2) from None
+    except CheckpointError as unreadable:
+        log(f"error: {unreadable}")
+        raise SystemExit(1) from None
