@@ -204,7 +204,7 @@ class AttentionSpec:
 
     kind: Literal["fixed", "candidates"] = "fixed"
     mask: masks_lib.Mask | None = None  # fixed: the mask (None = causal)
-    normalizer: str | float = "softmax"  # "softmax", "sparsemax", "entmax15" or α > 1
+    normalizer: str | float = "softmax"  # "softmax", "sparsemax", "entmax15" or α >= 1 (1: softmax)
     learn_alpha: bool = False  # fixed: learn α per head, initialised at `normalizer`
     candidates: tuple[masks_lib.Mask, ...] | None = None  # candidates (None: the default bank)
     granularity: Literal["layer", "head"] = "layer"  # candidates: weights per layer or head

@@ -166,7 +166,7 @@ class FixedAttention(nnx.Module):
       num_heads: ``N``.
       mask: a static :class:`~sparse_jax.masks.Mask` (default ``causal()``), per-head masks
         need ``N`` heads.
-      normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"`` or a float α > 1.
+      normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"`` or a float α >= 1 (1: softmax).
       learn_alpha: learn one α per head (α = 1 + softplus(θ), initialised at ``normalizer``'s
         α: the float itself, 2 for ``"sparsemax"``, 1.5 for ``"entmax15"``); ``normalizer``
         must then be sparse (:func:`~sparse_jax.validation.check_alpha_start`).
