@@ -255,12 +255,15 @@ def grade(predicted_answer: str, reference_answer: str) -> bool:
     """Whether a predicted final answer equals the reference exactly, whitespace aside.
 
     A leading ``Answer:`` is ignored; nothing else is forgiven (``2/4`` is not ``1/2``, ``Yes``
-    is not ``yes``): the answers are canonical so that exact match is the grade.
+    is not ``yes``, and a prediction that runs on past the reference, a bracket or a clause
+    more, is wrong): the answers are canonical so that exact match is the grade.
 
     Example:
 
     >>> grade("Answer: [[1, 0],[0, 1]]", "[[1, 0], [0, 1]]"), grade("[2/4]", "[1/2]")
     (True, False)
+    >>> grade("[[1, 0], [0, 1]]]", "[[1, 0], [0, 1]]"), grade("never; x = [1]", "never")
+    (False, False)
     """
     for name, value in (
         ("predicted_answer", predicted_answer),

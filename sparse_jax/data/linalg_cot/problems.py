@@ -108,7 +108,10 @@ class ParsedQuestion:
     * ``rref``: ``A`` and, for a block matrix, ``block`` (the multiple of A in each block,
       e.g. ``((1, 1), (1, 1))`` for ``[[A, A], [A, A]]``; 0 is a zero block);
     * ``solvability``: ``rows``, ``cols``, ``rank``, ``solutions`` (what is asked of the
-      solutions of Ax = b: a key of ``PROPERTIES``);
+      solutions of Ax = b: a key of ``PROPERTIES``), or, for a multiple choice, ``choices``
+      instead of ``solutions`` (the option groups as the question writes them, e.g.
+      ``(("always", "sometimes but not always"), ("a unique solution", "many solutions"))``;
+      :func:`~sparse_jax.data.linalg_cot.parsing.choice_answers` gives the chosen words);
     * ``column_space``: ``A``, ``b``.
 
     Example:
@@ -133,6 +136,7 @@ class ParsedQuestion:
     rank: int | None = None
     solutions: str | None = None
     operations: tuple[RowOp, ...] = ()
+    choices: tuple[tuple[str, ...], ...] = ()
 
     @property
     def key(self) -> str:
