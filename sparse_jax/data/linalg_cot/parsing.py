@@ -43,6 +43,7 @@ _LATEX_WORDS = (
 )
 _TRANSPOSE = re.compile(r"\^\s*(?:\{\s*(?:T|\\top)\s*\}|\\top(?![A-Za-z])|T\b)")
 _ENV_BEGIN = re.compile(r"(?:\\left\s*[\[(]\s*)?\\begin\s*\{\s*([bBpvV]?matrix|array)\s*\}")
+_MATH_ENV = re.compile(r"\\(?:begin|end)\s*\{\s*(?:equation|align|gather|displaymath|math)\*?\s*\}")
 _ENV_ANY = re.compile(r"\\(begin|end)\s*\{\s*([^{}]*?)\s*\}")
 _ROW_BREAK = re.compile(r"\\\\(?:\s*\[[^\]]*\])?")
 _LAST_NAME = re.compile(r"([A-Za-z]\w*)\s*(?:=|:|is the matrix|is the vector|is)\s*$")
@@ -115,7 +116,7 @@ def _latex_matrices(text: str) -> str:
 
 _K = r"-?\d+(?:/\d+)?"
 _IN_WORDS = (
-    # "subtracted 3 times row 1 from row 2", "(and then) 5 times row 1 from row 3",
+    # "subtracted 2 times row 1 from row 3", "(then) 4 times row 2 from row 3",
     # "added 2 times row 1 to row 3", "subtract row 1 from row 2"
     (
         re.compile(
@@ -180,7 +181,8 @@ def _normalize(text: str) -> str:
         ),
         text,
     )
-    text = _latex_matrices(_TRANSPOSE.sub("^T", text))
+    text = _MATH_ENV.sub(" ", _TRANSPOSE.sub("^T", text))
+    text = _latex_matrices(text)
     for pattern, replacement in _LATEX_WORDS:
         text = pattern.sub(replacement, text)
     for pattern, kind in _IN_WORDS:
@@ -402,6 +404,8 @@ def _detect_kind(text: str) -> str:
         w in t for w in ("rank", "solution", "solvable")
     ):
         return "solvability"
+    if "rank" in t and "solution" in t and _CHOICE_GROUP.search(t):
+        return "solvability"  # a multiple choice that offers no frequencies
     if "column space" in t or "c(a)" in t:
         return "column_space"
     if re.search(r"special solution|null ?space|\bn\(a\)|\bax\s*=\s*0\b", t):
@@ -540,7 +544,7 @@ def _choice_groups(text: str) -> tuple[tuple[str, ...], ...]:
             raise ValueError(
                 f"could not read the choice {match.group(0)!r}: its options must all be "
                 "frequencies (always / sometimes but not always / never) or all solutions (a "
-                "unique solution / many solutions / no solution)"
+                "exactly one solution / infinitely many solutions / no solution)"
             )
     return tuple(groups)
 
@@ -562,7 +566,7 @@ def _parse_solvability(text: str, question: str) -> ParsedQuestion:
         if kinds.count(True) != 1 or kinds.count(False) != 1:
             raise ValueError(
                 "a multiple choice must offer one group of frequencies (always / sometimes but "
-                "not always / never) and one group of solutions (a unique solution / many "
+                "not always / never) and one group of solutions (exactly one solution / many "
                 f"solutions / no solution); got {len(choices)} groups: {choices}"
             )
         return ParsedQuestion("solvability", question, rows=m, cols=n, rank=r, choices=choices)
@@ -697,13 +701,13 @@ def parse_question(text: str) -> ParsedQuestion:
     integers, ``p/q`` or decimals, sizes as ``3 by 5`` or ``3x5``; LaTeX (``$...$``,
     ``\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}`` with or without commas, pmatrix,
     array, ``\\frac{1}{2}``, ``\\text{rref}(B)``, ``c_1``, ``c_{1}``), transposed vectors
-    ``[4, 0, 0]^T`` (a matrix's ``^T`` transposes it), block matrices written in LaTeX, row
-    operations in words ("subtracted 3 times row 1 from row 2 and then 5 times row 1 from row
+    ``[1, 2, 0]^T`` (a matrix's ``^T`` transposes it), block matrices written in LaTeX, row
+    operations in words ("subtracted 2 times row 1 from row 3, then 4 times row 2 from row
     3", "added 2 times row 1 to row 3", "exchanged rows 2 and 3", "multiplied row 2 by 3",
     "divided row 2 by 4"), and:
 
-    * a multiple choice on solutions such as "Ax = b (always / sometimes but not always) has (a
-      unique solution / many solutions / no solution)": a ``solvability`` question whose
+    * a multiple choice on solutions such as "Ax = b (always / never) has (exactly one
+      solution / infinitely many solutions)": a ``solvability`` question whose
       ``choices`` are the option groups (:func:`choice_answers` gives the chosen words);
     * elimination steps with a stated complete solution instead of R and d: an
       ``elimination`` question whose R and d are derived from it (R = rref(A), d = R x_p; A
@@ -748,10 +752,10 @@ def choice_answers(parsed: ParsedQuestion) -> tuple[str, ...]:
 
     Example:
 
-    >>> parsed = parse_question("A is 3 by 5 with rank 3, so Ax = b (always / sometimes but not "
-    ...                         "always) has (a unique solution / many solutions / no solution).")
+    >>> parsed = parse_question("Let A be 2 by 4 of rank 2. Then Ax = b has (exactly one "
+    ...                         "solution / infinitely many solutions) (always / never).")
     >>> parsed.kind, parsed.solutions, choice_answers(parsed)
-    ('solvability', None, ('always; many solutions',))
+    ('solvability', None, ('exactly one solution; never', 'infinitely many solutions; always'))
     """
     if not isinstance(parsed, ParsedQuestion):
         raise TypeError(

@@ -110,7 +110,7 @@ class ParsedQuestion:
     * ``solvability``: ``rows``, ``cols``, ``rank``, ``solutions`` (what is asked of the
       solutions of Ax = b: a key of ``PROPERTIES``), or, for a multiple choice, ``choices``
       instead of ``solutions`` (the option groups as the question writes them, e.g.
-      ``(("always", "sometimes but not always"), ("a unique solution", "many solutions"))``;
+      ``(("always", "never"), ("exactly one solution", "no solution"))``;
       :func:`~sparse_jax.data.linalg_cot.parsing.choice_answers` gives the chosen words);
     * ``column_space``: ``A``, ``b``.
 
