@@ -96,8 +96,9 @@ def _latex_matrices(text: str) -> str:
         after = end.end()
         right = re.match(r"\s*\\right\s*[\])]", text[after:])
         after += right.end() if right else 0
-        rows = [row for row in _ROW_BREAK.split(text[body_start : end.start()])]
-        rows = [row.replace("\\hline", "") for row in rows]
+        rows = [
+            row.replace("\\hline", "") for row in _ROW_BREAK.split(text[body_start : end.start()])
+        ]
         cells = [_latex_cells(row, where) for row in rows if row.strip()]
         if not cells:
             raise ValueError(f"the LaTeX matrix {where} is empty")
@@ -163,8 +164,8 @@ def _operation_in_words(match: re.Match, kind: str) -> str:
         return match.group(0)  # "row 1 from row 2" alone is no operation
     if verb and (verb == "add") != (prep == "to"):
         raise ValueError(
-            f"could not read the row operation {match.group(0)!r} (allowed: 'subtracted 3 "
-            "times row 1 from row 2', 'added 2 times row 1 to row 3')"
+            f"could not read the row operation {match.group(0)!r} (allowed: 'subtracted 2 "
+            "times row 1 from row 3', 'added 2 times row 1 to row 3')"
         )
     factor = "2" if match.group("twice") else (k or "1")
     return f"R{j} = R{j} {'-' if prep == 'from' else '+'} ({factor})*R{i}"
