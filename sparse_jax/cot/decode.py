@@ -421,7 +421,7 @@ class Solver:
         (symbolic links included), and what it holds is checked before it is used. A
         checkpoint that cannot be read is skipped for the newest readable earlier one, with a
         :class:`~sparse_jax.training.checkpoint.CorruptCheckpointWarning` naming it (the
-        training's own mechanism: the unreadable one is moved aside to ``<step>.corrupt``).
+        training's own mechanism, except that nothing in the folder is moved or written).
 
         Raises:
           FileNotFoundError: the folder has no :data:`RECORD` (not a run folder) or no
@@ -474,7 +474,9 @@ class Solver:
         loss = functools.partial(loss_fn, source_len=fmt.source_len)
         with Checkpointer(directory, save_every=max(train.steps, 1)) as ckpt:
             trainer = Trainer(net, loss, train, checkpointer=ckpt)
-            trainer.restore()  # the latest readable checkpoint (the others: a warning)
+            # The latest readable checkpoint (the others: a warning); the folder is left as it
+            # is (it may be read-only, or another person's).
+            trainer.restore(quarantine=False)
         return cls(
             trainer.sync_model(),
             fmt,

@@ -505,7 +505,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def restore(
-        self, step: int | None = None, *, target: Any = None
+        self, step: int | None = None, *, target: Any = None, quarantine: bool = True
     ) -> tuple[Any, dict[str, Any], Any, int]:
         """Restores a checkpoint; returns ``(state, data_state, rng, step)``.
 
@@ -517,6 +517,9 @@ class Checkpointer:
             leaves whose ``.sharding`` says where each array goes on the current mesh (see
             :func:`abstract_like`). ``None`` restores with the shardings saved in the
             checkpoint, which needs the same devices as the run that wrote it.
+          quarantine: move unreadable checkpoints aside (a run that will write their steps
+            again); False leaves the folder as it is (a reader, such as a run folder loaded for
+            inference, which may be read-only or someone else's).
 
         Raises:
           FileNotFoundError: there is no complete checkpoint (or none for ``step``).
@@ -525,6 +528,7 @@ class Checkpointer:
           NoReadableCheckpointError: (a ``CheckpointError``) no checkpoint at all can be read;
             they are left in place (:meth:`quarantine` moves them aside).
         """
+        quarantine = check_bool(quarantine, "quarantine", "Checkpointer.restore")
         self._check_open()
         self.wait()
         steps = self.all_steps()
@@ -561,7 +565,8 @@ class Checkpointer:
                 )
                 unreadable.append((candidate, message))
                 continue
-            self._quarantine([s for s, _ in unreadable])
+            if quarantine:
+                self._quarantine([s for s, _ in unreadable])
             return result
         details = "; ".join(f"step {s}: {m}" for s, m in unreadable)
         raise NoReadableCheckpointError(

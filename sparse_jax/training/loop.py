@@ -315,13 +315,17 @@ class Trainer:
             force=force,
         )
 
-    def restore(self) -> dict[str, Any] | None:
+    def restore(self, *, quarantine: bool = True) -> dict[str, Any] | None:
         """Restores the latest readable checkpoint onto the current mesh; returns its data
-        state (None when there is no checkpoint)."""
+        state (None when there is no checkpoint). ``quarantine``: as
+        :meth:`~sparse_jax.training.checkpoint.Checkpointer.restore` (False: a reader that
+        leaves unreadable checkpoints where they are)."""
         if self.checkpointer is None or self.checkpointer.latest_step() is None:
             return None
         target = ckpt_lib.abstract_like(self.state())
-        state, data_state, rng, step = self.checkpointer.restore(target=target)
+        state, data_state, rng, step = self.checkpointer.restore(
+            target=target, quarantine=quarantine
+        )
         self.params, self.rest, self.opt_state = state["params"], state["rest"], state["opt"]
         self.rng, self.step = rng, step
         self.sync_model()
