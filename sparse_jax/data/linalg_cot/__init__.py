@@ -57,9 +57,11 @@ for rref, 3 x 5 for nullspaces, 4 x 3 for column spaces, 3 x 4 for elimination, 
 for rref, 4 x 6 for nullspaces) are allowed.
 
 **Parsing.** :func:`parse_question` reads a question in any of the phrasings, and reasonable
-user phrasings, into a :class:`ParsedQuestion`; malformed text raises ``ValueError`` naming what
-could not be read. :func:`solve` is the symbolic solver that makes the data and the reference
-answers; it is never the model's answer.
+user phrasings (LaTeX matrices, ``^T`` vectors, row operations in words, multiple choice), into a
+:class:`ParsedQuestion`; malformed text raises ``ValueError`` naming what could not be read, and
+:func:`choice_answers` gives the chosen words of a multiple-choice question. :func:`solve` is
+the symbolic solver that makes the data and the reference answers; it is never the model's
+answer.
 
 Example:
 
@@ -117,7 +119,7 @@ from sparse_jax.data.linalg_cot.grading import (
     solution_roles,
     step_type,
 )
-from sparse_jax.data.linalg_cot.parsing import parse_question
+from sparse_jax.data.linalg_cot.parsing import choice_answers, parse_question
 from sparse_jax.data.linalg_cot.problems import (
     ANSWER_PREFIX,
     FREQUENCIES,
@@ -148,6 +150,7 @@ __all__ = [
     "RowOp",
     "SparseJaxLinalgCot",
     "SparseJaxLinalgCotConfig",
+    "choice_answers",
     "distinct_questions",
     "first_divergence",
     "format_matrix",
