@@ -246,7 +246,7 @@ def test_an_interrupted_kernels_benchmark_still_writes_what_it_measured(
 def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_fastest(capsys):
     bench.main(
         ["pallas_tuning", "--lengths", "32", "--batch", "1", "--heads", "2", "--head-dim", "16",
-         "--layout-block", "32", "--forward-blocks", "16x32", "32", "--backward-blocks", "0",
+         "--layout-block", "32", "--forward-blocks", "32", "--backward-blocks", "0",
          "16x32", "--dq-blocks", "0", "16x32",
          "--num-warps", "4", "--num-stages", "2", "--window", "8", "--masks", "local",
          "--normalizers", "entmax15", "softmax", "--repeats", "1", "--dq-accumulation",
@@ -255,11 +255,11 @@ def test_the_pallas_tuning_benchmark_times_every_combination_and_names_the_faste
     printed = capsys.readouterr().out
     lines = [line for line in printed.splitlines() if line.startswith("| causal")]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
-    # (forward tile, backward tiles, dq, prefetch): 16 rows by 32 keys' backward 16x32 once (0
-    # is the forward's, and the dq kernel's 0 the backward's), tile 32's 32 and 16x32, and 32
-    # with the dq kernel on 16x32, which atomic adds cannot take (they form dq on the dk/dv
-    # kernel's tiles); softmax, which skips no block, without prefetching
-    tiles = [("16x32", "16x32"), ("32", "32"), ("32", "16x32")]
+    # (forward tile, backward tiles, dq, prefetch): tile 32's backward 32 (0 is the forward's,
+    # and the dq kernel's 0 the backward's) and 16x32, and 32 with the dq kernel on 16x32, which
+    # atomic adds cannot take (they form dq on the dk/dv kernel's tiles); softmax, which skips
+    # no block, without prefetching
+    tiles = [("32", "32"), ("32", "16x32")]
     own_dq = ("32", "32, dq 16x32")
     modes = [(dq, pf) for dq in ("separate", "atomic") for pf in ("yes", "no")]
     combos = sorted((row[3], row[4], row[7], row[8]) for row in rows if row[2] == "entmax15")
