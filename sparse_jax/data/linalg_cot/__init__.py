@@ -56,6 +56,18 @@ for rref, 3 x 5 for nullspaces, 4 x 3 for column spaces, 3 x 4 for elimination, 
 [-9, 9], at most 16 steps and no number above 30 in a solution), and the issue's maxima (6 x 8
 for rref, 4 x 6 for nullspaces) are allowed.
 
+**The exam's forms** (opt-in, :attr:`GeneratorConfig.exam_rate` and
+:attr:`GeneratorConfig.latex_rate`; :meth:`GeneratorConfig.exam` sets the exam's sizes):
+elimination steps in words ("subtracted 3 times row 1 from row 2"), R and d given by a complete
+solution (the chain derives them first), block matrices with their size stated, multiple
+choices on m by n matrices (the answer is the chosen words, ``always; infinitely many
+solutions``), LaTeX notation (:mod:`~sparse_jax.data.linalg_cot.exam`). Questions answered in
+words, :data:`DESCRIPTIVE_KINDS` (not in :data:`KINDS`; generated when ``kinds`` names them,
+read by :func:`parse_descriptive`): ``column_space_basis`` (``rank 2; C(A) is a plane in R^3;
+basis [1, 3, 0], [2, 8, 4]``, the basis being the pivot columns of A) and ``subspaces``
+(``C(A) is all of R^3; N(A) is a plane in R^5``); :func:`grade_parts` grades each part (rank,
+dimensions, spaces, a basis up to its span).
+
 **Parsing.** :func:`parse_question` reads a question in any of the phrasings, and reasonable
 user phrasings (LaTeX matrices, ``^T`` vectors, row operations in words, multiple choice), into a
 :class:`ParsedQuestion`; malformed text raises ``ValueError`` naming what could not be read, and
@@ -87,6 +99,7 @@ Answer: yes; x = [1, 2]
 :class:`ParsedQuestion`), :mod:`~sparse_jax.data.linalg_cot.grading` (step types, divergence,
 byte roles, the grade), :mod:`~sparse_jax.data.linalg_cot.solver` (:func:`solve`),
 :mod:`~sparse_jax.data.linalg_cot.parsing` (:func:`parse_question`),
+:mod:`~sparse_jax.data.linalg_cot.exam` (the exam's phrasings, row operations in words, LaTeX),
 :mod:`~sparse_jax.data.linalg_cot.generator` (phrasings, :func:`generate`, :func:`make_splits`)
 and :mod:`~sparse_jax.data.linalg_cot.storage` (the TFDS builder, :func:`prepare`).
 """
@@ -103,6 +116,7 @@ from sparse_jax.data.linalg_cot.algebra import (
     format_vector,
     row_arithmetic,
 )
+from sparse_jax.data.linalg_cot.exam import EXAM_TEMPLATES
 from sparse_jax.data.linalg_cot.generator import (
     SPLITS,
     TEMPLATES,
@@ -114,19 +128,23 @@ from sparse_jax.data.linalg_cot.generator import (
 from sparse_jax.data.linalg_cot.grading import (
     ROLES,
     STEP_TYPES,
+    answer_parts,
     first_divergence,
     grade,
+    grade_parts,
     solution_roles,
     step_type,
 )
-from sparse_jax.data.linalg_cot.parsing import choice_answers, parse_question
+from sparse_jax.data.linalg_cot.parsing import choice_answers, parse_descriptive, parse_question
 from sparse_jax.data.linalg_cot.problems import (
     ANSWER_PREFIX,
+    DESCRIPTIVE_KINDS,
     FREQUENCIES,
     KINDS,
     PROPERTIES,
     ParsedQuestion,
     Problem,
+    read_option,
     split_solution,
 )
 from sparse_jax.data.linalg_cot.solver import solve
@@ -135,6 +153,8 @@ from sparse_jax.data.linalg_cot.storage import BUILDER_NAME, LinalgCotData, Prob
 __all__ = [
     "ANSWER_PREFIX",
     "BUILDER_NAME",
+    "DESCRIPTIVE_KINDS",
+    "EXAM_TEMPLATES",
     "FREQUENCIES",
     "KINDS",
     "PROPERTIES",
@@ -150,6 +170,7 @@ __all__ = [
     "RowOp",
     "SparseJaxLinalgCot",
     "SparseJaxLinalgCotConfig",
+    "answer_parts",
     "choice_answers",
     "distinct_questions",
     "first_divergence",
@@ -158,9 +179,12 @@ __all__ = [
     "format_vector",
     "generate",
     "grade",
+    "grade_parts",
     "make_splits",
+    "parse_descriptive",
     "parse_question",
     "prepare",
+    "read_option",
     "row_arithmetic",
     "solution_roles",
     "solve",

@@ -5,6 +5,7 @@ splits disjoint in content (:func:`make_splits`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -27,9 +28,17 @@ from sparse_jax.data.linalg_cot.algebra import (
     row_reduce,
     zeros,
 )
-from sparse_jax.data.linalg_cot.parsing import parse_question
+from sparse_jax.data.linalg_cot.exam import (
+    EXAM_TEMPLATES,
+    choice_text,
+    latex_question,
+    operations_in_words,
+)
+from sparse_jax.data.linalg_cot.parsing import parse_descriptive, parse_question
 from sparse_jax.data.linalg_cot.problems import (
     ALREADY_REDUCED,
+    DESCRIPTIVE_KINDS,
+    FREQUENCIES,
     KINDS,
     PROPERTIES,
     ParsedQuestion,
@@ -100,6 +109,20 @@ TEMPLATES: Mapping[str, tuple[str, ...]] = {
         "Let A = {A} and b = {b}. Decide whether b is in C(A), and if it is, solve Ax = b.",
         "Can Ax = b be solved for A = {A} and b = {b}? Say whether b is in the column space and "
         "give x.",
+    ),
+    # DESCRIPTIVE_KINDS (read by parse_descriptive).
+    "column_space_basis": (
+        "Describe the column space of A = {A}: its dimension, the space it lies in and a basis.",
+        "What is the column space C(A) of the matrix A = {A}? Give the rank, a basis and the "
+        "space R^m it is in.",
+        "Let A = {A}. Say in words what the column space of A is, with a basis of pivot columns.",
+    ),
+    "subspaces": (
+        "A is a {m} by {n} matrix of rank {r}. Describe its column space and its nullspace.",
+        "Suppose the {m} by {n} matrix A has rank r = {r}. What are the column space and the "
+        "nullspace of A?",
+        "For an m by n matrix A with m = {m}, n = {n} and rank r = {r}, describe C(A) and N(A) "
+        "in words.",
     ),
 }
 # Block patterns of rref questions: the multiple of A in each block (0: a zero block).
@@ -191,15 +214,51 @@ class GeneratorConfig:
     # With arithmetic: whether each combination's term writes its product before its sum,
     # ``a-k*b=a-p=c`` (:func:`row_arithmetic`'s ``products``): ``2-2*1=2-2=0``.
     products: bool = False
+    # The fraction of elimination, rref and solvability questions written in the exam's forms
+    # (EXAM_TEMPLATES): elimination steps in words ("subtracted 3 times row 1 from row 2"), R
+    # and d given by a complete solution (the chain derives them first), block matrices with
+    # their size stated, multiple choices on m by n matrices. 0 draws nothing more: the plain
+    # phrasings' data stay as they are.
+    exam_rate: float = 0.0
+    # The fraction of questions whose matrices and vectors are written in LaTeX (bmatrix with
+    # or without commas, ``[..]^T``, ``\frac``, ``c_1``, ``$...$``: exam.latex_question).
+    latex_rate: float = 0.0
+
+    @classmethod
+    def exam(cls, **changes: object) -> GeneratorConfig:
+        """The sizes and forms of the 18.06 exam of 1 March 2010 (the GiantRabbit study's): all
+        six kinds, block matrices up to 6 by 8 (half of the rref questions), nullspaces of 3 by
+        4 matrices, elimination on 3 by 3, complete solutions in 3 unknowns, m and n up to 9,
+        half the questions in the exam's forms and half in LaTeX; ``changes`` replace fields.
+
+        Example:
+
+        >>> cfg = GeneratorConfig.exam()
+        >>> cfg.rref_shape, cfg.exam_rate, GeneratorConfig.exam(latex_rate=0.0).latex_rate
+        ((6, 8), 0.5, 0.0)
+        """
+        values: dict[str, object] = dict(
+            rref_shape=(6, 8),
+            nullspace_shape=(3, 4),
+            column_space_shape=(3, 2),
+            elimination_shape=(3, 3),
+            block_rate=0.5,
+            max_number=60,
+            max_steps=24,
+            exam_rate=0.5,
+            latex_rate=0.5,
+        )
+        return cls(**(values | changes))
 
     def __post_init__(self) -> None:
         if (
             not isinstance(self.kinds, tuple)
             or not self.kinds
-            or any(k not in KINDS for k in self.kinds)
+            or any(k not in KINDS + DESCRIPTIVE_KINDS for k in self.kinds)
         ):
             raise ValueError(
-                f"GeneratorConfig: `kinds` must be a non-empty tuple of {KINDS}; got {self.kinds!r}"
+                f"GeneratorConfig: `kinds` must be a non-empty tuple of {KINDS + DESCRIPTIVE_KINDS}"
+                f"; got {self.kinds!r}"
             )
         limits = {
             "rref_shape": (6, 8),
@@ -233,7 +292,7 @@ class GeneratorConfig:
         check_int(self.max_number, "max_number", "GeneratorConfig", low=9, high=10**6)
         check_int(self.max_steps, "max_steps", "GeneratorConfig", low=4, high=128)
         Arithmetic.of(self.arithmetic, self.products, "GeneratorConfig")
-        for name in ("block_rate", "fraction_rate"):
+        for name in ("block_rate", "fraction_rate", "exam_rate", "latex_rate"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -300,10 +359,11 @@ def _entries_ok(values: Sequence[Fraction], cfg: GeneratorConfig) -> bool:
 
 
 def _draw(
-    rng: random.Random, kind: str, cfg: GeneratorConfig, template: int
+    rng: random.Random, kind: str, cfg: GeneratorConfig, phrasing: str
 ) -> ParsedQuestion | None:
     """One candidate question of ``kind`` (None when the draw breaks the entry bound)."""
-    phrasing = TEMPLATES[kind][template]
+    if phrasing in EXAM_TEMPLATES.get(kind, ()) or kind in DESCRIPTIVE_KINDS:
+        return _draw_exam(rng, kind, cfg, phrasing)
     if kind == "rref":
         max_rows, max_cols = cfg.rref_shape
         if "{block}" in phrasing:
@@ -399,6 +459,91 @@ def _draw(
     return ParsedQuestion(kind, question, R=reduction.matrix, d=d, operations=reduction.ops)
 
 
+def _draw_exam(
+    rng: random.Random, kind: str, cfg: GeneratorConfig, phrasing: str
+) -> ParsedQuestion | None:
+    """One candidate question of ``kind`` in an exam form or a descriptive kind (None when the
+    draw breaks a bound)."""
+    if kind == "subspaces":
+        m, n = rng.randint(1, cfg.solvability_dim), rng.randint(1, cfg.solvability_dim)
+        r = rng.randint(1, min(m, n))
+        return ParsedQuestion(kind, phrasing.format(m=m, n=n, r=r), rows=m, cols=n, rank=r)
+    if kind == "column_space_basis":
+        rows, cols = rng.randint(2, cfg.nullspace_shape[0]), rng.randint(2, cfg.nullspace_shape[1])
+        a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
+        if not _entries_ok([x for row in a for x in row], cfg):
+            return None
+        return ParsedQuestion(kind, phrasing.format(A=format_matrix(a)), A=a)
+    if kind == "solvability":
+        # A multiple choice with exactly one true combination of a frequency and a property.
+        m, n = rng.randint(1, cfg.solvability_dim), rng.randint(1, cfg.solvability_dim)
+        r = rng.randint(1, min(m, n))
+        frequencies = sorted(rng.sample(FREQUENCIES, rng.randint(2, 3)), key=FREQUENCIES.index)
+        order = tuple(PROPERTIES)
+        properties = sorted(rng.sample(order, rng.randint(2, 3)), key=order.index)
+        choices, groups = choice_text(frequencies, properties, rng)
+        parsed = ParsedQuestion(
+            kind,
+            phrasing.format(m=m, n=n, r=r, choices=choices),
+            rows=m,
+            cols=n,
+            rank=r,
+            choices=groups,
+        )
+        answer = solve(parsed).answer
+        return None if " or " in answer or answer == "none of the options" else parsed
+    if kind == "rref":
+        block = ((1, 1), (1, 1)) if rng.random() < 0.5 else rng.choice(_BLOCKS)
+        block = as_matrix(block)
+        max_rows, max_cols = cfg.rref_shape
+        rows = rng.randint(-(-2 // len(block)), max_rows // len(block))
+        cols = rng.randint(-(-2 // len(block[0])), max_cols // len(block[0]))
+        a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
+        if not _entries_ok([x for row in a for x in row], cfg):
+            return None
+        shape = f"{rows * len(block)} by {cols * len(block[0])}"
+        question = phrasing.format(A=format_matrix(a), block=format_block(block), shape=shape)
+        return ParsedQuestion(kind, question, A=a, block=block)
+    # elimination
+    if "{x}" not in phrasing:  # R and d given, the steps in words
+        parsed = _draw(rng, kind, cfg, TEMPLATES[kind][0])
+        if parsed is None:
+            return None
+        question = phrasing.format(
+            R=format_matrix(parsed.R),
+            d=format_vector(parsed.d),
+            steps=operations_in_words(parsed.operations, rng),
+        )
+        return ParsedQuestion(kind, question, R=parsed.R, d=parsed.d, operations=parsed.operations)
+    # R and d given by a complete solution, then steps of forward elimination (a multiple of an
+    # upper row taken from a lower one, now and then an exchange) that reached them.
+    context = _draw(rng, "complete_solution", cfg, TEMPLATES["complete_solution"][0])
+    if context is None:
+        return None
+    n = len(context.x_p)
+    rank = n - len(context.special)
+    m = rng.randint(max(2, rank), max(rank, cfg.elimination_shape[0]))
+    ops = []
+    for _ in range(rng.randint(1, cfg.elimination_ops)):
+        i, j = sorted(rng.sample(range(m), 2))
+        if rng.random() < 0.1:
+            ops.append(RowOp("swap", j, i))
+        else:
+            ops.append(RowOp("add", j, i, Fraction(rng.choice((-5, -4, -3, -2, -1, 1, 2, 3)))))
+    named = max(op.rows_needed() for op in ops)
+    if "{m}" not in phrasing and named != m:
+        return None  # the rows of A are those the steps name
+    terms = " + ".join(
+        [format_vector(context.x_p)]
+        + [f"c{k + 1} * {format_vector(s)}" for k, s in enumerate(context.special)]
+    )
+    question = phrasing.format(x=terms, m=m, n=n, steps=operations_in_words(ops, rng))
+    parsed = parse_question(question)  # R and d derived from the complete solution
+    if parsed.operations != tuple(ops):
+        raise AssertionError(f"the exam form {question!r} reads back other steps")
+    return parsed
+
+
 _INTEGER = re.compile(r"\d+")
 
 
@@ -412,21 +557,30 @@ def _within_bounds(problem: Problem, cfg: GeneratorConfig) -> bool:
 _MAX_DRAWS = 1000
 
 
-def _choose_template(kind: str, rng: random.Random, cfg: GeneratorConfig) -> int:
+def _choose_template(kind: str, rng: random.Random, cfg: GeneratorConfig) -> str:
+    # No draw at all for the exam's forms when exam_rate is 0: the plain data stay the same.
+    if cfg.exam_rate and kind in EXAM_TEMPLATES and rng.random() < cfg.exam_rate:
+        if kind != "rref" or rng.random() < cfg.block_rate:
+            return rng.choice(EXAM_TEMPLATES[kind])
     if kind != "rref":
-        return rng.randrange(len(TEMPLATES[kind]))
+        return TEMPLATES[kind][rng.randrange(len(TEMPLATES[kind]))]
     block = rng.random() < cfg.block_rate
-    return rng.choice([i for i, t in enumerate(TEMPLATES[kind]) if ("{block}" in t) == block])
+    return rng.choice([t for t in TEMPLATES[kind] if ("{block}" in t) == block])
 
 
 def _generate(
     kind: str, rng: random.Random, cfg: GeneratorConfig, template: int | None
 ) -> tuple[ParsedQuestion, Problem]:
     for _ in range(_MAX_DRAWS):
-        chosen = _choose_template(kind, rng, cfg) if template is None else template
+        if template is None:
+            chosen = _choose_template(kind, rng, cfg)
+        else:
+            chosen = TEMPLATES[kind][template]
         parsed = _draw(rng, kind, cfg, chosen)
         if parsed is None:
             continue
+        if cfg.latex_rate and rng.random() < cfg.latex_rate:
+            parsed = dataclasses.replace(parsed, question=latex_question(parsed.question, rng))
         problem = solve(parsed)
         if ALREADY_REDUCED in problem.steps:
             continue  # nothing to practise
@@ -463,8 +617,10 @@ def generate(
     >>> generate("rref", 0, template=0) == problem  # deterministic given the seed
     True
     """
-    if kind not in KINDS:
-        raise ValueError(f"generate: `kind` must be one of {KINDS}; got {kind!r}")
+    if kind not in KINDS + DESCRIPTIVE_KINDS:
+        raise ValueError(
+            f"generate: `kind` must be one of {KINDS + DESCRIPTIVE_KINDS}; got {kind!r}"
+        )
     rng = _as_rng(rng, "generate")
     cfg = GeneratorConfig() if config is None else config
     if not isinstance(cfg, GeneratorConfig):
@@ -566,5 +722,6 @@ def distinct_questions(problems: Iterable[Problem]) -> dict[str, int]:
             raise TypeError(
                 f"distinct_questions: `problems` must hold Problems; got {type(p).__name__}"
             )
-        keys.setdefault(p.kind, set()).add(parse_question(p.question).key)
-    return {kind: len(keys[kind]) for kind in KINDS if kind in keys}
+        parse = parse_descriptive if p.kind in DESCRIPTIVE_KINDS else parse_question
+        keys.setdefault(p.kind, set()).add(parse(p.question).key)
+    return {kind: len(keys[kind]) for kind in KINDS + DESCRIPTIVE_KINDS if kind in keys}

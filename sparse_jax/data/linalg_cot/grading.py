@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from fractions import Fraction
 
+from sparse_jax.data.linalg_cot.algebra import row_reduce
 from sparse_jax.data.linalg_cot.problems import ALREADY_REDUCED, ANSWER_PREFIX
 
 __all__ = [
     "ROLES",
     "STEP_TYPES",
+    "answer_parts",
     "first_divergence",
     "grade",
+    "grade_parts",
     "solution_roles",
     "step_type",
 ]
@@ -272,3 +276,122 @@ def grade(predicted_answer: str, reference_answer: str) -> bool:
         if not isinstance(value, str):
             raise TypeError(f"grade: `{name}` must be a str; got {type(value).__name__}")
     return _canonical_answer(predicted_answer) == _canonical_answer(reference_answer)
+
+
+# -------------------------------------------------------------------------------------------
+# The parts of an answer in words (DESCRIPTIVE_KINDS).
+
+_SUBSPACE = re.compile(
+    r"(?P<name>C\(A\)|N\(A\)) is (?:(?P<zero>only the zero vector in)|(?P<all>all of)"
+    r"|(?P<line>a line in)|(?P<plane>a plane in)|a (?P<k>\d+)-dimensional subspace of) "
+    r"R\^(?P<n>\d+)"
+)
+_RANK_PART = re.compile(r"(?:^|;)\s*rank (\d+)\s*(?:;|$)")
+_BASIS_PART = re.compile(r"(?:^|;)\s*basis (.*?)\s*(?:;|$)")
+_VECTOR = re.compile(r"\[([^\[\]]*)\]")
+
+
+def answer_parts(answer: str) -> dict[str, str]:
+    """The parts of an answer in words that :func:`grade_parts` grades, each as written: the
+    ``rank``; for each subspace named (``C(A)``, ``N(A)``) its dimension and the space it lies
+    in (``C(A) dimension``, ``C(A) space``: ``a plane in R^3`` gives ``2`` and ``R^3``); the
+    ``basis`` (the vectors after ``basis``, or ``none``). A part the answer does not write is
+    left out.
+
+    Example:
+
+    >>> answer_parts("rank 2; C(A) is a plane in R^3; basis [1, 3, 0], [2, 8, 4]")
+    {'rank': '2', 'C(A) dimension': '2', 'C(A) space': 'R^3', 'basis': '[1, 3, 0], [2, 8, 4]'}
+    >>> answer_parts("C(A) is all of R^3; N(A) is a 2-dimensional subspace of R^5")
+    {'C(A) dimension': '3', 'C(A) space': 'R^3', 'N(A) dimension': '2', 'N(A) space': 'R^5'}
+    """
+    if not isinstance(answer, str):
+        raise TypeError(f"answer_parts: `answer` must be a str; got {type(answer).__name__}")
+    text = " ".join(answer.split())
+    if text.startswith(ANSWER_PREFIX.strip()):
+        text = text[len(ANSWER_PREFIX.strip()) :].strip()
+    parts: dict[str, str] = {}
+    rank = _RANK_PART.search(text)
+    if rank:
+        parts["rank"] = rank.group(1)
+    for match in _SUBSPACE.finditer(text):
+        name, n = match.group("name"), match.group("n")
+        if match.group("zero"):
+            dimension = "0"
+        elif match.group("all"):
+            dimension = n
+        elif match.group("line"):
+            dimension = "1"
+        elif match.group("plane"):
+            dimension = "2"
+        else:
+            dimension = match.group("k")
+        parts.setdefault(f"{name} dimension", dimension)
+        parts.setdefault(f"{name} space", f"R^{n}")
+    basis = _BASIS_PART.search(text)
+    if basis:
+        parts["basis"] = basis.group(1)
+    return parts
+
+
+def _vectors(text: str) -> list[tuple[Fraction, ...]] | None:
+    """The vectors ``[..], [..]`` of a written basis (``[]`` for ``none``; None: unreadable)."""
+    if text.strip() == "none":
+        return []
+    found = _VECTOR.findall(text)
+    if not found or _VECTOR.sub("", text).replace(",", "").strip():
+        return None
+    try:
+        return [tuple(Fraction(x.strip()) for x in v.split(",")) for v in found]
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _same_span(predicted: str, reference: str) -> bool:
+    """Whether two written bases are bases of the same subspace: as many independent vectors,
+    of the same length, spanning together no more than each alone."""
+    mine, theirs = _vectors(predicted), _vectors(reference)
+    if mine is None or theirs is None or len(mine) != len(theirs):
+        return False
+    if not theirs:
+        return True
+    if len({len(v) for v in mine + theirs}) != 1:
+        return False
+    rank = len(row_reduce(tuple(mine)).pivots)
+    return rank == len(mine) == len(row_reduce(tuple(mine + theirs)).pivots)
+
+
+def grade_parts(predicted_answer: str, reference_answer: str) -> dict[str, bool]:
+    """Each part of the reference answer in words (:func:`answer_parts`) graded against the
+    prediction's: numbers and spaces exactly; the basis right when it spans the same subspace
+    with as many independent vectors (any basis, not only the pivot columns). A part the
+    prediction does not write is wrong.
+
+    Example:
+
+    >>> ref = "rank 2; C(A) is a plane in R^3; basis [1, 3, 0], [2, 8, 4]"
+    >>> grade_parts("rank 2; C(A) is a line in R^3; basis [1, 3, 0], [3, 11, 4]", ref)
+    {'rank': True, 'C(A) dimension': False, 'C(A) space': True, 'basis': True}
+    """
+    for name, value in (
+        ("predicted_answer", predicted_answer),
+        ("reference_answer", reference_answer),
+    ):
+        if not isinstance(value, str):
+            raise TypeError(f"grade_parts: `{name}` must be a str; got {type(value).__name__}")
+    reference = answer_parts(reference_answer)
+    if not reference:
+        raise ValueError(
+            "grade_parts: `reference_answer` has no parts (rank, C(A) / N(A) is ..., basis); "
+            f"got {reference_answer!r:.120}"
+        )
+    predicted = answer_parts(predicted_answer)
+    out = {}
+    for part, value in reference.items():
+        if part not in predicted:
+            out[part] = False
+        elif part == "basis":
+            out[part] = _same_span(predicted[part], value)
+        else:
+            out[part] = predicted[part] == value
+    return out

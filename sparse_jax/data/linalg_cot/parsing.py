@@ -18,6 +18,7 @@ from sparse_jax.data.linalg_cot.solver import solve
 
 __all__ = [
     "choice_answers",
+    "parse_descriptive",
     "parse_question",
 ]
 
@@ -634,13 +635,16 @@ def _parse_elimination(text: str, question: str, literals: list[_Literal]) -> Pa
         context = _parse_complete_solution(text, question, literals, rows=named)
         derived = _scan_literals(solve(context).answer)  # "R = [[..]]; d = [..]"
         r, d = _to_matrix(derived[0], "R"), _to_vector(derived[1], "d")
+        # The complete solution stays with the question: its chain derives R and d first.
+        stated = {"x_p": context.x_p, "special": context.special, "rows": context.rows}
     else:
+        stated = {}
         r = _to_matrix(_one(literals, 2, "R"), "R")
         d = _to_vector(_one(literals, 1, "d"), "d")
     if len(d) != len(r):
         raise ValueError(f"d has {len(d)} entries but R has {len(r)} rows")
     operations = _parse_operations(text, len(r))
-    return ParsedQuestion("elimination", question, R=r, d=d, operations=operations)
+    return ParsedQuestion("elimination", question, R=r, d=d, operations=operations, **stated)
 
 
 def _parse_rref(text: str, question: str, literals: list[_Literal]) -> ParsedQuestion:
@@ -778,3 +782,70 @@ def choice_answers(parsed: ParsedQuestion) -> tuple[str, ...]:
                 pair = (frequency, option) if frequencies_first else (option, frequency)
                 chosen.append("; ".join(pair))
     return tuple(chosen)
+
+
+_ASKS_NULLSPACE = re.compile(r"\bnull ?space\b|\bn\(a\)")
+_ASKS_COLUMN_SPACE = re.compile(r"\bcolumn space\b|\bc\(a\)")
+
+
+def parse_descriptive(text: str) -> ParsedQuestion:
+    """A question answered in words (:data:`~sparse_jax.data.linalg_cot.DESCRIPTIVE_KINDS`),
+    which :func:`parse_question` refuses: ``column_space_basis`` (describe the column space
+    of a given matrix A: ``A``) or ``subspaces`` (describe the column space and the nullspace
+    of an m by n matrix of rank r: ``rows``, ``cols``, ``rank``). Read in the same notations
+    as :func:`parse_question`. An explanation in words (how the solutions of Ax = b decide
+    whether b is in C(A)) has no graded parts that depend on the question: it raises
+    ``ValueError`` saying so, as does any other question.
+
+    Example:
+
+    >>> p = parse_descriptive("A is a 3 by 5 matrix of rank 3. What is its column space?")
+    >>> p.kind, p.rows, p.cols, p.rank
+    ('subspaces', 3, 5, 3)
+    >>> parse_descriptive("Describe the column space of A = [[1, 2], [2, 4]].").kind
+    'column_space_basis'
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"parse_descriptive: `text` must be a str; got {type(text).__name__}")
+    if len(text) > _MAX_QUESTION_CHARS:
+        raise ValueError(
+            f"could not parse the question: it has {len(text)} characters, more than the "
+            f"{_MAX_QUESTION_CHARS} allowed"
+        )
+    question = text.strip()
+    try:
+        normalized = _normalize(question)
+        t = " ".join(normalized.lower().split())
+        if _EXPLAIN.search(t):
+            raise ValueError(
+                f"the question asks for an explanation in words ({_EXPLAIN.search(t).group(0)!r}"
+                " ...): its answer (b is in C(A) exactly when Ax = b has a solution, whose x "
+                "combines the columns into b) is the same sentence for every A and b, with no "
+                "part to compute or grade; the column_space kind decides a given b"
+            )
+        if not (_ASKS_COLUMN_SPACE.search(t) or _ASKS_NULLSPACE.search(t)):
+            raise ValueError("the question asks about neither the column space nor the nullspace")
+        literals = _scan_literals(normalized)
+        if any(lit.depth == 1 and _is_numeric(lit) for lit in literals):
+            raise ValueError("the question gives a vector: parse_question reads it")
+        matrices = [lit for lit in literals if lit.depth == 2 and _is_numeric(lit)]
+        if matrices:
+            if not _DESCRIBE_COLUMN_SPACE.search(t) and "column space" not in t:
+                raise ValueError("the question does not ask to describe the column space")
+            a = _to_matrix(_one(literals, 2, "A"), "A")
+            return ParsedQuestion("column_space_basis", question, A=a)
+        shape, rank = _parse_shape(normalized), _RANK.search(normalized)
+        if shape is None or rank is None:
+            raise ValueError(
+                "could not find a matrix A, nor the size and rank of A (write e.g. 'a 3 by 5 "
+                "matrix of rank 3')"
+            )
+        m, n = (
+            _positive(v, f"the {w} of A") for v, w in zip(shape, ("rows", "columns"), strict=True)
+        )
+        r = int(rank.group(1) or rank.group(2))
+        if r > min(m, n):
+            raise ValueError(f"the rank {r} of a {m} by {n} matrix must be at most {min(m, n)}")
+        return ParsedQuestion("subspaces", question, rows=m, cols=n, rank=r)
+    except ValueError as e:
+        raise ValueError(f"could not parse the question: {e}") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -15,15 +16,22 @@ from sparse_jax.data.linalg_cot.algebra import Matrix, RowOp, Vector, format_num
 
 __all__ = [
     "ANSWER_PREFIX",
+    "DESCRIPTIVE_KINDS",
     "FREQUENCIES",
     "KINDS",
     "PROPERTIES",
     "ParsedQuestion",
     "Problem",
+    "read_option",
     "split_solution",
 ]
 
 KINDS = ("complete_solution", "elimination", "nullspace", "rref", "solvability", "column_space")
+# Questions answered in words whose parts can be graded (grading.answer_parts): the column space
+# of a given matrix (its rank, the space it lies in, a basis: the pivot columns), and the column
+# space and nullspace of an m by n matrix of rank r (each one's dimension and space). Not in
+# KINDS: GeneratorConfig and parse_descriptive take them on request.
+DESCRIPTIVE_KINDS = ("column_space_basis", "subspaces")
 # Properties of the solutions of Ax = b asked about by `solvability` questions, with their words.
 PROPERTIES = {
     "unique": "exactly one solution",
@@ -33,6 +41,34 @@ PROPERTIES = {
 FREQUENCIES = ("always", "sometimes but not always", "never")
 ANSWER_PREFIX = "Answer: "
 ALREADY_REDUCED = "the matrix is already in reduced row echelon form"
+
+
+# The words a multiple choice on the solutions of Ax = b may offer (read_option).
+_OPTION_FREQUENCIES = {"always": "always", "sometimes": "sometimes but not always"}
+_OPTION_FREQUENCIES |= {f: f for f in FREQUENCIES}
+_OPTION_PROPERTIES = {
+    "unique": re.compile(r"\b(?:exactly one|a unique|unique|one and only one) solutions?\b"),
+    "many": re.compile(r"\b(?:infinitely many|many|more than one) solutions\b"),
+    "none": re.compile(r"\bno solutions?\b"),
+}
+
+
+def read_option(option: str) -> tuple[str, str] | None:
+    """What one option of a multiple choice on the solutions of Ax = b names:
+    ``("frequency", <one of FREQUENCIES>)``, ``("property", <a key of PROPERTIES>)``, or None.
+
+    Example:
+
+    >>> read_option("Sometimes"), read_option("a unique solution"), read_option("maybe")
+    (('frequency', 'sometimes but not always'), ('property', 'unique'), None)
+    """
+    if not isinstance(option, str):
+        raise TypeError(f"read_option: `option` must be a str; got {type(option).__name__}")
+    words = " ".join(option.lower().split())
+    if words in _OPTION_FREQUENCIES:
+        return "frequency", _OPTION_FREQUENCIES[words]
+    found = [key for key, pattern in _OPTION_PROPERTIES.items() if pattern.search(words)]
+    return ("property", found[0]) if len(found) == 1 else None
 
 
 # -------------------------------------------------------------------------------------------
@@ -103,7 +139,9 @@ class ParsedQuestion:
     answers it. Each kind uses some of the fields (the others keep their defaults):
 
     * ``complete_solution``: ``x_p``, ``special`` (s1, s2, ...), ``rows`` (m, the rows of A);
-    * ``elimination``: ``R``, ``d``, ``operations`` (the elimination steps, in order);
+    * ``elimination``: ``R``, ``d``, ``operations`` (the elimination steps, in order), and
+      ``x_p``, ``special``, ``rows`` when R and d come from a complete solution the question
+      states (its chain derives them first);
     * ``nullspace``: ``A``;
     * ``rref``: ``A`` and, for a block matrix, ``block`` (the multiple of A in each block,
       e.g. ``((1, 1), (1, 1))`` for ``[[A, A], [A, A]]``; 0 is a zero block);
@@ -112,7 +150,9 @@ class ParsedQuestion:
       instead of ``solutions`` (the option groups as the question writes them, e.g.
       ``(("always", "never"), ("exactly one solution", "no solution"))``;
       :func:`~sparse_jax.data.linalg_cot.parsing.choice_answers` gives the chosen words);
-    * ``column_space``: ``A``, ``b``.
+    * ``column_space``: ``A``, ``b``;
+    * ``column_space_basis`` (:data:`DESCRIPTIVE_KINDS`): ``A``; ``subspaces``: ``rows``,
+      ``cols``, ``rank``.
 
     Example:
 

@@ -30,10 +30,12 @@ from sparse_jax.data.linalg_cot.algebra import (
 )
 from sparse_jax.data.linalg_cot.problems import (
     ALREADY_REDUCED,
+    DESCRIPTIVE_KINDS,
     KINDS,
     PROPERTIES,
     ParsedQuestion,
     Problem,
+    read_option,
 )
 from sparse_jax.validation import check_int
 
@@ -147,9 +149,8 @@ def _solvability_answer(m: int, n: int, r: int, prop: str) -> str:
     return "always" if every_b else "sometimes but not always"
 
 
-def _solve_solvability(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[str], str]:
-    del arithmetic  # no row operations
-    m, n, r = p.rows, p.cols, p.rank
+def _rank_steps(m: int, n: int, r: int) -> list[str]:
+    """What the rank says about C(A) (against m) and about uniqueness (against n)."""
     if r == m:
         first = f"r = m = {m}: C(A) is all of R^{m}, so Ax = b has a solution for every b"
     else:
@@ -162,8 +163,64 @@ def _solve_solvability(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[
     else:
         free_variables = counted(n - r, "free variable")
         second = f"r = {r} < n = {n}: {free_variables}, so a solution is never unique"
+    return [first, second]
+
+
+def _solve_solvability(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[str], str]:
+    del arithmetic  # no row operations
+    m, n, r = p.rows, p.cols, p.rank
+    steps = _rank_steps(m, n, r)
+    if p.choices:
+        # A multiple choice: how often each offered property holds, then the offered
+        # combinations that are true, in the question's order of groups and options.
+        read = [[read_option(o) for o in group] for group in p.choices]
+        frequencies_first = read[0][0][0] == "frequency"
+        frequencies, properties = (0, 1) if frequencies_first else (1, 0)
+        chosen = []
+        for option, (_, prop) in zip(p.choices[properties], read[properties], strict=True):
+            how_often = _solvability_answer(m, n, r, prop)
+            steps.append(f"so Ax = b has {option}: {how_often}")
+            for word, (_, frequency) in zip(p.choices[frequencies], read[frequencies], strict=True):
+                if frequency == how_often:
+                    chosen.append(f"{word}; {option}" if frequencies_first else f"{option}; {word}")
+        return steps, " or ".join(chosen) or "none of the options"
     answer = _solvability_answer(m, n, r, p.solutions)
-    return [first, second, f"so Ax = b has {PROPERTIES[p.solutions]}: {answer}"], answer
+    return [*steps, f"so Ax = b has {PROPERTIES[p.solutions]}: {answer}"], answer
+
+
+def _subspace_words(dimension: int, n: int) -> str:
+    return _nullspace_words(dimension, n)
+
+
+def _solve_subspaces(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[str], str]:
+    del arithmetic  # no row operations
+    m, n, r = p.rows, p.cols, p.rank
+    column, null = _subspace_words(r, m), _subspace_words(n - r, n)
+    steps = [
+        f"r = m = {m}: C(A) is {column}" if r == m else f"r = {r} < m = {m}: C(A) is {column}",
+        f"r = n = {n}: no free variables -> N(A) is {null}"
+        if r == n
+        else f"r = {r} < n = {n}: {counted(n - r, 'free variable')} -> N(A) is {null}",
+    ]
+    return steps, f"C(A) is {column}; N(A) is {null}"
+
+
+def _solve_column_space_basis(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[str], str]:
+    reduction = row_reduce(p.A)
+    steps = _reduction_steps(reduction, arithmetic)
+    m, r = len(p.A), len(reduction.pivots)
+    pivots = sorted(reduction.pivots)
+    columns = ", ".join(format_vector(tuple(row[j] for row in p.A)) for j in pivots)
+    numbers = ", ".join(str(j + 1) for j in pivots)
+    if pivots:
+        steps.append(f"pivot columns {numbers} of A: basis {columns}")
+    else:
+        steps.append("no pivot columns: the basis is empty")
+    words = _subspace_words(r, m)
+    steps.append(
+        f"r = m = {m}: C(A) is {words}" if r == m else f"r = {r} < m = {m}: C(A) is {words}"
+    )
+    return steps, f"rank {r}; C(A) is {words}; basis {columns or 'none'}"
 
 
 def _solve_complete_solution(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[str], str]:
@@ -226,8 +283,11 @@ def _solve_complete_solution(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple
 
 def _solve_elimination(p: ParsedQuestion, arithmetic: Arithmetic) -> tuple[list[str], str]:
     m, n = len(p.R), len(p.R[0])
+    steps = []
+    if p.x_p is not None:  # R and d come from the complete solution the question states
+        steps += _solve_complete_solution(p, arithmetic)[0]
     state = tuple((*e, *row, d_i) for e, row, d_i in zip(identity(m), p.R, p.d, strict=True))
-    steps = [f"start from [I | R | d] = {format_matrix(state)}"]
+    steps.append(f"start from [I | R | d] = {format_matrix(state)}")
     for op in reversed(p.operations):
         undo = op.inverse()
         before, state = state, undo.apply(state)
@@ -246,6 +306,8 @@ _SOLVERS = {
     "rref": _solve_rref,
     "solvability": _solve_solvability,
     "column_space": _solve_column_space,
+    "column_space_basis": _solve_column_space_basis,
+    "subspaces": _solve_subspaces,
 }
 
 
@@ -281,7 +343,7 @@ def _check_vector(value: Any, name: str, kind: str, length: int | None = None) -
 def _check_parsed(p: ParsedQuestion) -> None:
     """The fields each kind needs, with consistent shapes."""
     kind = p.kind
-    if kind in ("rref", "nullspace", "column_space"):
+    if kind in ("rref", "nullspace", "column_space", "column_space_basis"):
         a = _check_matrix(p.A, "A", kind)
         if kind == "column_space":
             _check_vector(p.b, "b", kind, len(a))
@@ -303,16 +365,39 @@ def _check_parsed(p: ParsedQuestion) -> None:
         for k, s in enumerate(p.special):
             _check_vector(s, f"special[{k}]", kind, len(x_p))
         check_int(p.rows, "rows", "solve")
-    elif kind == "solvability":
+    elif kind in ("solvability", "subspaces"):
         m = check_int(p.rows, "rows", "solve")
         n = check_int(p.cols, "cols", "solve")
         check_int(p.rank, "rank", "solve", low=0, high=min(m, n))
-        if p.solutions not in PROPERTIES:
+        if kind == "subspaces":
+            return
+        if p.choices:
+            _check_choices(p.choices)
+        elif p.solutions not in PROPERTIES:
             raise ValueError(
                 f"solve: `solutions` must be one of {sorted(PROPERTIES)}; got {p.solutions!r}"
             )
     else:
-        raise ValueError(f"solve: `kind` must be one of {KINDS}; got {kind!r}")
+        raise ValueError(f"solve: `kind` must be one of {KINDS + DESCRIPTIVE_KINDS}; got {kind!r}")
+    if kind == "elimination" and p.x_p is not None:
+        _check_vector(p.x_p, "x_p", kind)
+        check_int(p.rows, "rows", "solve")
+
+
+def _check_choices(choices: Any) -> None:
+    """Two groups of options: one of frequencies, one of solution properties."""
+    ok = isinstance(choices, tuple) and len(choices) == 2
+    ok = ok and all(
+        isinstance(g, tuple) and g and all(isinstance(o, str) for o in g) for g in choices
+    )
+    read = [[read_option(o) for o in group] for group in choices] if ok else []
+    sorts = [{r[0] if r else None for r in group} for group in read]
+    if not ok or sorted(map(tuple, sorts)) != [("frequency",), ("property",)]:
+        raise ValueError(
+            "solve: `choices` must be two groups of options, one of frequencies (always / "
+            "sometimes but not always / never) and one of solutions (exactly one solution / "
+            f"infinitely many solutions / no solution); got {choices!r:.160}"
+        )
 
 
 def solve(parsed: ParsedQuestion, *, arithmetic: bool = False, products: bool = False) -> Problem:

@@ -229,6 +229,20 @@ class LinalgCotData:
     built: bool
 
 
+# GeneratorConfig fields that leave a dataset's name as it was when they keep their default
+# (added after datasets were named: a cached dataset of the same request stays valid).
+_NAMED_WHEN_SET = ("exam_rate", "latex_rate")
+
+
+def _config_details(cfg: GeneratorConfig) -> dict[str, Any]:
+    details = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    default = GeneratorConfig()
+    for name in _NAMED_WHEN_SET:
+        if getattr(cfg, name) == getattr(default, name):
+            del details[name]
+    return details
+
+
 def prepare(
     data_dir: str | os.PathLike | None = None,
     *,
@@ -276,7 +290,7 @@ def prepare(
         "format": _FORMAT,
         "seed": seed,
         "sizes": sizes,
-        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),
+        "config": _config_details(cfg),
     }
     key = hashlib.sha256(json.dumps(details, sort_keys=True).encode()).hexdigest()
     config_name = f"s{seed}_{key[:16]}"
