@@ -166,6 +166,11 @@ class CascadeConfig:
                 f"{caller}: `gpt2` must have every head and unit (heads_per_layer and "
                 "inner_per_layer None): the cascade prunes them itself"
             )
+        if self.gpt2.smear_keys:
+            raise ValueError(
+                f"{caller}: `gpt2.smear_keys` must be False: the cascade's attention does not "
+                "smear keys (its blocks would drop the smear weights of a GPT2 loaded into it)"
+            )
         if self.keep_ratios is None:  # linear from 1 to 1/2
             default = tuple(1.0 - 0.5 * i / max(n - 1, 1) for i in range(n))
             object.__setattr__(self, "keep_ratios", default)

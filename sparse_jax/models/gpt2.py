@@ -73,6 +73,9 @@ PRESETS = {
     "cpu-long": (256, 4, 4, 2048, 257),
 }
 
+# Initial smear logit: each key starts as the mean of its own and the previous position's.
+SMEAR_INIT = 0.0
+
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
@@ -101,6 +104,7 @@ class GPT2Config:
     heads_per_layer: tuple[int, ...] | None = None  # per-block heads after pruning (None: n_head)
     inner_per_layer: tuple[int, ...] | None = None  # per-block FFN width after pruning
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (parameters stay float32)
+    smear_keys: bool = False  # each key mixed with the previous position's (a weight per head)
 
     def __post_init__(self):
         # Counts may be numpy integers (sizes read from arrays or files): stored as python ints.
@@ -131,6 +135,11 @@ class GPT2Config:
             raise ValueError(
                 f"GPT2Config: `dtype` must be 'float32' or 'bfloat16'; got {self.dtype!r}"
             )
+        if not isinstance(self.smear_keys, (bool, np.bool_)):
+            raise TypeError(
+                f"{caller}: `smear_keys` must be True or False; got {self.smear_keys!r}"
+            )
+        object.__setattr__(self, "smear_keys", bool(self.smear_keys))
         for name in ("heads_per_layer", "inner_per_layer"):
             value = getattr(self, name)
             if value is not None:
@@ -287,6 +296,10 @@ class SelfAttention(nnx.Module):
         self.head_gate = (
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
         )
+        # Smeared keys: a learned weight per head on the previous position's key (see smear()).
+        self.smear_logit = (
+            nnx.Param(jnp.full((n,), SMEAR_INIT, jnp.float32)) if n and config.smear_keys else None
+        )
 
     def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` with its learned choices made hard:
@@ -313,19 +326,46 @@ class SelfAttention(nnx.Module):
         """
         b, t, _ = x.shape
         qkv = self.c_attn(x).reshape(b, t, 3, self.num_heads, self.head_dim)
-        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return qkv[:, :, 0], self.smear(qkv[:, :, 1]), qkv[:, :, 2]
+
+    def smear(self, k: jax.Array, previous: jax.Array | None = None) -> jax.Array:
+        """Keys ``[B, T, N, H]`` as the scores see them: with ``GPT2Config.smear_keys``, each
+        head's key at position j becomes ``(1 - w) k_j + w k_{j-1}``, ``w = sigmoid
+        (smear_logit)`` per head, so a query can find the token that *follows* a match in one
+        layer (the step an induction head otherwise needs a previous-token head for);
+        ``previous [B, N, H]`` is the key before the first position (decoding: the cached
+        one; None: zeros). Without smearing, ``k`` unchanged.
+
+        Example:
+          >>> cfg = GPT2Config.preset("tiny", smear_keys=True)
+          >>> attn = GPT2(cfg, rngs=nnx.Rngs(0)).h[0].attn
+          >>> k = jnp.ones((1, 3, 3, 16)).at[:, 1:].set(3.0)  # [B, T, N, H]
+          >>> attn.smear_logit[...] = jnp.zeros(3)  # w = 0.5 in every head
+          >>> attn.smear(k)[0, :, 0, 0].tolist()  # (1 - w) k_j + w k_{j-1}, zeros before
+          [0.5, 2.0, 3.0]
+        """
+        if self.smear_logit is None:
+            return k
+        if previous is None:
+            previous = jnp.zeros_like(k[:, 0])
+        before = jnp.concatenate([previous[:, None].astype(k.dtype), k[:, :-1]], axis=1)
+        w = jax.nn.sigmoid(self.smear_logit[...]).astype(k.dtype)[None, None, :, None]
+        return k + w * (before - k)
 
     def __call__(self, x, *, cache=None, rngs=None):
         b, t, _ = x.shape
         if not self.num_heads:
             return jnp.broadcast_to(self.c_proj_bias[...].astype(x.dtype), x.shape), {}, cache
         n, h = self.num_heads, self.head_dim
-        q, k, v = self.project_qkv(x)
+        qkv = self.c_attn(x).reshape(b, t, 3, n, h)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         gate = self.head_gate
         if gate is not None and gate.kind == "score_scaling":
             q = q * gate.values().astype(q.dtype)[None, None, :, None]
         if cache is not None:  # decoding: write k, v at the cache index, attend to the prefix
             index = cache["index"]
+            raw_last = k[:, -1]
+            k = self.smear(k, cache.get("k_last"))
             k_all = jax.lax.dynamic_update_slice(
                 cache["k"], k.astype(cache["k"].dtype), (0, index, 0, 0)
             )
@@ -333,9 +373,11 @@ class SelfAttention(nnx.Module):
                 cache["v"], v.astype(cache["v"].dtype), (0, index, 0, 0)
             )
             cache = {"k": k_all, "v": v_all, "index": index + t}
+            if self.smear_logit is not None:
+                cache["k_last"] = raw_last.astype(k_all.dtype)
             out, aux = self.core(q, k_all, v_all, q_offset=index, rngs=rngs)
         else:
-            out, aux = self.core(q, k, v, rngs=rngs)
+            out, aux = self.core(q, self.smear(k), v, rngs=rngs)
         aux = {f"mask_{key}": val for key, val in aux.items()}
         if gate is not None and gate.kind != "score_scaling":
             out = gate(out.swapaxes(-1, -2), rngs=rngs).swapaxes(-1, -2)
@@ -487,7 +529,8 @@ class GPT2(nnx.Module):
         return logits.astype(jnp.float32), totals, new_caches
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list[dict[str, jax.Array]]:
-        """Empty key/value caches ``[B, max_len, N, H]`` per block, and the write index."""
+        """Empty key/value caches ``[B, max_len, N, H]`` per block, and the write index (and,
+        with smeared keys, the last raw key ``k_last [B, N, H]``)."""
         if max_len > self.config.n_positions:
             raise ValueError(
                 f"GPT2.init_cache: `max_len`={max_len} exceeds n_positions="
@@ -496,9 +539,10 @@ class GPT2(nnx.Module):
         caches = []
         for block in self.h:
             shape = (batch, max_len, block.attn.num_heads, block.attn.head_dim)
-            caches.append(
-                {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "index": jnp.int32(0)}
-            )
+            cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+            if block.attn.smear_logit is not None:  # the raw key before the next position
+                cache["k_last"] = jnp.zeros((batch, *shape[2:]), dtype)
+            caches.append({**cache, "index": jnp.int32(0)})
         return caches
 
     def attention_density(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:

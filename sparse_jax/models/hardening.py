@@ -367,6 +367,8 @@ def _copy_weights(src: GPT2, dst: GPT2, plan: HardenReport) -> None:
             da.c_proj.bias[...] = sa.c_proj.bias[...]
             if da.core.alpha_logit is not None and sa.core.alpha_logit is not None:
                 da.core.alpha_logit[...] = sa.core.alpha_logit[...][keep]
+            if sa.smear_logit is not None:
+                da.smear_logit[...] = sa.smear_logit[...][keep]
         elif sa.num_heads:  # every head pruned: only the projection's bias remains
             da.c_proj_bias[...] = sa.c_proj.bias[...]
         else:

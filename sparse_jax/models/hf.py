@@ -113,6 +113,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPT2Config:
         "n_inner": hf.get("n_inner"),
         "layer_norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
         "activation_function": hf.get("activation_function", "gelu_new"),
+        "smear_keys": hf.get("smear_keys", False),
     }
     return GPT2Config(**{**fields, **overrides})
 
@@ -310,6 +311,8 @@ def _expected(config) -> dict[str, tuple[int, ...]]:
             pre + "mlp.c_proj.weight": (u, d),
             pre + "mlp.c_proj.bias": (d,),
         }
+        if config.smear_keys and n:
+            shapes[pre + "attn.smear_logit"] = (config.heads(i),)
     return shapes
 
 
@@ -323,6 +326,8 @@ def _variable(model, name: str):
     block = model.h[int(parts[1])]
     if parts[2] in ("ln_1", "ln_2"):
         return getattr(getattr(block, parts[2]), _LN[parts[3]])
+    if parts[3] == "smear_logit":
+        return block.attn.smear_logit
     layer = getattr(getattr(block, parts[2]), parts[3])  # attn.c_attn, mlp.c_fc, ...
     return layer.kernel if parts[4] == "weight" else layer.bias
 
@@ -392,7 +397,11 @@ def save_pretrained(
     Only the dense architecture is expressible there: models with pruned heads or FFN units, or
     with parameters beyond GPT-2's (gates, candidate weights, learned α), are refused (save
     them with the training checkpoints instead). The attention spec is not stored: loading gives
-    the dense causal softmax model unless another spec is passed.
+    the dense causal softmax model unless another spec is passed. A model with smeared keys
+    (``GPT2Config.smear_keys``) is written with ``"smear_keys": true`` in ``config.json`` and a
+    tensor ``h.<i>.attn.smear_logit`` ``[N]`` per block: :func:`from_pretrained` reads it back,
+    but Hugging Face's own ``GPT2LMHeadModel`` does not know smeared keys and would compute
+    another function from those files.
 
     Example (a round trip with :func:`from_pretrained`):
       >>> import tempfile
@@ -457,6 +466,8 @@ def save_pretrained(
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
     }
+    if config.smear_keys:
+        hf["smear_keys"] = True
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(folder)
     # Everything is written into a fresh sibling folder first: a new `folder` appears whole (one
