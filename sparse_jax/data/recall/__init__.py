@@ -36,6 +36,10 @@ text; right when it starts with the answer, extra tokens after it ignored), :fun
 all of a batch, :func:`continuations_from_argmax` the answers one teacher-forced pass predicts
 (equal to greedy decoding for exact match), :func:`score` accuracy per ``(length, depth)``.
 
+**Training** (:mod:`~sparse_jax.data.recall.mixture`): :class:`RecallMixture` yields batches of
+text and recall sequences (answers at varied positions, marked for a weighted loss), the
+mixture a model that must retrieve is trained on.
+
 **Storage**: :func:`prepare` writes a set once as a TFDS ``array_record`` dataset through the
 builder ``SparseJaxRecall`` and reads it back (:class:`RecallData`); importing this package
 does not import ``tensorflow_datasets``.
@@ -54,8 +58,8 @@ Example (passkey at depth 0.5 in 100 byte tokens; a model that copies the key is
 **Modules** (each imports only those before it): :mod:`~sparse_jax.data.recall.sources`
 (:class:`Filler`, :func:`make_filler`, :func:`default_filler`),
 :mod:`~sparse_jax.data.recall.generator` (the tasks, :class:`RecallExample`,
-:class:`RecallBatch`, :func:`make_examples`), :mod:`~sparse_jax.data.recall.grading` and
-:mod:`~sparse_jax.data.recall.storage`.
+:class:`RecallBatch`, :func:`make_examples`), :mod:`~sparse_jax.data.recall.grading`,
+:mod:`~sparse_jax.data.recall.mixture` and :mod:`~sparse_jax.data.recall.storage`.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from sparse_jax.data.recall.generator import (
     make_examples,
 )
 from sparse_jax.data.recall.grading import continuations_from_argmax, grade, grade_batch, score
+from sparse_jax.data.recall.mixture import RecallMixture
 from sparse_jax.data.recall.sources import MAX_UNIT_CHARS, Filler, default_filler, make_filler
 from sparse_jax.data.recall.storage import BUILDER_NAME, RecallData, prepare
 
@@ -93,6 +98,7 @@ __all__ = [
     "RecallBatch",
     "RecallData",
     "RecallExample",
+    "RecallMixture",
     "SparseJaxRecall",  # defined on first use by __getattr__
     "SparseJaxRecallConfig",
     "continuations_from_argmax",
