@@ -189,9 +189,16 @@ def latex_question(text: str, rng: random.Random) -> str:
         if match.start() < i:
             continue  # inside the literal just written
         end = _closing(text, match.start())
-        latex = _latex_literal(text[match.start() : end], commas, rng.random() < 0.3)
+        literal = text[match.start() : end]
         before = text[i : match.start()]
         name = _NAME.search(before)
+        one_column = re.fullmatch(r"\[(\[[^\[\],]*\],?\s*)+\]", literal) is not None
+        if one_column and (name is None or not name.group(1)[0].isupper()):
+            # LaTeX reads a one-column matrix without a capital name as a vector: kept as is.
+            out.append(before + literal)
+            i = end
+            continue
+        latex = _latex_literal(literal, commas, rng.random() < 0.3)
         if name is not None:
             before = before[: name.start()] + "$" + name.group(0)
             latex += "$"

@@ -648,9 +648,12 @@ def make_splits(
     *,
     seed: int = 0,
     config: GeneratorConfig | None = None,
+    exclude: Iterable[ParsedQuestion] = (),
 ) -> dict[str, tuple[Problem, ...]]:
     """Fixed train / validation / test splits: example ``i`` of a split has kind
-    ``config.kinds[i % len(kinds)]``.
+    ``config.kinds[i % len(kinds)]``; no split holds a question that shares content
+    (:attr:`ParsedQuestion.contents`: the question, its matrix A, its complete solution, its
+    m, n and rank) with one of ``exclude`` (an exam's own questions, read at run time).
 
     The test split is drawn first, then validation, then train, each split from its own
     random stream (so a split does not change when another's size does, except that train
@@ -677,6 +680,13 @@ def make_splits(
         raise TypeError(
             f"make_splits: `config` must be a GeneratorConfig; got {type(cfg).__name__}"
         )
+    excluded: set[str] = set()
+    for q in exclude:
+        if not isinstance(q, ParsedQuestion):
+            raise TypeError(
+                f"make_splits: `exclude` must hold ParsedQuestions; got {type(q).__name__}"
+            )
+        excluded |= q.contents
     taken: set[str] = set()
     out: dict[str, tuple[Problem, ...]] = {}
     for split in ("test", "validation", "train"):
@@ -688,6 +698,8 @@ def make_splits(
             for _ in range(_MAX_DRAWS):
                 parsed, problem = _generate(kind, rng, cfg, None)
                 key = parsed.key
+                if excluded and parsed.contents & excluded:
+                    continue
                 if key not in taken and not (unique and key in keys):
                     break
             else:

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from sparse_jax.data.linalg_cot.algebra import Matrix, RowOp, Vector, format_number
+from sparse_jax.data.linalg_cot.algebra import (
+    Matrix,
+    RowOp,
+    Vector,
+    format_matrix,
+    format_number,
+    format_vector,
+)
 
 __all__ = [
     "ANSWER_PREFIX",
@@ -197,3 +204,26 @@ class ParsedQuestion:
             return value
 
         return json.dumps({name: text(value) for name, value in fields.items()}, sort_keys=True)
+
+    @property
+    def contents(self) -> frozenset[str]:
+        """What a question shares with another that asks about the same things, whatever it
+        asks of them: its :attr:`key`, the matrix A it gives, its complete solution (x_p and
+        s1, s2, ...), and its m, n and rank (make_splits' ``exclude`` compares them).
+
+        Example:
+
+        >>> a = ParsedQuestion("nullspace", "q", A=((Fraction(1), Fraction(2)),))
+        >>> b = ParsedQuestion("rref", "another q", A=a.A)
+        >>> sorted(a.contents & b.contents)
+        ['A = [[1, 2]]']
+        """
+        out = {self.key}
+        if self.A is not None:
+            out.add(f"A = {format_matrix(self.A)}")
+        if self.x_p is not None:
+            vectors = [self.x_p, *self.special]
+            out.add("x = " + " + ".join(format_vector(v) for v in vectors))
+        if None not in (self.rows, self.cols, self.rank):
+            out.add(f"m, n, r = {self.rows}, {self.cols}, {self.rank}")
+        return frozenset(out)

@@ -391,7 +391,7 @@ def _check_choices(choices: Any) -> None:
         isinstance(g, tuple) and g and all(isinstance(o, str) for o in g) for g in choices
     )
     read = [[read_option(o) for o in group] for group in choices] if ok else []
-    sorts = [{r[0] if r else None for r in group} for group in read]
+    sorts = [{r[0] if r else "?" for r in group} for group in read]
     if not ok or sorted(map(tuple, sorts)) != [("frequency",), ("property",)]:
         raise ValueError(
             "solve: `choices` must be two groups of options, one of frequencies (always / "

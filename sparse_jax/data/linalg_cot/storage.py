@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_jax.data.linalg_cot.generator import SPLITS, GeneratorConfig, make_splits
-from sparse_jax.data.linalg_cot.problems import Problem
+from sparse_jax.data.linalg_cot.problems import ParsedQuestion, Problem
 from sparse_jax.data.tfds_store import default_data_dir, prepare_once, quiet_tfds
 from sparse_jax.validation import check_bool, check_int
 
@@ -234,6 +234,13 @@ class LinalgCotData:
 _NAMED_WHEN_SET = ("exam_rate", "latex_rate")
 
 
+def _contents_hash(questions: Sequence[ParsedQuestion]) -> str:
+    if isinstance(questions, str) or not all(isinstance(q, ParsedQuestion) for q in questions):
+        raise TypeError(f"prepare: `exclude` must hold ParsedQuestions; got {questions!r:.80}")
+    contents = sorted(set().union(*(q.contents for q in questions)))
+    return hashlib.sha256(json.dumps(contents).encode()).hexdigest()[:16]
+
+
 def _config_details(cfg: GeneratorConfig) -> dict[str, Any]:
     details = json.loads(json.dumps(dataclasses.asdict(cfg)))
     default = GeneratorConfig()
@@ -251,11 +258,14 @@ def prepare(
     test: int = 600,
     seed: int = 0,
     config: GeneratorConfig | None = None,
+    exclude: Sequence[ParsedQuestion] = (),
     verbose: bool = False,
 ) -> LinalgCotData:
     """:func:`make_splits` written once as a TFDS ``array_record`` dataset and read back.
 
-    The dataset's config name carries a hash of (format, seed, sizes, config): the same request
+    ``exclude``: questions whose content no split may share (:func:`make_splits`), such as an
+    exam's own, read at run time; only a hash of their contents is stored. The dataset's
+    config name carries a hash of (format, seed, sizes, config, exclude): the same request
     reuses the files (``built`` False), any change writes a new dataset beside. ``data_dir``
     defaults to ``$SPARSE_JAX_DATA_DIR``, else ``~/.cache/sparse_jax/tfds``.
 
@@ -291,6 +301,9 @@ def prepare(
         "seed": seed,
         "sizes": sizes,
         "config": _config_details(cfg),
+        # A hash of the excluded questions' contents: the dataset is told apart by them
+        # without writing them down.
+        **({"exclude": _contents_hash(exclude)} if exclude else {}),
     }
     key = hashlib.sha256(json.dumps(details, sort_keys=True).encode()).hexdigest()
     config_name = f"s{seed}_{key[:16]}"
@@ -306,7 +319,7 @@ def prepare(
                 config=builder_config,
                 data_dir=root,
                 file_format="array_record",
-                problems=make_splits(**sizes, seed=seed, config=cfg),
+                problems=make_splits(**sizes, seed=seed, config=cfg, exclude=exclude),
             )
             prepare_once(builder)
         sources = builder.as_data_source()
