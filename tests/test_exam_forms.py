@@ -369,3 +369,33 @@ def test_the_quiz_in_the_exam_forms(quiz):
     # Question 8: refused, with the reason.
     with pytest.raises(ValueError, match="same sentence for every A and b"):
         lc.parse_descriptive(quiz[8]["text"])
+
+
+def test_the_quiz_fits_the_exam_sizes_and_bounds(quiz):
+    cfg = lc.GeneratorConfig.exam()
+    for q in _quiz_questions(quiz):
+        if q.kind in ("rref", "nullspace", "column_space", "column_space_basis"):
+            rows, cols = len(q.A), len(q.A[0])
+            if q.block is not None:
+                rows, cols = rows * len(q.block), cols * len(q.block[0])
+            shape = cfg.nullspace_shape if q.kind == "column_space_basis" else None
+            limit = shape or getattr(cfg, f"{q.kind}_shape")
+            assert rows <= limit[0] and cols <= limit[1], q.question
+        elif q.kind == "elimination":
+            assert len(q.R) <= cfg.elimination_shape[0] and len(q.R[0]) <= cfg.elimination_shape[1]
+            assert len(q.operations) <= cfg.elimination_ops
+        elif q.kind == "complete_solution":
+            assert len(q.x_p) == cfg.unknowns and q.rows <= cfg.complete_solution_rows
+        else:
+            assert max(q.rows, q.cols) <= cfg.solvability_dim
+        given = [x for m in (q.A, q.R) if m for row in m for x in row] + list(q.b or ())
+        assert all(abs(x) <= cfg.max_entry for x in given), q.question
+        problem = lc.solve(q)
+        assert len(problem.steps) <= cfg.max_steps
+        numbers = re.findall(r"\d+", " ".join(problem.steps) + problem.answer)
+        assert max(int(x) for x in numbers) <= cfg.max_number
+    # Its complete solution's special solutions are drawn at these bounds: free entries of R
+    # (their negatives) up to free_entry.
+    q1 = lc.parse_question(quiz[1]["text"])
+    assert max(abs(x) for s in q1.special for x in s) <= cfg.free_entry
+    assert lc.GeneratorConfig().free_entry < max(abs(x) for s in q1.special for x in s)

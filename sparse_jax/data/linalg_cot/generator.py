@@ -200,6 +200,9 @@ class GeneratorConfig:
     # The fraction of the free entries of a generated echelon form that are fractions p/q
     # (q = 2 or 3) instead of integers in [-3, 3]: with them, some answers hold fractions.
     fraction_rate: float = 0.15
+    # The integer free entries of a generated echelon form are in [-free_entry, free_entry]
+    # (the special solutions' entries are their negatives).
+    free_entry: int = 3
     # Every entry of a matrix or vector in a question is an integer in [-max_entry, max_entry].
     max_entry: int = 9
     # Every integer written in a solution (numerators, denominators) is at most this in size.
@@ -229,7 +232,8 @@ class GeneratorConfig:
         """The sizes and forms of the 18.06 exam of 1 March 2010 (the GiantRabbit study's): all
         six kinds, block matrices up to 6 by 8 (half of the rref questions), nullspaces of 3 by
         4 matrices, elimination on 3 by 3, complete solutions in 3 unknowns, m and n up to 9,
-        half the questions in the exam's forms and half in LaTeX; ``changes`` replace fields.
+        half the questions in the exam's forms and half in LaTeX, entries of questions up to 30
+        and free entries of echelon forms up to 6; ``changes`` replace fields.
 
         Example:
 
@@ -243,6 +247,8 @@ class GeneratorConfig:
             column_space_shape=(3, 2),
             elimination_shape=(3, 3),
             block_rate=0.5,
+            free_entry=6,
+            max_entry=30,
             max_number=60,
             max_steps=24,
             exam_rate=0.5,
@@ -289,6 +295,7 @@ class GeneratorConfig:
         check_int(self.complete_solution_rows, "complete_solution_rows", "GeneratorConfig", high=5)
         check_int(self.solvability_dim, "solvability_dim", "GeneratorConfig", high=9)
         check_int(self.max_entry, "max_entry", "GeneratorConfig", low=3, high=99)
+        check_int(self.free_entry, "free_entry", "GeneratorConfig", low=1, high=9)
         check_int(self.max_number, "max_number", "GeneratorConfig", low=9, high=10**6)
         check_int(self.max_steps, "max_steps", "GeneratorConfig", low=4, high=128)
         Arithmetic.of(self.arithmetic, self.products, "GeneratorConfig")
@@ -312,7 +319,7 @@ def _free_entry(rng: random.Random, cfg: GeneratorConfig) -> Fraction:
     if rng.random() < cfg.fraction_rate:
         q = rng.choice((2, 3))
         return Fraction(rng.choice([p for p in range(-2 * q, 2 * q + 1) if p % q]), q)
-    return Fraction(rng.randint(-3, 3))
+    return Fraction(rng.randint(-cfg.free_entry, cfg.free_entry))
 
 
 def _random_echelon(rng: random.Random, m: int, n: int, rank: int, cfg: GeneratorConfig) -> Matrix:

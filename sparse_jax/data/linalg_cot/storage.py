@@ -231,7 +231,7 @@ class LinalgCotData:
 
 # GeneratorConfig fields that leave a dataset's name as it was when they keep their default
 # (added after datasets were named: a cached dataset of the same request stays valid).
-_NAMED_WHEN_SET = ("exam_rate", "latex_rate")
+_NAMED_WHEN_SET = ("exam_rate", "latex_rate", "free_entry")
 
 
 def _contents_hash(questions: Sequence[ParsedQuestion]) -> str:
