@@ -25,6 +25,23 @@ __all__ = [
 # Fields as in TEMPLATES, and {steps} (row operations in words), {shape} (a block matrix's
 # size, "6 by 8"), {choices} (the option groups of a multiple choice, with the verb "has").
 EXAM_TEMPLATES: Mapping[str, tuple[str, ...]] = {
+    "complete_solution": (
+        "Elimination turns Ax = b into Rx = d, and the complete solution is x = {x}. Find the "
+        "{m} by {n} reduced row echelon matrix R and the vector d.",
+        "After row reduction Ax = b reads Rx = d, with complete solution x = {x}. What are the "
+        "{m} by {n} matrix R and the right side d?",
+    ),
+    "nullspace": (
+        "Suppose A = {A}. Find every special solution of Ax = 0 and describe the whole nullspace "
+        "of A in words.",
+        "Take the matrix A = {A}. List all special solutions to Ax = 0 and say in words what "
+        "the nullspace N(A) is.",
+    ),
+    "column_space": (
+        "Suppose that A = {A}. Is the vector b = {b} in the column space of A?",
+        "A is the matrix {A}. Does the vector b = {b} lie in the column space of A? If so, "
+        "give x with Ax = b.",
+    ),
     "elimination": (
         "Elimination took A to R = {R} and b to d = {d}: it {steps}. Which matrix E^-1 gives "
         "A = E^-1 R, and what are A and b?",

@@ -217,11 +217,11 @@ class GeneratorConfig:
     # With arithmetic: whether each combination's term writes its product before its sum,
     # ``a-k*b=a-p=c`` (:func:`row_arithmetic`'s ``products``): ``2-2*1=2-2=0``.
     products: bool = False
-    # The fraction of elimination, rref and solvability questions written in the exam's forms
-    # (EXAM_TEMPLATES): elimination steps in words ("subtracted 3 times row 1 from row 2"), R
-    # and d given by a complete solution (the chain derives them first), block matrices with
-    # their size stated, multiple choices on m by n matrices. 0 draws nothing more: the plain
-    # phrasings' data stay as they are.
+    # The fraction of questions written in the exam's forms (EXAM_TEMPLATES): elimination steps
+    # in words ("subtracted 3 times row 1 from row 2"), R and d given by a complete solution
+    # (the chain derives them first), block matrices with their size stated, multiple choices
+    # on m by n matrices, and the exam's wordings of the other kinds. 0 draws nothing more: the
+    # plain phrasings' data stay as they are.
     exam_rate: float = 0.0
     # The fraction of questions whose matrices and vectors are written in LaTeX (bmatrix with
     # or without commas, ``[..]^T``, ``\frac``, ``c_1``, ``$...$``: exam.latex_question).
@@ -481,6 +481,22 @@ def _draw_exam(
         if not _entries_ok([x for row in a for x in row], cfg):
             return None
         return ParsedQuestion(kind, phrasing.format(A=format_matrix(a)), A=a)
+    if kind in ("complete_solution", "nullspace", "column_space"):  # the plain draw, reworded
+        parsed = _draw(rng, kind, cfg, TEMPLATES[kind][0])
+        if parsed is None:
+            return None
+        values: dict[str, str | int] = {}
+        if parsed.A is not None:
+            values["A"] = format_matrix(parsed.A)
+        if parsed.b is not None:
+            values["b"] = format_vector(parsed.b)
+        if parsed.x_p is not None:
+            values["x"] = " + ".join(
+                [format_vector(parsed.x_p)]
+                + [f"c{k + 1} * {format_vector(s)}" for k, s in enumerate(parsed.special)]
+            )
+            values |= {"m": parsed.rows, "n": len(parsed.x_p)}
+        return dataclasses.replace(parsed, question=phrasing.format(**values))
     if kind == "solvability":
         # A multiple choice with exactly one true combination of a frequency and a property.
         m, n = rng.randint(1, cfg.solvability_dim), rng.randint(1, cfg.solvability_dim)
@@ -611,7 +627,7 @@ def generate(
     """One random problem of ``kind`` with its worked solution.
 
     Args:
-      kind: one of :data:`KINDS`.
+      kind: one of :data:`KINDS` or :data:`DESCRIPTIVE_KINDS`.
       rng: a ``random.Random`` (advanced by the draw) or an int seed.
       config: sizes and bounds (default: ``GeneratorConfig()``).
       template: the phrasing, an index into ``TEMPLATES[kind]`` (default: drawn at random).
