@@ -8,6 +8,7 @@ Example::
     from experiments.common import measure
 
     nll, kl = measure.evaluate_lm(student, windows, teacher)  # windows: [N, T + 1] int32
+    table = measure.recall_accuracy(teacher, "byte", lengths=(128, 512))  # {(T, depth): acc}
     tokens_per_s, ms = measure.speed(student, seq_len=512, vocab=257)
 """
 
@@ -23,6 +24,7 @@ from flax import nnx
 
 from experiments.common import timing
 from sparse_jax import masks
+from sparse_jax.data import recall
 from sparse_jax.data.tokenizers import get_tokenizer
 from sparse_jax.models import AttentionSpec, generate, student_from_teacher
 from sparse_jax.models.flops import mask_block_cost
@@ -38,6 +40,7 @@ __all__ = [
     "layer_density",
     "planted_recovery",
     "planted_swaps",
+    "recall_accuracy",
     "sample_texts",
     "speed",
     "weight_metrics",
@@ -73,6 +76,48 @@ def evaluate_lm(model, windows: np.ndarray, teacher=None, batch: int = 8):
         sizes.append(len(w))  # every window has the same length: weight a batch by its windows
     nll = float(np.average(nlls, weights=sizes))
     return nll, (float(np.average(kls, weights=sizes)) if teacher is not None else None)
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _argmax(graphdef, state, ids):
+    return jnp.argmax(nnx.merge(graphdef, state)(ids), axis=-1)
+
+
+#: Where the key is stated in :func:`recall_accuracy`'s sequences (fractions of the filler).
+RECALL_DEPTHS = (0.1, 0.5, 0.9)
+
+
+def recall_accuracy(
+    model,
+    tokenizer: str,
+    filler=None,
+    *,
+    lengths,
+    depths=RECALL_DEPTHS,
+    count: int = 48,
+    seed: int = 1_000_000,
+    batch: int = 8,
+) -> dict[tuple[int, float], float]:
+    """Passkey recall of ``model``: ``{(length, depth): exact-match accuracy}`` over ``count``
+    sequences per length (the depths cycled over them), each graded by its greedy answer
+    (:func:`sparse_jax.data.recall.continuations_from_argmax`, one forward pass). ``filler``:
+    as :func:`~sparse_jax.data.recall.make_examples` takes it (None: the embedded corpus's
+    evaluation split, text the trained models have not seen)."""
+    if filler is None:
+        filler = recall.default_filler(tokenizer, "eval")
+    graphdef, state = nnx.split(local_model(model))
+    batches, answers = [], []
+    for length in lengths:
+        examples = recall.make_examples(
+            "passkey", tokenizer, filler, length=length, count=count, depths=depths, seed=seed
+        )
+        predicted = np.concatenate([
+            np.asarray(_argmax(graphdef, state, jnp.asarray(examples.ids[i : i + batch, :-1])))
+            for i in range(0, count, batch)
+        ])  # fmt: skip
+        batches.append(examples)
+        answers.append(recall.continuations_from_argmax(examples, predicted))
+    return recall.score(batches, answers)
 
 
 #: The temperature of the sampled continuations (besides the greedy ones).

@@ -123,12 +123,50 @@ class TeacherConfig(_Group):
     """Updates of the trained teacher."""
     lr: float = 3e-3
     """Peak learning rate of the trained teacher."""
+    smear_keys: bool = False
+    """The trained teacher smears its keys (GPT2Config.smear_keys: each key mixed with the
+    previous position's by a weight per head), which lets it learn to retrieve (induction)."""
+    recall_steps: int = 0
+    """Updates of the trained teacher after its --teacher.steps on text, on a mixture of text and
+    passkey sequences (sparse_jax.data.recall.RecallMixture); 0: none."""
+    recall_fraction: float = 0.5
+    """Share of passkey sequences in those updates."""
+    recall_lengths: tuple[int, ...] = ()
+    """Sequence lengths of those updates, cycled (empty: 1x, 2x and 4x --data.seq-len, the lengths
+    the report asks at; each <= the teacher's positions)."""
+    recall_tokens: int = 2048
+    """Tokens per update of those updates (tokens // length sequences)."""
+    recall_lr: float = 1e-3
+    """Peak learning rate of those updates."""
+    answer_weight: float = 5.0
+    """The loss of those updates: next-token cross entropy plus this times its mean over the
+    answers' tokens."""
 
     TRAINED: ClassVar[tuple[str, ...]] = ("train", "planted")  # sources trained here
+    # The flags a trained teacher depends on (besides the data's): bundled teachers record them.
+    TRAINING: ClassVar[tuple[str, ...]] = (
+        "size", "steps", "lr", "smear_keys", "recall_steps", "recall_fraction", "recall_lengths",
+        "recall_tokens", "recall_lr", "answer_weight",
+    )  # fmt: skip
 
     def __post_init__(self):
-        set_ints_at_least(self, self.group, steps=1)
+        set_ints_at_least(self, self.group, steps=1, recall_steps=0, recall_tokens=1)
         self.number("lr", positive=True)
+        self.number("recall_lr", positive=True)
+        self.number("answer_weight", positive=False)
+        fraction = self.recall_fraction
+        if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):
+            raise ValueError(f"{self.flag('recall_fraction')} must be in [0, 1]; got {fraction!r}")
+        if not isinstance(self.smear_keys, bool):
+            raise ValueError(f"{self.flag('smear_keys')} must be true or false; got "
+                             f"{self.smear_keys!r}")  # fmt: skip
+        lengths = self.recall_lengths
+        if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+            raise ValueError(f"{self.flag('recall_lengths')} must be ints >= 1; got {lengths!r}")
+        lengths = tuple(lengths)
+        if any(not is_int(n) or n < 1 for n in lengths):
+            raise ValueError(f"{self.flag('recall_lengths')} must be ints >= 1; got {lengths!r}")
+        object.__setattr__(self, "recall_lengths", tuple(int(n) for n in lengths))
         if self.size not in PRESETS:
             raise ValueError(
                 f"{self.flag('size')} {self.size!r} is not a preset; allowed: {list(PRESETS)}"
@@ -144,8 +182,11 @@ class TeacherConfig(_Group):
         """For --teacher.source bundled: the files are there and readable, the teacher flags
         are those it was trained with, and ``seq_len`` is no longer than its training windows."""
         trained = teachers.record()["flags"]
-        for name in ("size", "steps", "lr"):
-            value, used = getattr(self, name), trained[f"teacher.{name}"]
+        for name in self.TRAINING:
+            value = getattr(self, name)
+            used = trained.get(f"teacher.{name}", getattr(TeacherConfig, name))
+            if isinstance(value, tuple):
+                used = tuple(used)
             if value != used:
                 raise ValueError(
                     f"{self.flag(name)} {value!r} applies to a teacher trained here, but "
@@ -528,6 +569,13 @@ class DistillConfig:
                 f"--data.seq-len {self.data.seq_len} is longer than the teacher's {positions} "
                 "positions"
             )
+        if self.teacher.source in TeacherConfig.TRAINED and self.teacher.recall_steps:
+            lengths = self.teacher_recall_lengths()
+            if max(lengths) > positions:
+                raise ValueError(
+                    f"--teacher.recall-lengths {list(lengths)} reach beyond the teacher's "
+                    f"{positions} positions (--teacher.size {self.teacher.size})"
+                )
         if self.teacher.source == "planted" and (
             self.student.kind != "candidates" or self.student.granularity != "head"
         ):
@@ -536,6 +584,12 @@ class DistillConfig:
                 "--student.kind candidates and --student.granularity head; got "
                 f"{self.student.kind!r} and {self.student.granularity!r}"
             )
+
+    def teacher_recall_lengths(self) -> tuple[int, ...]:
+        """The lengths of the teacher's recall updates: --teacher.recall-lengths, or 1x, 2x and
+        4x --data.seq-len."""
+        n = self.data.seq_len
+        return self.teacher.recall_lengths or (n, 2 * n, 4 * n)
 
     def flags(self) -> dict[str, Any]:
         """Every field by its dotted flag name (``"train.steps"``), as JSON values."""

@@ -39,6 +39,7 @@ from experiments.distill import teachers
 from experiments.distill.config import DistillConfig
 from experiments.distill.run_folder import Run, log
 from sparse_jax import masks
+from sparse_jax.data import recall, text
 from sparse_jax.models import (
     GPT2,
     AttentionSpec,
@@ -80,6 +81,11 @@ def teacher_key(config: DistillConfig, data) -> str:
     teacher adds its pattern and candidates)."""
     t = config.teacher
     parts = [t.size, data.dataset_name, t.steps, t.lr, config.data.batch_size, config.run.seed, 1]
+    if t.smear_keys or t.recall_steps:  # (a teacher trained without them keeps its old key)
+        parts += [t.smear_keys, t.recall_steps]
+        if t.recall_steps:
+            recall = [t.recall_fraction, config.teacher_recall_lengths(), t.recall_tokens]
+            parts += [*recall, t.recall_lr, t.answer_weight]
     if t.source == "planted":
         pattern = planted_pattern(config)
         parts += ["planted", pattern.tolist(), [repr(m) for m in candidate_bank(config)]]
@@ -212,14 +218,16 @@ def _lm_loss(model, batch, rng):
 
 
 def _train_teacher(run: Run, attention=None) -> GPT2:
-    c = run.config
-    config = GPT2Config.preset(c.teacher.size, vocab_size=run.data.vocab_size)
+    """--teacher.steps updates on the corpus's windows, then --teacher.recall-steps on a mixture
+    of text and passkey sequences (phase ``teacher_recall``)."""
+    c, t = run.config, run.config.teacher
+    config = GPT2Config.preset(t.size, vocab_size=run.data.vocab_size, smear_keys=t.smear_keys)
     model = GPT2(config, attention or AttentionSpec(), rngs=nnx.Rngs(c.run.seed))
     tc = loop.TrainConfig(
-        steps=c.teacher.steps,
+        steps=t.steps,
         batch_size=c.data.batch_size,
-        learning_rate=c.teacher.lr,
-        warmup_steps=min(50, c.teacher.steps // 10),
+        learning_rate=t.lr,
+        warmup_steps=min(50, t.steps // 10),
         weight_decay=0.01,
         seed=c.run.seed,
     )
@@ -227,7 +235,44 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
     def evaluate(model):
         return {"loss": measure.evaluate_lm(model, run.eval_windows)[0]}
 
-    return run.train_phase("teacher", model, _lm_loss, tc, evaluate=evaluate)
+    model = run.train_phase("teacher", model, _lm_loss, tc, evaluate=evaluate)
+    if not t.recall_steps:
+        return model
+    lengths = c.teacher_recall_lengths()
+    index, count = sharding.process_data_slice(run.mesh)
+    mixture = dict(
+        lengths=lengths,
+        tokens=t.recall_tokens,
+        recall_fraction=t.recall_fraction,
+        seed=c.run.seed,
+        process_index=index,
+        process_count=count,
+    )
+    source = text.resolve_source(c.data.source, tfds_data_dir=run.cache / "tfds")
+    filler = recall.make_filler(source, c.data.tokenizer)  # the corpus's train split
+
+    def batches(state):
+        if state is None:
+            return recall.RecallMixture(c.data.tokenizer, filler, **mixture)
+        return recall.RecallMixture.from_state(c.data.tokenizer, state, filler, **mixture)
+
+    def loss(model, batch, rng):
+        logits = model(batch[:, 0, :-1])
+        targets = batch[:, 0, 1:]
+        nll, metrics = cross_entropy_loss(logits, targets)
+        answers, _ = cross_entropy_loss(logits, targets, mask=batch[:, 1, 1:] == 1)
+        return nll + t.answer_weight * answers, {**metrics, "answer_nll": answers}
+
+    recall_tc = dataclasses.replace(
+        tc,
+        steps=t.recall_steps,
+        batch_size=max(1, t.recall_tokens // min(lengths)),
+        learning_rate=t.recall_lr,
+        warmup_steps=min(50, t.recall_steps // 10),
+    )
+    return run.train_phase(
+        "teacher_recall", model, loss, recall_tc, evaluate=evaluate, batches=batches
+    )
 
 
 # ----------------------------------------------------------------------------------------------

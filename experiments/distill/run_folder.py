@@ -252,9 +252,13 @@ class Run:
         seed = self.config.run.seed + zlib.crc32(phase.encode()) % 1000
         return BatchIterator(self.data.train, self.config.data.batch_size, seed=seed, **processes)
 
-    def train_phase(self, phase, model, loss_fn, train_config, *, frozen=None, evaluate=None):
+    def train_phase(
+        self, phase, model, loss_fn, train_config, *, frozen=None, evaluate=None, batches=None
+    ):
         """Runs (or resumes) one phase with a progress bar; returns the trained model (its
-        arrays on this process's device, see :func:`~sparse_jax.training.sharding.local_model`)."""
+        arrays on this process's device, see :func:`~sparse_jax.training.sharding.local_model`).
+        ``batches(iterator_state or None)`` gives another iterator than the corpus windows (one
+        with ``state()``, e.g. a :class:`~sparse_jax.data.recall.RecallMixture`)."""
         c = self.config
         ckpt = Checkpointer(
             self.dir / "checkpoints" / phase,
@@ -271,7 +275,10 @@ class Run:
             log(f"{phase}: resumed at step {trainer.step} from {ckpt.directory}")
         if c.resume:
             self.forget_metrics_after(phase, trainer.step)
-        iterator = self.batches(phase, data_state)
+        if batches is None:
+            iterator = self.batches(phase, data_state)
+        else:
+            iterator = batches(data_state.get("iterator") if data_state else None)
         bar = tqdm(
             total=train_config.steps,
             initial=trainer.step,

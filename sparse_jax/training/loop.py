@@ -358,7 +358,8 @@ class Trainer:
         over the updates fetched together.
 
         Args:
-          batches: an iterable of ``[batch_size, ...]`` int arrays (one per update).
+          batches: an iterable of ``[batch_size, ..., T]`` int arrays (one per update;
+            ``tokens_per_s`` counts ``batch_size * T`` tokens of each).
           data_state: returns the data pipeline's position, saved with checkpoints.
           on_step: called with ``(step, metrics)`` for every update, at the next logging step
             (before that step's checkpoint is saved; the metrics are yielded after it).
@@ -394,7 +395,7 @@ class Trainer:
             )
             self.step += 1
             pending.append((self.step, metrics))
-            tokens += batch.size
+            tokens += batch.shape[0] * batch.shape[-1]  # [B, ..., T]: ids and any marks
             last = self.step == self.config.steps
             do_eval = evaluate is not None and (
                 last or bool(eval_every and self.step % eval_every == 0)

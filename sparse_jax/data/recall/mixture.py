@@ -81,6 +81,16 @@ class RecallMixture:
 
     Raises ``ValueError``/``TypeError`` naming the argument before any batch is made: a length
     shorter than the task's sequences need, a fraction outside ``[0, 1]``, a count below 1.
+
+    Example (lengths 128 and 256 cycled at 1,024 tokens an update):
+
+    >>> mix = RecallMixture("byte", lengths=(128, 256), tokens=1024, recall_fraction=0.25)
+    >>> [next(mix).shape for _ in range(3)], mix.state()  # [B, 2, T + 1] per update
+    ([(8, 2, 129), (4, 2, 257), (8, 2, 129)], {'step': 3})
+    >>> RecallMixture("byte", lengths=(64,), tokens=64, recall_fraction=1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: make_examples: `length` must be at least 80 ...
     """
 
     def __init__(
