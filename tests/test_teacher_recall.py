@@ -91,6 +91,7 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
     recall_lines = [x for x in lines if x["phase"] == "teacher_recall"]
     assert [x["step"] for x in recall_lines] == [1, 2]
     assert all(x["answer_nll"] > 0 for x in recall_lines)
+    assert 0.0 <= recall_lines[-1]["eval_recall_96"] <= 1.0  # evaluated on held-out text
     assert [x["step"] for x in lines if x["phase"] == "teacher"] == [1]
     # Cached under a key of its recall flags; the plain teacher's key does not change.
     data = run.data

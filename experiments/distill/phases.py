@@ -250,6 +250,7 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
     )
     source = text.resolve_source(c.data.source, tfds_data_dir=run.cache / "tfds")
     filler = recall.make_filler(source, c.data.tokenizer)  # the corpus's train split
+    held_out = recall.make_filler(source, c.data.tokenizer, split="eval")
 
     def batches(state):
         if state is None:
@@ -263,6 +264,14 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
         answers, _ = cross_entropy_loss(logits, targets, mask=batch[:, 1, 1:] == 1)
         return nll + t.answer_weight * answers, {**metrics, "answer_nll": answers}
 
+    def evaluate_recall(model):  # the text loss, and passkey recall at each length
+        table = measure.recall_accuracy(
+            model, c.data.tokenizer, held_out, lengths=lengths, count=24
+        )
+        accuracy = {f"recall_{n}": np.mean([v for (m, _), v in table.items() if m == n])
+                    for n in lengths}  # fmt: skip
+        return {**evaluate(model), **accuracy}
+
     recall_tc = dataclasses.replace(
         tc,
         steps=t.recall_steps,
@@ -271,7 +280,7 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
         warmup_steps=min(50, t.recall_steps // 10),
     )
     return run.train_phase(
-        "teacher_recall", model, loss, recall_tc, evaluate=evaluate, batches=batches
+        "teacher_recall", model, loss, recall_tc, evaluate=evaluate_recall, batches=batches
     )
 
 
