@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,9 +14,11 @@ from flax import nnx
 
 from experiments import distill
 from experiments.common import measure
-from experiments.distill import phases
+from experiments.distill import phases, report
 from experiments.distill.run_folder import Run
 from sparse_jax.data.recall import make_examples, make_filler
+from sparse_jax.masks import causal, local
+from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, student_from_teacher
 
 FILLER = make_filler(" ".join(f"word{i % 89} then more" for i in range(4000)), "byte")
 
@@ -129,3 +132,47 @@ def test_the_bundled_teacher_refuses_recall_flags_it_was_not_trained_with(capsys
         distill.parse(["--teacher.recall-steps", "100"])
     err = capsys.readouterr().err
     assert "--teacher.recall-steps" in err and "add --teacher.source train" in err
+
+
+def test_the_recall_table_measures_each_model_at_the_lengths_that_hold_a_passkey(tmp_path):
+    run = Run(_config(tmp_path, "--data.seq-len", "128", "--measure.recall-sequences", "3"))
+    copier, near = NgramCopier(), NgramCopier(window=200)
+    copier.config = near.config = GPT2Config.preset("cpu-small")  # 512 positions
+    table = phases.recall_table(run, {"copier": copier, "near": near})
+    assert table["lengths"] == [128, 256, 512]
+    held_out = phases.recall_filler(run, "eval")
+    again = measure.recall_accuracy(near, "byte", held_out, lengths=(128, 256, 512), count=3)
+    assert table["models"]["near"] == {f"{t}@{d}": v for (t, d), v in again.items()}
+    assert set(table["models"]["copier"].values()) == {1.0}
+    assert table["models"]["near"]["512@0.1"] == 0.0  # the key 400 tokens back: out of reach
+    # Lengths a passkey does not fit in (80 bytes), or beyond the positions, are left out.
+    short = Run(_config(tmp_path, "--data.seq-len", "32", "--run.dir", str(tmp_path / "b")))
+    assert phases.recall_table(short, {"copier": copier})["lengths"] == [128]
+    off = Run(
+        _config(tmp_path, "--measure.recall-sequences", "0", "--run.dir", str(tmp_path / "c"))
+    )
+    assert phases.recall_table(off, {"copier": copier}) == {"lengths": [], "models": {}}
+
+
+def test_the_report_shows_the_saved_recall_table():
+    summary = {"recall": {"lengths": [128, 512], "models": {
+        "teacher": {"128@0.1": 1.0, "128@0.9": 0.5, "512@0.1": 0.25, "512@0.9": 0.75},
+    }}}  # fmt: skip
+    lines = report._recall_lines(summary)
+    assert "| model | n | depth 0.1 | depth 0.9 | mean |" in lines
+    assert "| teacher | 128 | 100% | 50% | 75% |" in lines
+    assert "| teacher | 512 | 25% | 75% | 50% |" in lines
+    assert report._recall_lines({"recall": {"lengths": [], "models": {}}}) == []
+
+
+def test_the_students_objective_reads_the_ids_of_a_mixture_batch():
+    teacher = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    student = student_from_teacher(teacher, AttentionSpec(mask=causal() & local(3, 0)))
+    loss_fn = phases.objective(distill.parse([]))
+    ids = np.random.default_rng(0).integers(0, 101, (2, 17)).astype(np.int32)
+    marked = np.stack([ids, np.zeros_like(ids)], axis=1)  # [B, 2, T + 1]
+    marked[:, 1, 5:9] = 1
+    args = {"rng": jax.random.key(0), "teacher": teacher, "step": 0}
+    plain, _ = loss_fn(student, jnp.asarray(ids), **args)
+    mixed, _ = loss_fn(student, jnp.asarray(marked), **args)
+    assert float(plain) > 0 and float(mixed) == float(plain)

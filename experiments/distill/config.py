@@ -429,12 +429,19 @@ class TrainConfig(_Group):
     """Adam's epsilon for --train.fast-params: above the size of their gradients, so that each
     step follows the gradient's size instead of moving every logit at the full rate (1e-8, the
     usual value, makes the logits random-walk on batch noise)."""
+    recall_fraction: float = 0.0
+    """Share of passkey sequences (sparse_jax.data.recall.RecallMixture, --data.seq-len long) in
+    the student's and the hardened fine-tune's batches, the rest text of the corpus's train
+    split: a head that retrieves then pays its price in the KL. 0: the corpus's windows only."""
 
     def __post_init__(self):
         set_ints_at_least(self, self.group, steps=1)
         self.number("lr", positive=True)
         self.number("fast_lr_multiplier", positive=True)
         self.number("fast_eps", positive=True)
+        fraction = self.recall_fraction
+        if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):
+            raise ValueError(f"{self.flag('recall_fraction')} must be in [0, 1]; got {fraction!r}")
         for name in ("trainable", "fast_params"):
             if name == "trainable" and self.trainable == "auto":
                 continue
@@ -492,13 +499,17 @@ class MeasureConfig(_Group):
     """Evaluation batches (of --data.batch-size windows of the evaluation split)."""
     report_prompts: int = 3
     """Evaluation prompts continued by teacher and hardened student for the report."""
+    recall_sequences: int = 24
+    """Passkey sequences per length (1x, 2x and 4x --data.seq-len, those within the teacher's
+    positions that hold a passkey) in the recall table of teacher, student and hardened student,
+    stated at depths 0.1, 0.5 and 0.9 of held-out text; 0: no table."""
     planted_tolerance: float = 0.002
     """--teacher.source planted: a head that picked another candidate than its planted one
     counts as equivalent when that candidate costs no more kernel blocks and swapping it into
     the teacher changes the teacher's output by at most this KL (nats/token)."""
 
     def __post_init__(self):
-        set_ints_at_least(self, self.group, eval_batches=1, report_prompts=0)
+        set_ints_at_least(self, self.group, eval_batches=1, report_prompts=0, recall_sequences=0)
         if not (math.isfinite(self.planted_tolerance) and self.planted_tolerance >= 0):
             raise ValueError(
                 f"{self.flag('planted_tolerance')} must be a finite KL >= 0; "

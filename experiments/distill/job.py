@@ -103,6 +103,9 @@ def run(config: DistillConfig) -> dict:
         seed=config.run.seed,
     )
     lap("samples")
+    models = {"teacher": teacher, "student": student, "hardened": hard}
+    recall_table = distill_phases.recall_table(r, models)
+    lap("recall")
     summary = {
         "candidates": [repr(c) for c in (spec.candidates or ())],
         "hardened_layer_density": measure.layer_density(hard, n),
@@ -119,6 +122,7 @@ def run(config: DistillConfig) -> dict:
         "serve_len": serve_len,
         "hardened_block_maps": measure.block_maps(hard, lengths[-1]),
         "samples": samples,
+        "recall": recall_table,
         "wall_time_s": time.perf_counter() - started,
         "phase_seconds": seconds,
         "device": f"{jax.default_backend()} x{jax.device_count()}",

@@ -213,6 +213,30 @@ def load_cached_teacher(folder: pathlib.Path, attention=None) -> GPT2:
         ) from err
 
 
+def recall_filler(run: Run, split: str) -> recall.Filler:
+    """The recall sequences' text: the ``split`` ("train" or "eval") of --data.source."""
+    c = run.config
+    source = text.resolve_source(c.data.source, tfds_data_dir=run.cache / "tfds")
+    return recall.make_filler(source, c.data.tokenizer, split=split)
+
+
+def recall_batches(run: Run, lengths, tokens: int, fraction: float):
+    """``batches(state)`` for :meth:`Run.train_phase`: a RecallMixture of text and passkey
+    sequences of the corpus's train split (this process's rows), fresh or from ``state``."""
+    c = run.config
+    index, count = sharding.process_data_slice(run.mesh)
+    mixture = dict(lengths=lengths, tokens=tokens, recall_fraction=fraction, seed=c.run.seed,
+                   process_index=index, process_count=count)  # fmt: skip
+    filler = recall_filler(run, "train")
+
+    def batches(state):
+        if state is None:
+            return recall.RecallMixture(c.data.tokenizer, filler, **mixture)
+        return recall.RecallMixture.from_state(c.data.tokenizer, state, filler, **mixture)
+
+    return batches
+
+
 def _lm_loss(model, batch, rng):
     return cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
 
@@ -239,23 +263,8 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
     if not t.recall_steps:
         return model
     lengths = c.teacher_recall_lengths()
-    index, count = sharding.process_data_slice(run.mesh)
-    mixture = dict(
-        lengths=lengths,
-        tokens=t.recall_tokens,
-        recall_fraction=t.recall_fraction,
-        seed=c.run.seed,
-        process_index=index,
-        process_count=count,
-    )
-    source = text.resolve_source(c.data.source, tfds_data_dir=run.cache / "tfds")
-    filler = recall.make_filler(source, c.data.tokenizer)  # the corpus's train split
-    held_out = recall.make_filler(source, c.data.tokenizer, split="eval")
-
-    def batches(state):
-        if state is None:
-            return recall.RecallMixture(c.data.tokenizer, filler, **mixture)
-        return recall.RecallMixture.from_state(c.data.tokenizer, state, filler, **mixture)
+    batches = recall_batches(run, lengths, t.recall_tokens, t.recall_fraction)
+    held_out = recall_filler(run, "eval")
 
     def loss(model, batch, rng):
         logits = model(batch[:, 0, :-1])
@@ -325,7 +334,7 @@ def objective(config: DistillConfig, ramp: tuple[int, int] = (0, 0)):
     temperature, direction = config.loss.temperature, config.loss.direction
 
     def loss_fn(model, batch, rng, teacher, step):
-        ids = batch[:, :-1]
+        ids = batch[:, 0, :-1] if batch.ndim == 3 else batch[:, :-1]  # a RecallMixture's: ids
         teacher_logits = jax.lax.stop_gradient(teacher(ids))
         logits, aux = model(ids, rngs=nnx.Rngs(gates=rng), return_aux=True)
         kl_loss, metrics = distillation_loss(
@@ -379,6 +388,16 @@ def _evaluate_against(run: Run, teacher: GPT2):
     return evaluate
 
 
+def _student_batches(run: Run):
+    """The student's batches: the corpus's windows, or with --train.recall-fraction a
+    RecallMixture at --data.seq-len (None: the windows)."""
+    c = run.config
+    if not c.train.recall_fraction:
+        return None
+    n = c.data.seq_len
+    return recall_batches(run, (n,), c.data.batch_size * n, c.train.recall_fraction)
+
+
 def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
     """The distilled student (soft masks or gates) and the spec it was built from."""
     spec = student_spec(run.config)
@@ -391,6 +410,7 @@ def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
         _train_config(run.config),
         frozen={"teacher": teacher},
         evaluate=_evaluate_against(run, teacher),
+        batches=_student_batches(run),
     )
     return model, spec
 
@@ -432,5 +452,29 @@ def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
             ft,
             frozen={"teacher": teacher},
             evaluate=_evaluate_against(run, teacher),
+            batches=_student_batches(run),
         )
     return hard
+
+
+def recall_table(run: Run, models: dict[str, GPT2]) -> dict:
+    """Passkey recall of each model (--measure.recall-sequences per length, depths 0.1, 0.5,
+    0.9 of the corpus's held-out text) at 1x, 2x and 4x --data.seq-len, those within the
+    teacher's positions that hold a passkey: ``{"lengths": [...], "models": {name: {"T@depth":
+    accuracy}}}``; ``lengths`` empty when none fits or the table is off."""
+    c = run.config
+    count = c.measure.recall_sequences
+    positions = min(m.config.n_positions for m in models.values())
+    shortest = recall.shortest_length("passkey", c.data.tokenizer)
+    n = c.data.seq_len
+    lengths = [t for t in (n, 2 * n, 4 * n) if shortest <= t <= positions] if count else []
+    if not lengths:
+        return {"lengths": [], "models": {}}
+    held_out = recall_filler(run, "eval")
+    out = {}
+    for name, model in models.items():
+        table = measure.recall_accuracy(
+            model, c.data.tokenizer, held_out, lengths=lengths, count=count
+        )
+        out[name] = {f"{t}@{d}": accuracy for (t, d), accuracy in table.items()}
+    return {"lengths": lengths, "models": out}

@@ -297,6 +297,24 @@ def _plot_density(summary, out: pathlib.Path) -> bool:
     return True
 
 
+def _recall_lines(summary) -> list[str]:
+    """The recall table: per model and length, the passkey exact match at each depth."""
+    table = summary.get("recall") or {}
+    if not table.get("models"):
+        return []
+    depths = sorted({key.split("@")[1] for scores in table["models"].values() for key in scores})
+    lines = ["## Recall (passkey in held-out text, exact match of the greedy answer)", ""]
+    lines += ["| model | n | " + " | ".join(f"depth {d}" for d in depths) + " | mean |"]
+    lines += ["|:--|--:|" + "--:|" * (len(depths) + 1)]
+    for name, scores in table["models"].items():
+        for n in table["lengths"]:
+            cells = [scores[f"{n}@{d}"] for d in depths]
+            row = " | ".join(f"{x:.0%}" for x in cells)
+            lines.append(f"| {name} | {n} | {row} | {sum(cells) / len(cells):.0%} |")
+    lines += ["", "Depth: where the key is stated, as a fraction of the text around it.", ""]
+    return lines
+
+
 def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
     """Writes ``report.md`` (+ ``curves.png``, ``weights.png``, ``head_weights.png``,
     ``block_maps.png``, ``density.png``) in
@@ -354,6 +372,7 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
         "implementation forms).",
         "",
     ]
+    lines += _recall_lines(summary)
     lines += _hardening_lines(summary)
     if summary.get("hardened_masks"):
         lines += ["Hardened masks per block:", ""]

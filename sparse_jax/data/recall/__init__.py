@@ -80,7 +80,7 @@ from sparse_jax.data.recall.generator import (
     make_examples,
 )
 from sparse_jax.data.recall.grading import continuations_from_argmax, grade, grade_batch, score
-from sparse_jax.data.recall.mixture import RecallMixture
+from sparse_jax.data.recall.mixture import RecallMixture, shortest_length
 from sparse_jax.data.recall.sources import MAX_UNIT_CHARS, Filler, default_filler, make_filler
 from sparse_jax.data.recall.storage import BUILDER_NAME, RecallData, prepare
 
@@ -109,6 +109,7 @@ __all__ = [
     "make_filler",
     "prepare",
     "score",
+    "shortest_length",
 ]
 
 

@@ -38,6 +38,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from collections.abc import Mapping, Sequence
@@ -57,7 +58,7 @@ from sparse_jax.data.text import TextSource
 from sparse_jax.data.tokenizers import Tokenizer
 from sparse_jax.validation import check_int
 
-__all__ = ["RecallMixture"]
+__all__ = ["RecallMixture", "shortest_length"]
 
 
 class RecallMixture:
@@ -175,7 +176,7 @@ class RecallMixture:
         for i, start in enumerate(starts):  # text windows, read cyclically
             out[i, 0] = np.take(stream, np.arange(start, start + t + 1), mode="wrap")
         if recall_rows:
-            shortest = self._shortest(t + 1)
+            shortest = shortest_length(self.task, self.tokenizer)
             tails = rng.integers(0, t + 2 - shortest, recall_rows)
             for i, tail in enumerate(tails):
                 seed = int(rng.integers(0, 2**31 - 1))
@@ -198,22 +199,6 @@ class RecallMixture:
                         out[i, 1, start : start + size] = 1
         return out
 
-    def _shortest(self, limit: int) -> int:
-        """The shortest length of 16 recall examples' pieces (statements, questions, answers),
-        found once per length by bisection (make_examples refuses a length they do not fit)."""
-        cache = self.__dict__.setdefault("_shortest_cache", {})
-        if limit not in cache:
-            lo, hi = 2, limit
-            while lo < hi:
-                mid = (lo + hi) // 2
-                try:
-                    make_examples(self.task, self.tokenizer, "x", length=mid, count=16, seed=0)
-                    hi = mid
-                except ValueError:
-                    lo = mid + 1
-            cache[limit] = lo
-        return cache[limit]
-
     def __iter__(self):
         return self
 
@@ -222,3 +207,34 @@ class RecallMixture:
         self.step += 1
         b = full.shape[0] // self.process_count
         return full[self.process_index * b : (self.process_index + 1) * b]
+
+
+def shortest_length(
+    task: str | PasskeyTask | MQARTask = "passkey",
+    tokenizer: Tokenizer | str | os.PathLike = "byte",
+    examples: int = 16,
+) -> int:
+    """The fewest tokens that hold the pieces (statements, questions, answers) of the first
+    ``examples`` examples of ``task`` (seed 0), so that :func:`make_examples` accepts any length
+    from it on for them; found by bisection and kept per arguments.
+
+    Example:
+      >>> shortest_length("passkey", "byte")  # the statement, question and answer of a 5-digit key
+      80
+    """
+    spec = as_task(task, "shortest_length")
+    tok = as_tokenizer(tokenizer, "shortest_length")
+    return _shortest(spec, tok, check_int(examples, "examples", "shortest_length"))
+
+
+@functools.lru_cache(maxsize=64)
+def _shortest(task, tokenizer, examples: int) -> int:
+    lo, hi = 2, 1 << 20  # make_examples refuses a length its pieces do not fit in
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            make_examples(task, tokenizer, "x", length=mid, count=examples, seed=0)
+            hi = mid
+        except ValueError:
+            lo = mid + 1
+    return lo
