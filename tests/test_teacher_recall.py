@@ -154,10 +154,12 @@ def test_the_recall_table_measures_each_model_at_the_lengths_that_hold_a_passkey
     assert phases.recall_table(off, {"copier": copier}) == {"lengths": [], "models": {}}
 
 
-def test_the_report_shows_the_saved_recall_table():
+def test_the_report_shows_the_saved_recall_table(tmp_path):
     summary = {"recall": {"lengths": [128, 512], "models": {
         "teacher": {"128@0.1": 1.0, "128@0.9": 0.5, "512@0.1": 0.25, "512@0.9": 0.75},
     }}}  # fmt: skip
+    assert report._plot_recall(summary, tmp_path / "recall.png")
+    assert (tmp_path / "recall.png").read_bytes()[:4] == b"\x89PNG"
     lines = report._recall_lines(summary)
     assert "| model | n | depth 0.1 | depth 0.9 | mean |" in lines
     assert "| teacher | 128 | 100% | 50% | 75% |" in lines

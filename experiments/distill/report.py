@@ -297,6 +297,32 @@ def _plot_density(summary, out: pathlib.Path) -> bool:
     return True
 
 
+def _plot_recall(summary, out: pathlib.Path) -> bool:
+    """A needle heat-map per model: passkey exact match by length (rows) and depth (columns)."""
+    table = summary.get("recall") or {}
+    models, lengths = table.get("models") or {}, table.get("lengths") or []
+    if not models:
+        return False
+    depths = sorted({key.split("@")[1] for scores in models.values() for key in scores})
+    fig = Figure(figsize=(2.2 * len(models) + 0.8, 0.5 * len(lengths) + 1.4))
+    axes = fig.subplots(1, len(models), squeeze=False)[0]
+    for ax, (name, scores) in zip(axes, models.items(), strict=True):
+        grid = [[scores[f"{n}@{d}"] for d in depths] for n in lengths]
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=7,
+                        color="black" if value > 0.5 else "white")  # fmt: skip
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks(range(len(depths)), depths, fontsize=7)
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_xlabel("depth", fontsize=8)
+    axes[0].set_ylabel("length (tokens)", fontsize=8)
+    fig.colorbar(image, ax=list(axes), fraction=0.05)
+    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    return True
+
+
 def _recall_lines(summary) -> list[str]:
     """The recall table: per model and length, the passkey exact match at each depth."""
     table = summary.get("recall") or {}
@@ -317,7 +343,7 @@ def _recall_lines(summary) -> list[str]:
 
 def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
     """Writes ``report.md`` (+ ``curves.png``, ``weights.png``, ``head_weights.png``,
-    ``block_maps.png``, ``density.png``) in
+    ``block_maps.png``, ``density.png``, ``recall.png``) in
     ``run_dir`` from its ``config.json``, ``metrics.jsonl`` and ``summary.json``."""
     run_dir = pathlib.Path(run_dir)
     config = json.loads((run_dir / "config.json").read_text())
@@ -373,6 +399,8 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
         "",
     ]
     lines += _recall_lines(summary)
+    if _plot_recall(summary, run_dir / "recall.png"):
+        lines += ["![recall by length and depth](recall.png)", ""]
     lines += _hardening_lines(summary)
     if summary.get("hardened_masks"):
         lines += ["Hardened masks per block:", ""]
