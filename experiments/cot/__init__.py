@@ -8,6 +8,7 @@ its dense baseline of the same size, data, steps and seed (issue 16, the GiantRa
     python -m experiments.cot ask "What is rref(A) for A = [[2, 4], [1, 3]]?" --run.dir R
     python -m experiments.cot seeds --seeds 0 1 2    # each model at each seed: the spread
     python -m experiments.cot roles --run.dir R      # teacher-forced accuracy per number
+    python -m experiments.cot quiz --run.dir R       # the GiantRabbit study's exam (issue 59)
 
 The task is :mod:`sparse_jax.data.linalg_cot` (the question as tokens into the encoder, the worked
 solution and its ``Answer:`` line out of the decoder; :mod:`sparse_jax.cot`). ``train`` trains
@@ -28,17 +29,22 @@ one question with the trained models. ``seeds`` trains and evaluates the chosen 
 several seeds (the same data) and prints each one's exact match beside their mean and range: at
 the default's size a kind's exact match moves by many points between seeds (docs/results.md,
 "The window through the block-sparse kernel, and how much the default moves between seeds"), so
-a difference between two single runs says little.
+a difference between two single runs says little. ``quiz`` asks the trained models the study's
+own exam (the nine questions of its Table 1 as it entered them, read from ``--eval.quiz``,
+default ``../shared/data/giantrabbit-quiz/quiz.json`` beside the repository): per question right
+or not against the study's answer, reasoning time, chain steps and tokens, sparse beside dense;
+``eval`` (and the default) ends every report with that table.
 
 The default fits a 2-core CPU: three of the six kinds (rref, solvability, column space) at small
 sizes (matrices up to 2 x 3, entries up to 3, solvability's m and n up to 9), whose solutions are
 at most ~270 bytes, and a small model; ``--data.kinds`` with all six trains the other three at the
 same sizes. The run folder holds ``config.json``, ``cot.json`` (what ``Solver.load`` reads),
-``metrics.jsonl``, ``checkpoints/``, ``answers-<model>.jsonl``, ``summary.json``, ``report.md``
-and its plots.
+``metrics.jsonl``, ``checkpoints/``, ``answers-<model>.jsonl``, ``quiz-answers.json``,
+``summary.json``, ``report.md`` and its plots.
 
 The package, bottom up: :mod:`.config` (the flag groups, the subcommands, :func:`parse`),
-:mod:`.report` (``report.md``, its plots and tables), :mod:`.run_folder` (data, training and
+:mod:`.exam` (the study's exam: its answers and table), :mod:`.report` (``report.md``, its plots
+and tables), :mod:`.run_folder` (data, training and
 evaluation of one run folder), :mod:`.seeds` (the seeds command), :mod:`.job` (:func:`run` of a
 parsed command, ``ask``, ``roles``, :func:`main`).
 """
@@ -54,6 +60,8 @@ from experiments.cot.config import (
     Eval,
     EvalCommand,
     Model,
+    QuizCommand,
+    QuizFlags,
     RolesCommand,
     Run,
     RunDir,
@@ -63,7 +71,7 @@ from experiments.cot.config import (
     parse,
     study,
 )
-from experiments.cot.job import ask, main, roles, run
+from experiments.cot.job import ask, main, quiz, roles, run
 from experiments.cot.run_folder import evaluate_run, train
 
 __all__ = [
@@ -77,6 +85,8 @@ __all__ = [
     "Eval",
     "EvalCommand",
     "Model",
+    "QuizCommand",
+    "QuizFlags",
     "RolesCommand",
     "Run",
     "RunDir",
@@ -87,6 +97,7 @@ __all__ = [
     "evaluate_run",
     "main",
     "parse",
+    "quiz",
     "roles",
     "run",
     "study",

@@ -1,9 +1,9 @@
 """The command line of ``python -m experiments.cot``: the flag groups (frozen dataclasses, each a
 flag prefix: ``--data.kinds``, ``--model.d-model``, ``--train.steps``, ``--run.dir``,
 ``--eval.batch-size``), the subcommands built from them (``all``, ``train``, ``eval``, ``ask``,
-``seeds``, ``roles``), the ``study`` preset, and :func:`parse`. Every field is checked when its
-group is built, so that a bad flag fails with a message naming it before anything is prepared or
-trained.
+``seeds``, ``roles``, ``quiz``), the ``study`` preset, and :func:`parse`. Every field is checked
+when its group is built, so that a bad flag fails with a message naming it before anything is
+prepared or trained.
 
 Example:
   >>> cmd = parse(["train", "--train.steps", "10", "--data.kinds", "rref"])
@@ -28,6 +28,7 @@ from experiments.common.flags import (
     int_at_least,
     set_ints_at_least,
 )
+from experiments.cot.exam import read_quiz
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig
@@ -48,6 +49,8 @@ __all__ = [
     "Eval",
     "EvalCommand",
     "Model",
+    "QuizCommand",
+    "QuizFlags",
     "RolesCommand",
     "Run",
     "RunDir",
@@ -276,7 +279,21 @@ class Run(RunFlags):
 
 
 @dataclasses.dataclass(frozen=True)
-class Eval:
+class QuizFlags:
+    quiz: pathlib.Path | None = None
+    """The GiantRabbit study's exam, a quiz.json of its nine questions and answers (never in
+    the repository: CC BY-NC-SA). None: ../shared/data/giantrabbit-quiz/quiz.json beside the
+    repository, or, where it is not, a line in the report saying so."""
+
+    def __post_init__(self):
+        if self.quiz is not None:
+            if not pathlib.Path(self.quiz).is_file():
+                raise ValueError(f"--eval.quiz {str(self.quiz)!r} is not a file")
+            read_quiz(self.quiz)  # a file that is not a quiz: refused by name now
+
+
+@dataclasses.dataclass(frozen=True)
+class Eval(QuizFlags):
     batch_size: int = 50
     """Test questions decoded together (one kind per batch)."""
     chunk: int = 32
@@ -285,6 +302,7 @@ class Eval:
     """Decodings of each batch; its time is their median."""
 
     def __post_init__(self):
+        super().__post_init__()
         set_ints_at_least(self, "eval", batch_size=1, chunk=1, repeats=1)
 
 
@@ -386,6 +404,20 @@ class AskCommand:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuizCommand:
+    """Ask the trained models of a run folder the GiantRabbit study's exam (the nine questions
+    of its Table 1 as it entered them): per question right or not, reasoning time, chain steps
+    and tokens, sparse beside dense; saves <run.dir>/quiz-answers.json and rewrites the
+    report."""
+
+    run: RunDir = RunDir()
+    eval: QuizFlags = QuizFlags()
+
+    def __post_init__(self):
+        _check_run_dir(self.run)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolesCommand:
     """Teacher-forced accuracy of the trained models of a run folder on its test split by
     role, each number counted once whatever the models' tokens (runs with and without
@@ -454,7 +486,7 @@ def _preset(argv: list[str]) -> str:
 
 
 Command = Union[  # noqa: UP007
-    AllCommand, TrainCommand, EvalCommand, AskCommand, SeedsCommand, RolesCommand
+    AllCommand, TrainCommand, EvalCommand, AskCommand, SeedsCommand, RolesCommand, QuizCommand
 ]
 PROG = "python -m experiments.cot"
 # The subcommands, in the order --help lists them (the first is the default).
@@ -465,6 +497,7 @@ SUBCOMMANDS: dict[str, type] = {
     "ask": AskCommand,
     "seeds": SeedsCommand,
     "roles": RolesCommand,
+    "quiz": QuizCommand,
 }
 
 

@@ -1,11 +1,12 @@
 """The commands of ``python -m experiments.cot`` run end to end: :func:`run` of a parsed command
 (training and evaluation: :mod:`experiments.cot.run_folder`; seeds:
-:mod:`experiments.cot.seeds`), :func:`ask` and :func:`roles` on a trained run folder, and
-:func:`main`, the program.
+:mod:`experiments.cot.seeds`), :func:`ask`, :func:`roles` and :func:`quiz` on a trained run
+folder, and :func:`main`, the program.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 from typing import Any
@@ -17,15 +18,18 @@ from experiments.cot.config import (
     AskCommand,
     Command,
     EvalCommand,
+    QuizCommand,
     RolesCommand,
     SeedsCommand,
     parse,
 )
+from experiments.cot.exam import ask_quiz, quiz_lines, quiz_path, write_answers
+from experiments.cot.report import write_report
 from experiments.cot.run_folder import evaluate_run, log, prepare_data, read_config, train
 from experiments.cot.seeds import seeds
 from sparse_jax import cot
 
-__all__ = ["ask", "main", "roles", "run"]
+__all__ = ["ask", "main", "quiz", "roles", "run"]
 
 
 def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
@@ -46,6 +50,31 @@ def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
                 print(f"note: this model was not trained on {answer.kind} questions")
         print()
     return answers
+
+
+def quiz(cmd: QuizCommand) -> dict:
+    """Asks the run folder's trained models the study's exam (``--eval.quiz``), saves their
+    answers (:data:`experiments.cot.exam.ANSWERS`), rewrites the report when the folder has
+    been evaluated (its ``summary.json``), prints the table and returns the saved record."""
+    folder = pathlib.Path(cmd.run.dir)
+    path = quiz_path(cmd.eval.quiz)
+    solvers = {}
+    if path.is_file():
+        for name in MODELS:
+            try:
+                solvers[name] = cot.Solver.load(folder, name, batch_size=1)
+            except FileNotFoundError:
+                log(f"{folder}: no trained {name} model")
+        if not solvers:
+            raise ValueError(f"--run.dir {str(folder)!r} holds no trained model")
+    record = ask_quiz(solvers, path)
+    write_answers(folder, record)
+    summary = folder / "summary.json"
+    if summary.is_file():
+        write_report(folder, json.loads(summary.read_text()))
+        log(f"report: {folder / 'report.md'}")
+    print("\n".join(quiz_lines(record, tuple(solvers) or MODELS)))
+    return record
 
 
 def _by_sign(role: str, text: str) -> str:
@@ -101,7 +130,7 @@ def _sum_counts(counts: dict[str, dict[str, int]], prefix: str) -> dict[str, int
 
 def run(cmd: Command) -> Any:
     """Runs a parsed command: the summary (all, eval, seeds), the run folder (train), the
-    answers (ask) or the counts (roles).
+    answers (ask, quiz) or the counts (roles).
 
     Training stops early, with a checkpoint of the step each model reached, on SIGTERM or
     SIGINT (Ctrl-C, a notebook's interrupt) or after ``--run.max-minutes``: it raises
@@ -112,6 +141,8 @@ def run(cmd: Command) -> Any:
         return ask(cmd)
     if isinstance(cmd, RolesCommand):
         return roles(cmd)
+    if isinstance(cmd, QuizCommand):
+        return quiz(cmd)
     if isinstance(cmd, EvalCommand):
         return evaluate_run(pathlib.Path(cmd.run.dir), cmd.eval, cmd.run.cache_dir, started)
     with stop_request(cmd.run.max_minutes, log) as stop:

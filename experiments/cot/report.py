@@ -13,6 +13,7 @@ import numpy as np
 
 from experiments.common.files import write_text_atomically
 from experiments.cot.config import MODELS
+from experiments.cot.exam import quiz_lines, read_answers
 from sparse_jax.data import linalg_cot
 from sparse_jax.models.encdec import EncDecConfig
 
@@ -167,7 +168,8 @@ def divergence_table(results: dict[str, list[dict]], kinds: list[str], most: int
 
 def write_report(folder: pathlib.Path, s: dict) -> None:
     """Writes ``report.md``, ``figure3.png`` and ``loss.png`` in ``folder`` from its summary
-    ``s`` (``summary.json``: :func:`experiments.cot.run_folder.evaluate_run`)."""
+    ``s`` (``summary.json``: :func:`experiments.cot.run_folder.evaluate_run`), ending with the
+    table of the study's exam from the folder's saved answers (:mod:`experiments.cot.exam`)."""
     ev = s["evaluation"]
     kinds = list(ev["sparse"]["kinds"])
     _plots(folder, s, kinds)
@@ -182,6 +184,7 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
     lines += ["", *_comparison_lines(s["comparison"])]
     lines += ["", *_density_table(s, kinds)]
     lines += ["", *_model_lines(s)]
+    lines += [*quiz_lines(read_answers(folder)), ""]
     write_text_atomically(folder / "report.md", "\n".join(lines))
 
 

@@ -1,8 +1,9 @@
 """Training and evaluating one run folder of ``python -m experiments.cot``: the data splits
 (:func:`prepare_data`), the sparse model and its dense baseline trained in turn, each phase
 checkpointed under ``<run>/checkpoints/<model>`` (:func:`train`), and both decoded on the test
-split and compared (:func:`evaluate_run`), which writes ``answers-<model>.jsonl``,
-``summary.json`` and the report (:mod:`experiments.cot.report`).
+split and compared (:func:`evaluate_run`), which writes ``answers-<model>.jsonl``, the
+answers to the GiantRabbit study's exam (:mod:`experiments.cot.exam`), ``summary.json`` and the
+report (:mod:`experiments.cot.report`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from experiments.common.run_folder import (
     with_program,
 )
 from experiments.cot.config import BEFORE_NEWER_FLAGS, MODELS, Data, Eval, TrainCommand
+from experiments.cot.exam import ask_quiz, quiz_path, write_answers
 from experiments.cot.report import kind_figures, write_report
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
@@ -170,8 +172,9 @@ def read_config(folder: pathlib.Path) -> Data:
 
 
 def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, started: float) -> dict:
-    """Evaluates both trained models of ``folder`` on its test split; writes
-    ``answers-<model>.jsonl``, ``summary.json``, ``report.md`` and the plots."""
+    """Evaluates both trained models of ``folder`` on its test split and on the study's exam
+    (``ev.quiz``); writes ``answers-<model>.jsonl``, ``quiz-answers.json``, ``summary.json``,
+    ``report.md`` and the plots."""
     lap = time.perf_counter()
     data_cfg = read_config(folder)
     data = prepare_data(data_cfg, cache_dir)
@@ -179,10 +182,11 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     training_file = folder / "training.json"  # written when both models have trained
     training = json.loads(training_file.read_text()) if training_file.exists() else {}
     seconds = dict(training.get("phase_seconds", {}))
-    results, models, correct = {}, {}, {}
+    results, models, correct, solvers = {}, {}, {}, {}
     record = cot.read_record(folder)
     for name in MODELS:
         solver, result, records = decode_test(folder, name, test, ev)
+        solvers[name] = solver
         results[name] = result
         correct[name] = [(r["kind"], r["correct"]) for r in records]
         config = solver.model.config
@@ -198,6 +202,9 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
         }
         seconds[f"eval_{name}"] = time.perf_counter() - lap
         lap = time.perf_counter()
+    # The study's exam, each question alone (a batch of one: compiled once per model).
+    write_answers(folder, ask_quiz(solvers, quiz_path(ev.quiz)))
+    quiz_seconds = time.perf_counter() - lap
     comparison = _comparison(results, correct)
     summary = {
         "kinds": list(data_cfg.kinds),
@@ -214,6 +221,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
         "evaluation": results,
         "comparison": comparison,
         "phase_seconds": seconds,
+        "quiz_seconds": quiz_seconds,
         "eval_repeats": ev.repeats,
         "wall_time_s": time.perf_counter() - started,
         "device": f"{jax.default_backend()} x{jax.device_count()}",
