@@ -22,7 +22,7 @@ STUDY = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "giant
 
 # A tiny run: the models answer wrong, which is fine: the table is what is tested.
 RUN_FLAGS = [
-    "--data.kinds", "rref", "--data.train", "4", "--data.validation", "1", "--data.test", "2",
+    "--data.kinds", "rref", "--data.train", "4", "--data.validation", "1", "--data.test", "1",
     "--model.d-model", "16", "--model.num-heads", "2", "--model.d-ff", "32",
     "--model.cot-steps", "0", "--train.steps", "2", "--train.batch-size", "2",
     "--train.warmup", "0", "--train.buckets", "1", "1", "--run.checkpoint-every", "2",
@@ -42,7 +42,7 @@ def run(tmp_path_factory):
     args = [*RUN_FLAGS, "--run.dir", str(folder), "--run.cache-dir", str(tmp)]
     assert experiment.run(experiment.parse(["train", *args])) == folder
     generator = lc.GeneratorConfig(kinds=("rref",), **experiment.SIZES["small"])
-    data = lc.prepare(tmp / "tfds", train=4, validation=1, test=2, seed=0, config=generator)
+    data = lc.prepare(tmp / "tfds", train=4, validation=1, test=1, seed=0, config=generator)
     problems = list(data.train)
     questions = [
         (problems[0].question, "computable", {"R": _matrix_of(problems[0].answer)}),
@@ -131,7 +131,7 @@ def test_every_report_ends_with_the_table(run, asked):
     folder = run["folder"]
     experiment.run(experiment.parse(
         ["eval", "--run.dir", str(folder), "--run.cache-dir", str(run["cache"]),
-         "--eval.batch-size", "2", "--eval.repeats", "1", "--eval.quiz", str(run["quiz"])]
+         "--eval.batch-size", "1", "--eval.repeats", "1", "--eval.quiz", str(run["quiz"])]
     ))  # fmt: skip
     report = (folder / "report.md").read_text()
     table = "\n".join(exam.quiz_lines(exam.read_answers(folder)))
