@@ -127,7 +127,7 @@ def test_the_table_is_recomputed_from_the_saved_answers(run, asked, capsys):
     assert "\n".join(exam.quiz_lines(exam.read_answers(run["folder"]))) in capsys.readouterr().out
 
 
-def test_every_report_ends_with_the_table(run, asked):
+def test_every_report_ends_with_the_table(run, asked, tmp_path, monkeypatch):
     folder = run["folder"]
     experiment.run(experiment.parse(
         ["eval", "--run.dir", str(folder), "--run.cache-dir", str(run["cache"]),
@@ -137,6 +137,17 @@ def test_every_report_ends_with_the_table(run, asked):
     table = "\n".join(exam.quiz_lines(exam.read_answers(folder)))
     assert report.endswith(table + "\n") and "| 1 | rref | " in table
     assert json.loads((folder / "summary.json").read_text())["quiz_seconds"] > 0
+    # The quiz command rewrites an evaluated folder's report: here, without the quiz.
+    monkeypatch.setattr(exam, "DEFAULT_QUIZ", tmp_path / "quiz.json")
+    experiment.run(experiment.parse(["quiz", "--run.dir", str(folder)]))
+    missing = f"The GiantRabbit study's exam was not found at {tmp_path / 'quiz.json'}"
+    assert (folder / "report.md").read_text().endswith(" (--eval.quiz): no table.\n")
+    assert missing in (folder / "report.md").read_text()
+    experiment.run(
+        experiment.parse(["quiz", "--run.dir", str(folder), "--eval.quiz", str(run["quiz"])])
+    )
+    table = "\n".join(exam.quiz_lines(exam.read_answers(folder)))  # decoded again
+    assert (folder / "report.md").read_text().endswith(table + "\n") and "| 1 | rref | " in table
 
 
 # ------------------------------------------------------------------------------------------
