@@ -100,21 +100,27 @@ def recall_accuracy(
 ) -> dict[tuple[int, float], float]:
     """Passkey recall of ``model``: ``{(length, depth): exact-match accuracy}`` over ``count``
     sequences per length (the depths cycled over them), each graded by its greedy answer
-    (:func:`sparse_jax.data.recall.continuations_from_argmax`, one forward pass). ``filler``:
+    (:func:`sparse_jax.data.recall.continuations_from_argmax`, one forward pass; ``model`` must
+    be causal: shorter sequences are read padded to the longest). ``filler``:
     as :func:`~sparse_jax.data.recall.make_examples` takes it (None: the embedded corpus's
     evaluation split, text the trained models have not seen)."""
     if filler is None:
         filler = recall.default_filler(tokenizer, "eval")
     graphdef, state = nnx.split(local_model(model))
+    longest = max(lengths) - 1
     batches, answers = [], []
     for length in lengths:
         examples = recall.make_examples(
             "passkey", tokenizer, filler, length=length, count=count, depths=depths, seed=seed
         )
+        # Every call reads [batch, longest] ids (zeros after a shorter sequence's end, which a
+        # causal model's earlier positions never see): one compiled program for all lengths.
+        ids = np.zeros((-(-count // batch) * batch, longest), np.int32)
+        ids[:count, : length - 1] = examples.ids[:, :-1]
         predicted = np.concatenate([
-            np.asarray(_argmax(graphdef, state, jnp.asarray(examples.ids[i : i + batch, :-1])))
-            for i in range(0, count, batch)
-        ])  # fmt: skip
+            np.asarray(_argmax(graphdef, state, jnp.asarray(ids[i : i + batch])))
+            for i in range(0, len(ids), batch)
+        ])[:count, : length - 1]  # fmt: skip
         batches.append(examples)
         answers.append(recall.continuations_from_argmax(examples, predicted))
     return recall.score(batches, answers)
