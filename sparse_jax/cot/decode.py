@@ -166,8 +166,13 @@ class Answer:
     seconds: float  # decoding wall time (a batch's time divided among its questions)
     tokens: int = 0  # tokens decoded, EOS included (0: nothing decoded)
     finished: bool = False  # whether the model ended with EOS within its length
-    kind: str | None = None  # the question's kind as linalg_cot.parse_question reads it
+    kind: str | None = None  # the question's kind as linalg_cot's parsers read it
     error: str | None = None  # why the question was not answered (None: it was decoded)
+
+
+def _article(word: str) -> str:
+    """The indefinite article before ``word`` (by its first letter: "an elimination")."""
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 def _refusal(why: str, kind: str | None = None) -> Answer:
@@ -298,14 +303,16 @@ def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> st
     """Why question ``q`` is larger than the problems ``gen`` makes (None: it is not): its
     matrix, its m and n, its unknowns, its elimination steps; not its entries' values."""
     trained = f"this model was trained on {q.kind} questions"
-    if q.kind in ("rref", "nullspace", "column_space", "elimination"):
+    if q.kind in ("rref", "nullspace", "column_space", "elimination", "column_space_basis"):
         matrix = q.R if q.kind == "elimination" else q.A
         rows, cols = len(matrix), len(matrix[0]) if matrix else 0
         if q.kind == "rref" and q.block is not None:
             if gen.block_rate == 0:
                 return f"{trained} without block matrices; this one asks about one"
             rows, cols = rows * len(q.block), cols * len(q.block[0])
-        limit = getattr(gen, f"{q.kind}_shape")
+        # column_space_basis draws its matrices at the nullspace questions' sizes.
+        shape = "nullspace" if q.kind == "column_space_basis" else q.kind
+        limit = getattr(gen, f"{shape}_shape")
         if rows > limit[0] or cols > limit[1]:
             return (
                 f"{trained} of matrices up to {limit[0]} x {limit[1]}; this one is {rows} x {cols}"
@@ -315,7 +322,7 @@ def _beyond(q: linalg_cot.ParsedQuestion, gen: linalg_cot.GeneratorConfig) -> st
                 f"{trained} of up to {gen.elimination_ops} elimination steps; this one has "
                 f"{len(q.operations)}"
             )
-    elif q.kind == "solvability":
+    elif q.kind in ("solvability", "subspaces"):
         if max(q.rows, q.cols) > gen.solvability_dim:
             return (
                 f"{trained} of m and n up to {gen.solvability_dim}; this one has m = {q.rows}, "
@@ -332,8 +339,10 @@ class Solver:
     :func:`~sparse_jax.data.linalg_cot.solve`).
 
     A question is decoded only when :func:`~sparse_jax.data.linalg_cot.parse_question` reads
-    it and its tokens fit ``fmt.source_len``; otherwise its :class:`Answer` says why (a non-str
-    question raises ``TypeError``).
+    it (or, for a model trained on a kind answered in words, ``linalg_cot.DESCRIPTIVE_KINDS``,
+    :func:`~sparse_jax.data.linalg_cot.parse_descriptive` reads it as that kind) and its
+    tokens fit ``fmt.source_len``; otherwise its :class:`Answer` says why (a non-str question
+    raises ``TypeError``).
 
     Args:
       model: the trained :class:`~sparse_jax.models.encdec.EncoderDecoder`.
@@ -385,11 +394,12 @@ class Solver:
                 f"(numbers={fmt.numbers}) writes {fmt.vocab_size}: pass the format it was "
                 "trained with"
             )
+        every = linalg_cot.KINDS + linalg_cot.DESCRIPTIVE_KINDS
         if kinds is not None and (
-            isinstance(kinds, str) or not set(kinds) <= set(linalg_cot.KINDS) or not kinds
+            isinstance(kinds, str) or not set(kinds) <= set(every) or not kinds
         ):
             raise ValueError(
-                f"Solver: `kinds` must be None or kinds of {list(linalg_cot.KINDS)}; got {kinds!r}"
+                f"Solver: `kinds` must be None or kinds of {list(every)}; got {kinds!r}"
             )
         if generator is not None and not isinstance(generator, linalg_cot.GeneratorConfig):
             raise TypeError(
@@ -500,12 +510,19 @@ class Solver:
         try:
             parsed = linalg_cot.parse_question(text)
         except ValueError as err:
-            return None, _refusal(str(err))
+            # A question answered in words is read only by a model trained on its kind.
+            words = set(self.kinds or ()) & set(linalg_cot.DESCRIPTIVE_KINDS)
+            try:
+                parsed = linalg_cot.parse_descriptive(text) if words else None
+            except ValueError:
+                parsed = None
+            if parsed is None or parsed.kind not in words:
+                return None, _refusal(str(err))
         kind = parsed.kind
         if self.kinds is not None and kind not in self.kinds:
             why = (
                 f"this model was trained on {', '.join(self.kinds)} questions only; this is "
-                f"a {kind} question"
+                f"{_article(kind)} {kind} question"
             )
             return None, _refusal(why, kind)
         why = None if self.generator is None else _beyond(parsed, self.generator)

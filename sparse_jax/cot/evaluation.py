@@ -149,6 +149,26 @@ def reference_accuracy(
     return {name: counts[name] for name in sorted(counts, key=roles.__getitem__)}
 
 
+# Computed answers first, then answers in words (each in linalg_cot's order).
+_ALL_KINDS = linalg_cot.KINDS + linalg_cot.DESCRIPTIVE_KINDS
+
+
+def _parts(final: str | None, problem: linalg_cot.Problem) -> dict[str, bool] | None:
+    """A descriptive problem's answer graded by parts (linalg_cot.grade_parts; every part
+    wrong when there is no final answer); None for a computed answer (graded whole)."""
+    if problem.kind not in linalg_cot.DESCRIPTIVE_KINDS:
+        return None
+    parts = linalg_cot.grade_parts(final or "", problem.answer)
+    return parts if final is not None else dict.fromkeys(parts, False)
+
+
+def _correct(final: str, problem: linalg_cot.Problem) -> bool:
+    """Whether ``final`` answers ``problem``: every part right (an answer in words), else
+    linalg_cot.grade."""
+    parts = _parts(final, problem)
+    return all(parts.values()) if parts is not None else linalg_cot.grade(final, problem.answer)
+
+
 def evaluate(
     solver: Solver,
     problems: Iterable[linalg_cot.Problem],
@@ -160,10 +180,13 @@ def evaluate(
     """Decodes ``problems`` with ``solver`` (batches of one kind) and measures its answers.
 
     Returns a JSON-ready dict: ``records`` (per problem, in order: kind, question, reference
-    and predicted final answer, ``correct`` = :func:`~sparse_jax.data.linalg_cot.grade`,
+    and predicted final answer, ``correct`` = :func:`~sparse_jax.data.linalg_cot.grade` (for
+    an answer in words, ``linalg_cot.DESCRIPTIVE_KINDS``: every part right, and ``parts`` the
+    verdict per part of :func:`~sparse_jax.data.linalg_cot.grade_parts`; None otherwise),
     ``first_divergence``, the decoded text, steps and tokens and the reference's, finished,
     seconds, flops, error),
-    ``kinds`` (per kind, in :data:`~sparse_jax.data.linalg_cot.KINDS` order) and ``overall``
+    ``kinds`` (per kind, in :data:`~sparse_jax.data.linalg_cot.KINDS` order, then the
+    descriptive kinds) and ``overall``
     (all problems), each with:
 
     * ``questions``, ``exact_match`` (fraction correct), ``answered`` (fraction with an
@@ -217,7 +240,7 @@ def evaluate(
     records: list[dict[str, Any] | None] = [None] * len(problems)
     weighted: dict[str, dict[str, list[tuple[float, int]]]] = {}
     roles: dict[str, dict[str, dict[str, int]]] = {}
-    order = [k for k in linalg_cot.KINDS if any(p.kind == k for p in problems)]
+    order = [k for k in _ALL_KINDS if any(p.kind == k for p in problems)]
     order += sorted({p.kind for p in problems} - set(order))
     for kind in order:
         index = [i for i, p in enumerate(problems) if p.kind == kind]
@@ -228,7 +251,12 @@ def evaluate(
             for i, (answer, _) in zip(part, decoded, strict=True):
                 p = problems[i]
                 ref = encode_solution(p.solution_text(), fmt)
-                correct = answer.final is not None and linalg_cot.grade(answer.final, p.answer)
+                parts = _parts(answer.final, p)
+                correct = (
+                    all(parts.values())
+                    if parts is not None
+                    else answer.final is not None and linalg_cot.grade(answer.final, p.answer)
+                )
                 matched = _steps_matched(answer.steps, p.steps)
                 records[i] = {
                     "kind": p.kind,
@@ -236,6 +264,7 @@ def evaluate(
                     "reference": p.answer,
                     "final": answer.final,
                     "correct": correct,
+                    "parts": parts,
                     "chain_correct": correct and tuple(answer.steps) == tuple(p.steps),
                     "steps_matched": matched,
                     "first_divergence": linalg_cot.first_divergence(answer.steps, p.steps),
@@ -342,7 +371,8 @@ def most_frequent_answers(
     the answers' frequencies, not to solve (a kind asking "always, sometimes or never" has
     three answers; a small rref's is often the identity).
 
-    Returns per kind of ``test`` (in :data:`~sparse_jax.data.linalg_cot.KINDS` order) and for
+    Returns per kind of ``test`` (in :data:`~sparse_jax.data.linalg_cot.KINDS` order, then the
+    descriptive kinds; an answer in words right when every part is) and for
     ``"overall"``: ``answer`` (None for the overall, and for a kind with no training problem,
     which then scores 0), ``questions`` and ``exact_match``.
 
@@ -360,16 +390,12 @@ def most_frequent_answers(
     counts: dict[str, collections.Counter] = {}
     for p in train:
         counts.setdefault(p.kind, collections.Counter())[p.answer] += 1
-    kinds = [k for k in linalg_cot.KINDS if any(p.kind == k for p in test)]
+    kinds = [k for k in _ALL_KINDS if any(p.kind == k for p in test)]
     result: dict[str, dict[str, Any]] = {}
     hits: list[float] = []
     for kind in kinds:
         answer = counts[kind].most_common(1)[0][0] if kind in counts else None
-        right = [
-            float(answer is not None and linalg_cot.grade(answer, p.answer))
-            for p in test
-            if p.kind == kind
-        ]
+        right = [float(answer is not None and _correct(answer, p)) for p in test if p.kind == kind]
         hits += right
         result[kind] = {"answer": answer, "questions": len(right), "exact_match": _mean(right)}
     result["overall"] = {"answer": None, "questions": len(hits), "exact_match": _mean(hits)}

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from sparse_jax.cot.format import BOS_ID, EOS_ID, PAD_ID, CotFormat
-from sparse_jax.data.linalg_cot import KINDS, GeneratorConfig
+from sparse_jax.data.linalg_cot import DESCRIPTIVE_KINDS, KINDS, GeneratorConfig
 from sparse_jax.models.encdec import EncDecConfig
 
 __all__ = ["RECORD", "generator_of", "inside", "read_record", "write_record"]
 
+# The kinds a run may train: computed answers and answers in words.
+_ALL_KINDS = KINDS + DESCRIPTIVE_KINDS
 RECORD = "cot.json"  # the run folder's file that Solver.load reads (format, model configs)
 
 
@@ -171,9 +173,9 @@ def _check_record(record: Any) -> None:
             )
     kinds = record.get("kinds")
     if kinds is not None and (
-        not isinstance(kinds, list) or not kinds or any(k not in KINDS for k in kinds)
+        not isinstance(kinds, list) or not kinds or any(k not in _ALL_KINDS for k in kinds)
     ):
-        raise ValueError(f"`kinds` must be null or a list of {list(KINDS)}; got {kinds!r}")
+        raise ValueError(f"`kinds` must be null or a list of {list(_ALL_KINDS)}; got {kinds!r}")
     if record.get("generator") is not None:
         generator_of(record)
 
