@@ -1,9 +1,9 @@
 """The command line of ``python -m experiments.cot``: the flag groups (frozen dataclasses, each a
 flag prefix: ``--data.kinds``, ``--model.d-model``, ``--train.steps``, ``--run.dir``,
 ``--eval.batch-size``), the subcommands built from them (``all``, ``train``, ``eval``, ``ask``,
-``seeds``, ``roles``, ``quiz``), the ``study`` preset, and :func:`parse`. Every field is checked
-when its group is built, so that a bad flag fails with a message naming it before anything is
-prepared or trained.
+``seeds``, ``roles``, ``quiz``), the ``study`` and ``exam`` presets, and :func:`parse`. Every
+field is checked when its group is built, so that a bad flag fails with a message naming it
+before anything is prepared or trained.
 
 Example:
   >>> cmd = parse(["train", "--train.steps", "10", "--data.kinds", "rref"])
@@ -35,6 +35,7 @@ from sparse_jax.models.encdec import EncDecConfig
 from sparse_jax.training.loop import TrainConfig
 
 __all__ = [
+    "ALL_KINDS",
     "BEFORE_NEWER_FLAGS",
     "DESCRIPTION",
     "MODELS",
@@ -57,6 +58,7 @@ __all__ = [
     "SeedsCommand",
     "Train",
     "TrainCommand",
+    "exam",
     "parse",
     "study",
 ]
@@ -68,12 +70,15 @@ DESCRIPTION = (
     "GiantRabbit study)."
 )
 MODELS = ("sparse", "dense")
+# The kinds --data.kinds may name: computed answers, then answers in words.
+ALL_KINDS = linalg_cot.KINDS + linalg_cot.DESCRIPTIVE_KINDS
 # The flags newer than a resumed run's config.json take these values (how its code ran).
 BEFORE_NEWER_FLAGS = {
     "train": {"buckets": [1, 1]},
-    "data": {"arithmetic": False, "products": False},
+    "data": {"arithmetic": False, "products": False, "exclude_quiz": False},
     "model": {"numbers": 0},
 }
+_EXAM, _PLAIN = linalg_cot.GeneratorConfig.exam(), linalg_cot.GeneratorConfig()
 # Problem sizes (--data.sizes): linalg_cot.GeneratorConfig fields besides the kinds.
 SIZES: dict[str, dict[str, Any]] = {
     # 2 x 2 and 2 x 3 matrices, entries in [-3, 3], no fractions in questions, at most 6 steps:
@@ -97,6 +102,16 @@ SIZES: dict[str, dict[str, Any]] = {
     ),
     # GeneratorConfig's defaults (matrices up to 4 x 5, entries up to 9, <= 16 steps).
     "default": {},
+    # The GiantRabbit study's exam (linalg_cot.GeneratorConfig.exam): block rref up to 6 x 8,
+    # entries up to 30, up to 24 steps (solutions up to ~3,200 bytes), half the questions in
+    # the exam's forms and half in LaTeX (the quiz writes both; the rest keep the plain
+    # phrasings and brackets that `ask` is typed in).
+    "exam": {
+        f.name: getattr(_EXAM, f.name)
+        for f in dataclasses.fields(_EXAM)
+        if f.name not in ("kinds", "arithmetic", "products")
+        and getattr(_EXAM, f.name) != getattr(_PLAIN, f.name)
+    },
 }
 
 
@@ -104,10 +119,12 @@ SIZES: dict[str, dict[str, Any]] = {
 class Data:
     kinds: tuple[str, ...] = ("rref", "solvability", "column_space")
     """Question kinds trained and evaluated (of complete_solution, elimination, nullspace, rref,
-    solvability, column_space); the splits hold them in turn."""
-    sizes: Literal["small", "default"] = "small"
-    """Problem sizes: 'small' (2 x 3 matrices, entries up to 3, short solutions) or 'default'
-    (linalg_cot.GeneratorConfig's: up to 4 x 5, entries up to 9, up to 16 steps)."""
+    solvability, column_space, and the answers in words column_space_basis and subspaces);
+    the splits hold them in turn."""
+    sizes: Literal["small", "default", "exam"] = "small"
+    """Problem sizes: 'small' (2 x 3 matrices, entries up to 3, short solutions), 'default'
+    (linalg_cot.GeneratorConfig's: up to 4 x 5, entries up to 9, up to 16 steps) or 'exam'
+    (GeneratorConfig.exam(): the study's exam's sizes and forms, half in LaTeX)."""
     train: int = 3000
     """Training problems."""
     validation: int = 48
@@ -122,6 +139,10 @@ class Data:
     products: bool = False
     """With --data.arithmetic: each row combination's term writes its product before its sum,
     a-k*b=a-p=c (linalg_cot.GeneratorConfig.products)."""
+    exclude_quiz: bool = False
+    """No split holds a question of the GiantRabbit study's exam (by content, whatever the
+    phrasing: linalg_cot.prepare's exclude), read from ../shared/data/giantrabbit-quiz/quiz.json
+    beside the repository when it is there (else a log line says nothing was excluded)."""
 
     def __post_init__(self):
         if self.products and not self.arithmetic:
@@ -129,11 +150,10 @@ class Data:
                 "--data.products writes the products of the row arithmetic: it needs "
                 "--data.arithmetic"
             )
-        kinds = self.kinds
-        if not kinds or len(set(kinds)) != len(kinds) or set(kinds) - set(linalg_cot.KINDS):
+        kinds, every = self.kinds, ALL_KINDS
+        if not kinds or len(set(kinds)) != len(kinds) or set(kinds) - set(every):
             raise ValueError(
-                f"--data.kinds must be distinct kinds of {list(linalg_cot.KINDS)}; got "
-                f"{list(kinds)}"
+                f"--data.kinds must be distinct kinds of {list(every)}; got {list(kinds)}"
             )
         set_ints_at_least(self, "data", train=1, validation=1, test=1, seed=0)
 
@@ -310,9 +330,10 @@ class Eval(QuizFlags):
 class TrainCommand:
     """Train the sparse model and its dense baseline (same size, data, steps and seed)."""
 
-    preset: Literal["default", "study"] = "default"
-    """Named settings the other flags start from ('study': all six kinds, bigger; see
-    experiments.cot.study)."""
+    preset: Literal["default", "study", "exam"] = "default"
+    """Named settings the other flags start from ('study': all six kinds, bigger; 'exam': all
+    kinds at the GiantRabbit exam's sizes and forms, its questions in no split; see
+    experiments.cot.config.study and .exam)."""
     data: Data = Data()
     model: Model = Model()
     train: Train = Train()
@@ -473,7 +494,48 @@ def study() -> AllCommand:
     )
 
 
-PRESETS = {"default": AllCommand, "study": study}
+def exam() -> AllCommand:
+    """``python -m experiments.cot --preset exam``: the model that answers the GiantRabbit
+    study's exam. All eight kinds (the six computed and the two answered in words,
+    column_space_basis and subspaces) at the exam's sizes and forms (``--data.sizes exam``:
+    linalg_cot.GeneratorConfig.exam(), block rref up to 6 x 8, entries up to 30, half the
+    questions in the exam's forms and half in LaTeX), the quiz's own questions in no split
+    (``--data.exclude-quiz``), 120,000 training problems (15,000 per kind), the study preset's
+    model (width 256, 3 + 3 layers, 2 chain-of-thought steps) with a decoder window of 512,
+    30,000 updates of 32 problems. The question and solution lengths are the generated data's
+    longest (sparse_jax.cot.fit_format: at these sizes up to ~370 question tokens and ~1,800+
+    solution tokens). Hours per model on one GPU; it has not been run: no figure of it is
+    recorded, and whether it reaches the issue's targets is untested."""
+    return AllCommand(
+        preset="exam",
+        data=Data(
+            kinds=ALL_KINDS,
+            sizes="exam",
+            train=120_000,
+            validation=400,
+            test=800,
+            exclude_quiz=True,
+        ),
+        # A step line at these sizes is up to ~210 tokens (a 6 x 8 block matrix after a row
+        # operation); a window of 512 keeps it and the line before it, whose matrix it
+        # changes. Batches of 32: the chains are about twice the study preset's. Unmeasured.
+        model=Model(
+            d_model=256,
+            num_heads=8,
+            d_ff=1024,
+            encoder_layers=3,
+            decoder_layers=3,
+            cot_steps=2,
+            decoder_window=512,
+            decoder_block=64,
+        ),
+        train=Train(steps=30_000, batch_size=32, lr=1e-3, warmup=500),
+        run=Run(checkpoint_every=1000),
+        eval=Eval(batch_size=100),
+    )
+
+
+PRESETS = {"default": AllCommand, "study": study, "exam": exam}
 
 
 def _preset(argv: list[str]) -> str:

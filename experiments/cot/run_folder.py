@@ -32,7 +32,7 @@ from experiments.common.run_folder import (
     with_program,
 )
 from experiments.cot.config import BEFORE_NEWER_FLAGS, MODELS, Data, Eval, TrainCommand
-from experiments.cot.exam import ask_quiz, quiz_path, write_answers
+from experiments.cot.exam import DEFAULT_QUIZ, ask_quiz, quiz_path, read_quiz, write_answers
 from experiments.cot.report import kind_figures, write_report
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
@@ -40,18 +40,54 @@ from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
 from sparse_jax.training.loop import TrainConfig
 from sparse_jax.training.stopping import StopRequest
 
-__all__ = ["decode_test", "evaluate_run", "log", "prepare_data", "read_config", "train"]
+__all__ = [
+    "decode_test",
+    "evaluate_run",
+    "log",
+    "prepare_data",
+    "quiz_questions",
+    "read_config",
+    "train",
+]
 
 
 def log(msg: str) -> None:
     print(f"[cot] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_data(data: Data, cache_dir: pathlib.Path):
+def quiz_questions(path: pathlib.Path = DEFAULT_QUIZ) -> list[linalg_cot.ParsedQuestion] | None:
+    """The questions of the quiz file at ``path`` as linalg_cot reads them (parse_question, else
+    parse_descriptive; a question neither reads is left out: no generated question is written
+    like it), or None when there is no such file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return None
+    out = []
+    for entry in read_quiz(path):
+        for parse in (linalg_cot.parse_question, linalg_cot.parse_descriptive):
+            try:
+                out.append(parse(entry["text"]))
+                break
+            except ValueError:
+                continue
+    return out
+
+
+def prepare_data(data: Data, cache_dir: pathlib.Path, quiz: pathlib.Path = DEFAULT_QUIZ):
     """The splits ``data`` describes, generated once into ``cache_dir`` (--run.cache-dir; a
-    folder that cannot be written is refused by name first)."""
+    folder that cannot be written is refused by name first); with --data.exclude-quiz, none
+    holds a question of the quiz file ``quiz`` (when it exists; a log line says so either
+    way)."""
     cache = pathlib.Path(cache_dir).expanduser()
     check_writable(cache, "--run.cache-dir", existing_may_be_read_only=True)
+    exclude: list[linalg_cot.ParsedQuestion] = []
+    if data.exclude_quiz:
+        found = quiz_questions(quiz)
+        if found is None:
+            log(f"--data.exclude-quiz: the quiz {quiz} was not found: nothing excluded")
+        else:
+            exclude = found
+            log(f"--data.exclude-quiz: {len(exclude)} questions of {quiz} in no split")
     return linalg_cot.prepare(
         cache / "tfds",
         train=data.train,
@@ -59,6 +95,7 @@ def prepare_data(data: Data, cache_dir: pathlib.Path):
         test=data.test,
         seed=data.seed,
         config=data.generator(),
+        exclude=exclude,
     )
 
 
