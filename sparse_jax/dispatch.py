@@ -77,7 +77,7 @@ rows whose mask allows its key, whatever weight they give it: it enters as a NaN
 key, since ``p @ v`` would otherwise spread ``0 * NaN`` to rows that depend on how an engine
 blocks the work. ``normalizer`` α follows the rule of :func:`sparse_jax.entmax`, the same in
 every engine: α = 1 is softmax; α < 1, NaN or ±inf raise when concrete and make that head's
-rows NaN when traced (``jax.experimental.checkify`` reports them).
+rows NaN when traced (``checkify`` reports them: ``normalizers.enable_traced_checks``).
 
 As a drop-in for ``jax.nn.dot_product_attention``, :func:`attention` also takes its keywords
 ``is_causal``, ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` (turned

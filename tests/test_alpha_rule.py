@@ -16,6 +16,7 @@ from jax.experimental import checkify
 
 import sparse_jax as sj
 from sparse_jax import masks
+from sparse_jax.normalizers import enable_traced_checks
 
 # One α per head: entmax15, softmax, two that break the rule, sparsemax.
 ALPHA = np.array([1.5, 1.0, 0.5, np.nan, 2.0], np.float32)
@@ -127,7 +128,31 @@ def test_every_engine_follows_the_rule_for_a_traced_alpha_per_head(impl):
     assert np.isfinite(np.asarray(grads[3])[GOOD]).all()  # dα
 
 
-def test_checkify_reports_a_traced_bad_alpha_and_is_silent_otherwise():
+@pytest.fixture
+def traced_checks():
+    previous = enable_traced_checks(True)
+    yield
+    enable_traced_checks(previous)
+
+
+def test_traced_checks_are_off_by_default_so_programs_stay_the_same():
+    # A check's error code is numbered per process: a program holding one would differ at
+    # each trace and never hit jax's persistent compilation cache.
+    def lowered():
+        f = jax.jit(lambda a, x, y: sj.entmax(x, a) + sj.sparsemax_loss(x, y)[..., None])
+        return f.lower(jnp.ones(2) * 1.5, jnp.zeros((2, 3)), jnp.zeros(2, jnp.int32)).as_text()
+
+    assert lowered() == lowered()
+    previous = enable_traced_checks(True)
+    try:
+        assert lowered() != lowered()  # what the default avoids
+    finally:
+        enable_traced_checks(previous)
+    with pytest.raises(TypeError, match=r"`enabled` must be True or False; got 'yes'"):
+        enable_traced_checks("yes")
+
+
+def test_checkify_reports_a_traced_bad_alpha_and_is_silent_otherwise(traced_checks):
     q = jax.random.normal(jax.random.key(2), (1, 8, 2, 8))
     f = jax.jit(lambda alpha: sj.attention(q, q, q, mask=masks.causal(), normalizer=alpha))
     checked = checkify.checkify(f)
@@ -146,7 +171,9 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_losses_are_inf_at_a_minus_inf_label_and_nan_at_a_traced_out_of_range_one(name):
+def test_losses_are_inf_at_a_minus_inf_label_and_nan_at_a_traced_out_of_range_one(
+    name, traced_checks
+):
     loss = LOSSES[name]
     x = jnp.array([[1.0, -jnp.inf, 0.0]] * 5).at[4].set(-jnp.inf)  # row 4: nothing finite
     labels = jnp.array([0, 1, 3, -1, 1])

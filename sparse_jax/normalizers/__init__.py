@@ -66,9 +66,9 @@ and, through them, both attention engines:
   (Scores equal to the largest finite float count as ``+inf``.)
 * ``alpha``: α > 1 is α-entmax and α = 1 exactly is softmax; α < 1, NaN and ±inf raise a
   ``ValueError`` naming it when concrete, and make their rows NaN when traced (the same rule
-  in every attention engine; ``jax.experimental.checkify`` turns it into an error under
-  ``jit``: see :func:`entmax`). The losses are NaN for a NaN logit in a row that is not
-  padding.
+  in every attention engine; with :func:`enable_traced_checks`, ``jax.experimental.checkify``
+  turns it into an error under ``jit``: see :func:`entmax`). The losses are NaN for a NaN
+  logit in a row that is not padding.
 
 Arguments are checked before anything is traced: a wrong type, an empty normalized axis, a bad
 ``axis`` (python or numpy integers, 0-d integer arrays), ``where`` or ``alpha`` raise
@@ -93,6 +93,7 @@ from sparse_jax.normalizers.alpha_entmax import entmax_search as entmax_search
 from sparse_jax.normalizers.alpha_entmax import expm1_from_exp as expm1_from_exp
 from sparse_jax.normalizers.arguments import alpha_eps as alpha_eps
 from sparse_jax.normalizers.arguments import bad_alpha as bad_alpha
+from sparse_jax.normalizers.arguments import enable_traced_checks
 from sparse_jax.normalizers.exact import POLISH_FREE_EXCESS as POLISH_FREE_EXCESS
 from sparse_jax.normalizers.exact import entmax15, sparsemax
 from sparse_jax.normalizers.exact import entmax15_polish as entmax15_polish
@@ -111,6 +112,7 @@ from sparse_jax.normalizers.softmax import masked_softmax
 # rule the engines share (sparse_jax.validation, sparse_jax.kernels).
 __all__ = [
     "NORMALIZERS",
+    "enable_traced_checks",
     "entmax",
     "entmax15",
     "entmax15_loss",

@@ -306,19 +306,15 @@ def entmax(x, alpha, axis: int = -1, *, where=None) -> jax.Array:
     the limit α ↓ 1); α < 1, NaN and ±inf are not α-entmax. Such an α raises a ``ValueError``
     naming ``alpha`` when it is concrete; a traced α cannot be checked, and every row whose
     α breaks the rule is NaN (values and derivatives; the other rows are unaffected). To get
-    an error under ``jit``, run the function under ``jax.experimental.checkify``:
+    an error under ``jit``, turn on :func:`~sparse_jax.normalizers.enable_traced_checks`
+    before the function is traced and run it under ``jax.experimental.checkify`` (its
+    example):
 
-      >>> from jax.experimental import checkify
       >>> scores = jnp.zeros((2, 3))  # [heads, keys]
       >>> step = jax.jit(lambda a: entmax(scores, a))  # α per head: [heads]
       >>> print(np.asarray(step(jnp.array([1.0, 0.5]))).round(3))  # α = 1: softmax
       [[0.333 0.333 0.333]
        [  nan   nan   nan]]
-      >>> error, _ = checkify.checkify(step)(jnp.array([1.0, 0.5]))
-      >>> error.throw()
-      Traceback (most recent call last):
-      ...
-      jax._src.checkify.JaxRuntimeError: α-entmax: every α must be ... got α = 0.5 (1 of 2 ...
 
     Args:
       x: scores of any float dtype, e.g. ``[batch, heads, q, kv]``.

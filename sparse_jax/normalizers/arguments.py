@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,50 @@ from jax.experimental import checkify
 
 # No API here: the names without an underscore are shared by the package's modules only.
 __all__: list[str] = []
+
+
+# Traced checks (a checkify.debug_check per check): off unless asked for, because each check
+# puts an error code that jax numbers per process into the compiled program, so programs that
+# hold one never match jax's persistent compilation cache (nor each other).
+_TRACED_CHECKS = [os.environ.get("SPARSE_JAX_TRACED_CHECKS", "0") not in ("", "0")]
+
+
+def enable_traced_checks(enabled: bool = True) -> bool:
+    """Turns the traced checks of the normalizers on or off; returns the previous setting.
+
+    A traced α or label cannot be checked without a host sync: a bad one gives NaN rows (the
+    documented rule). With traced checks on, the functions traced *afterwards* also carry a
+    ``jax.experimental.checkify.debug_check`` per check, so that running them under
+    ``checkify.checkify`` reports a bad value as an error (outside ``checkify`` nothing is
+    raised). jax caches a function's trace: turn the checks on before the function is first
+    traced. Off by default (``SPARSE_JAX_TRACED_CHECKS=1`` in the environment turns them on at
+    import), since a program holding a check is compiled anew in every process (jax numbers
+    the checks' error codes per process).
+
+    Example:
+      >>> from jax.experimental import checkify
+      >>> from sparse_jax.normalizers import entmax
+      >>> previous = enable_traced_checks(True)
+      >>> step = jax.jit(lambda a: entmax(jnp.zeros((2, 3)), a))  # α per row
+      >>> error, _ = checkify.checkify(step)(jnp.array([1.0, 0.5]))
+      >>> error.throw()
+      Traceback (most recent call last):
+      ...
+      jax._src.checkify.JaxRuntimeError: α-entmax: every α must be ... got α = 0.5 (1 of 2 ...
+      >>> enable_traced_checks(previous)
+      True
+    """
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise TypeError(f"enable_traced_checks: `enabled` must be True or False; got {enabled!r}")
+    previous, _TRACED_CHECKS[0] = _TRACED_CHECKS[0], bool(enabled)
+    return previous
+
+
+def debug_check(predicate, message: str, *args) -> None:
+    """``checkify.debug_check(predicate, message, *args)`` when traced checks are on
+    (:func:`enable_traced_checks`), else nothing."""
+    if _TRACED_CHECKS[0]:
+        checkify.debug_check(predicate, message, *args)
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -161,14 +206,14 @@ def alpha_eps(alpha, dtype) -> jax.Array:
     """ε = α - 1 of an α array (traced or not) under the rule for α, in ``dtype``.
 
     α = 1 gives :func:`softmax_eps` (softmax); α < 1, NaN or ±inf give NaN, which the
-    normalizer and the kernels turn into NaN rows. dε/dα = 1 everywhere. Under
-    ``jax.experimental.checkify.checkify`` a bad α is also reported (a ``debug_check``,
-    dropped otherwise): the way to an error for a traced α.
+    normalizer and the kernels turn into NaN rows. dε/dα = 1 everywhere. With
+    :func:`enable_traced_checks`, under ``jax.experimental.checkify.checkify`` a bad α is also
+    reported: the way to an error for a traced α.
     """
     alpha = jnp.asarray(alpha, dtype)
     bad = ~((alpha >= 1.0) & (alpha < jnp.inf))  # NaN compares False
     flat = bad.reshape(-1)
-    checkify.debug_check(
+    debug_check(
         ~jnp.any(bad),
         "α-entmax: every α must be finite and >= 1 (α = 1 is softmax); got α = {} ({} of "
         f"{flat.size} values break the rule)",

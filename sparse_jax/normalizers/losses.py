@@ -10,7 +10,6 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from sparse_jax.normalizers.alpha_entmax import entmax
 from sparse_jax.normalizers.arguments import (
@@ -19,6 +18,7 @@ from sparse_jax.normalizers.arguments import (
     check_scores,
     check_where,
     compute_dtype,
+    debug_check,
     is_concrete,
 )
 
@@ -84,7 +84,7 @@ def _fenchel_young_loss(logits, labels, alpha, where, name):
     bad_label = (labels < 0) | (labels >= num_classes)
     if where is not None:
         bad_label = bad_label & where
-    checkify.debug_check(
+    debug_check(
         ~jnp.any(bad_label),
         f"{name}: every label must lie in [0, {num_classes}); got {{}}",
         labels.reshape(-1)[jnp.argmax(bad_label.reshape(-1))],
@@ -138,8 +138,9 @@ def sparsemax_loss(logits, labels, *, where=None) -> jax.Array:
       labels: ``[...]`` integer class indices in ``[0, num_classes)``. Out of range at a row
         that is not padding: a ``ValueError`` naming ``labels`` when concrete; when traced
         (under ``jit``), that row's loss is NaN with a zero gradient (never a wrapped or
-        clipped label; as :func:`sparse_jax.training.losses.cross_entropy_loss`), and
-        ``jax.experimental.checkify`` reports it as an error.
+        clipped label; as :func:`sparse_jax.training.losses.cross_entropy_loss`), and with
+        :func:`~sparse_jax.normalizers.enable_traced_checks` ``jax.experimental.checkify``
+        reports it as an error.
       where: optional ``[...]`` boolean; False entries (padding) get loss 0 and zero gradient,
         whatever their label (e.g. -100).
 
