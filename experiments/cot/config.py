@@ -103,9 +103,9 @@ SIZES: dict[str, dict[str, Any]] = {
     # GeneratorConfig's defaults (matrices up to 4 x 5, entries up to 9, <= 16 steps).
     "default": {},
     # The GiantRabbit study's exam (linalg_cot.GeneratorConfig.exam): block rref up to 6 x 8,
-    # entries up to 30, up to 24 steps (solutions up to ~3,200 bytes), half the questions in
-    # the exam's forms and half in LaTeX (the quiz writes both; the rest keep the plain
-    # phrasings and brackets that `ask` is typed in).
+    # entries up to 30, up to 24 steps (the exam preset's splits: solutions up to 3,861 bytes),
+    # half the questions in the exam's forms and half in LaTeX (the quiz writes both; the rest
+    # keep the plain phrasings and brackets that `ask` is typed in).
     "exam": {
         f.name: getattr(_EXAM, f.name)
         for f in dataclasses.fields(_EXAM)
@@ -503,8 +503,10 @@ def exam() -> AllCommand:
     (``--data.exclude-quiz``), 120,000 training problems (15,000 per kind), the study preset's
     model (width 256, 3 + 3 layers, 2 chain-of-thought steps) with a decoder window of 512,
     30,000 updates of 32 problems. The question and solution lengths are the generated data's
-    longest (sparse_jax.cot.fit_format: at these sizes up to ~370 question tokens and ~1,800+
-    solution tokens). Hours per model on one GPU; it has not been run: no figure of it is
+    longest (sparse_jax.cot.fit_format: its splits' are 472 question tokens and 3,864 solution
+    tokens; the quiz's questions are 100 to 336). The subspaces kind has 285 distinct questions
+    (m, n up to 9 and a rank): its 15,000 training problems repeat the ~134 that the evaluation
+    splits leave. Hours per model on one GPU; it has not been run: no figure of it is
     recorded, and whether it reaches the issue's targets is untested."""
     return AllCommand(
         preset="exam",
