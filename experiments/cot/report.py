@@ -233,6 +233,10 @@ def _plots(folder: pathlib.Path, s: dict, kinds: list[str]) -> None:
         fig.savefig(folder / "loss.png", dpi=90)
 
 
+# Every kind a run may train: the computed ones and those answered in words.
+ALL_KINDS = (*linalg_cot.KINDS, *linalg_cot.DESCRIPTIVE_KINDS)
+
+
 def _data_lines(s: dict, kinds: list[str]) -> list[str]:
     """The report's title and what was trained and tested: kinds, sizes, splits, the format,
     the distinct training questions."""
@@ -254,8 +258,8 @@ def _data_lines(s: dict, kinds: list[str]) -> list[str]:
         )
         + (
             ""
-            if len(kinds) == len(linalg_cot.KINDS)
-            else f": {len(kinds)} of the {len(linalg_cot.KINDS)} kinds (--data.kinds), the "
+            if set(kinds) >= set(ALL_KINDS)
+            else f": {len(kinds)} of the {len(ALL_KINDS)} kinds (--data.kinds), the "
             "others neither trained nor evaluated"
         )
         + ". Every problem of these "
