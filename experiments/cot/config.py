@@ -521,16 +521,7 @@ def exam() -> AllCommand:
         # A step line at these sizes is up to ~210 tokens (a 6 x 8 block matrix after a row
         # operation); a window of 512 keeps it and the line before it, whose matrix it
         # changes. Batches of 32: the chains are about twice the study preset's. Unmeasured.
-        model=Model(
-            d_model=256,
-            num_heads=8,
-            d_ff=1024,
-            encoder_layers=3,
-            decoder_layers=3,
-            cot_steps=2,
-            decoder_window=512,
-            decoder_block=64,
-        ),
+        model=dataclasses.replace(study().model, decoder_window=512),
         train=Train(steps=30_000, batch_size=32, lr=1e-3, warmup=500),
         run=Run(checkpoint_every=1000),
         eval=Eval(batch_size=100),
