@@ -365,6 +365,18 @@ def _entries_ok(values: Sequence[Fraction], cfg: GeneratorConfig) -> bool:
     return all(x.denominator == 1 and abs(x) <= cfg.max_entry for x in values)
 
 
+def _draw_matrix_question(
+    rng: random.Random, kind: str, cfg: GeneratorConfig, phrasing: str
+) -> ParsedQuestion | None:
+    """A question about one matrix A of up to ``cfg.nullspace_shape`` (nullspace,
+    column_space_basis), of a random rank (None when an entry breaks a bound)."""
+    rows, cols = rng.randint(2, cfg.nullspace_shape[0]), rng.randint(2, cfg.nullspace_shape[1])
+    a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
+    if not _entries_ok([x for row in a for x in row], cfg):
+        return None
+    return ParsedQuestion(kind, phrasing.format(A=format_matrix(a)), A=a)
+
+
 def _draw(
     rng: random.Random, kind: str, cfg: GeneratorConfig, phrasing: str
 ) -> ParsedQuestion | None:
@@ -389,11 +401,7 @@ def _draw(
             values["block"] = format_block(block)
         return ParsedQuestion(kind, phrasing.format(**values), A=a, block=block)
     if kind == "nullspace":
-        rows, cols = rng.randint(2, cfg.nullspace_shape[0]), rng.randint(2, cfg.nullspace_shape[1])
-        a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
-        if not _entries_ok([x for row in a for x in row], cfg):
-            return None
-        return ParsedQuestion(kind, phrasing.format(A=format_matrix(a)), A=a)
+        return _draw_matrix_question(rng, kind, cfg, phrasing)
     if kind == "column_space":
         cols = rng.randint(1, cfg.column_space_shape[1])
         rows = rng.randint(max(2, cols), cfg.column_space_shape[0])
@@ -476,11 +484,7 @@ def _draw_exam(
         r = rng.randint(1, min(m, n))
         return ParsedQuestion(kind, phrasing.format(m=m, n=n, r=r), rows=m, cols=n, rank=r)
     if kind == "column_space_basis":
-        rows, cols = rng.randint(2, cfg.nullspace_shape[0]), rng.randint(2, cfg.nullspace_shape[1])
-        a = _random_matrix(rng, rows, cols, rng.randint(1, min(rows, cols)), cfg)
-        if not _entries_ok([x for row in a for x in row], cfg):
-            return None
-        return ParsedQuestion(kind, phrasing.format(A=format_matrix(a)), A=a)
+        return _draw_matrix_question(rng, kind, cfg, phrasing)
     if kind in ("complete_solution", "nullspace", "column_space"):  # the plain draw, reworded
         parsed = _draw(rng, kind, cfg, TEMPLATES[kind][0])
         if parsed is None:
