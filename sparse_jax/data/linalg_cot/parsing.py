@@ -698,6 +698,17 @@ def _parse(question: str) -> ParsedQuestion:
     return _parse_complete_solution(text, question, literals)
 
 
+def _check_text(text: object, caller: str) -> None:
+    """A question is a str of at most ``_MAX_QUESTION_CHARS`` characters."""
+    if not isinstance(text, str):
+        raise TypeError(f"{caller}: `text` must be a str; got {type(text).__name__}")
+    if len(text) > _MAX_QUESTION_CHARS:
+        raise ValueError(
+            f"could not parse the question: it has {len(text)} characters, more than the "
+            f"{_MAX_QUESTION_CHARS} allowed"
+        )
+
+
 def parse_question(text: str) -> ParsedQuestion:
     """The kind and the matrices, vectors and numbers of a question, exactly.
 
@@ -733,13 +744,7 @@ def parse_question(text: str) -> ParsedQuestion:
     ...
     ValueError: could not parse the question: the rows of the matrix A = [[1, 2], [3]] have ...
     """
-    if not isinstance(text, str):
-        raise TypeError(f"parse_question: `text` must be a str; got {type(text).__name__}")
-    if len(text) > _MAX_QUESTION_CHARS:
-        raise ValueError(
-            f"could not parse the question: it has {len(text)} characters, more than the "
-            f"{_MAX_QUESTION_CHARS} allowed"
-        )
+    _check_text(text, "parse_question")
     try:
         return _parse(text.strip())
     except ValueError as e:
@@ -805,13 +810,7 @@ def parse_descriptive(text: str) -> ParsedQuestion:
     >>> parse_descriptive("Describe the column space of A = [[1, 2], [2, 4]].").kind
     'column_space_basis'
     """
-    if not isinstance(text, str):
-        raise TypeError(f"parse_descriptive: `text` must be a str; got {type(text).__name__}")
-    if len(text) > _MAX_QUESTION_CHARS:
-        raise ValueError(
-            f"could not parse the question: it has {len(text)} characters, more than the "
-            f"{_MAX_QUESTION_CHARS} allowed"
-        )
+    _check_text(text, "parse_descriptive")
     question = text.strip()
     try:
         normalized = _normalize(question)
