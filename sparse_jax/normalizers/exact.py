@@ -253,11 +253,21 @@ def _entmax15_s(p):
 
 
 def _sparsemax_tangent(p, dx):
-    # s = sign(p), NaN on NaN rows, which carries them through both modes (in reverse, the
-    # product with s comes after the support's select). Forms of s without NaN plus a separate
-    # NaN term ran whole attention fwd+bwd slower on XLA:CPU, though sparsemax alone ran its
-    # reverse pass faster (docs/benchmarks.md, "A regression found: sparsemax's backward").
-    return jacobian_product(jnp.sign(p), dx)
+    """J·dx for sparsemax, ``s ⊙ (dx - (sᵀdx) / Σs)`` with s = sign(p): 1 on the support, 0 off
+    it (where the product is 0 whatever dx holds) and NaN on NaN rows, which carries them
+    through both modes (the final select keeps s != 0, which NaN is).
+
+    Not :func:`search.jacobian_product`'s ``s ⊙ dx - s (sᵀdx) / Σs``: transposed, that form let
+    XLA:CPU fuse the row sum and the subtraction into the matmul that forms the cotangent in
+    attention (dp = g vᵀ), a fusion that ran over twice as long as the matmul alone
+    (docs/benchmarks.md, "The non-finite policy behind one conditional"). With s outside the
+    parentheses, as in softmax's derivative, the matmul stays alone
+    (tests/test_normalizer_programs.py).
+    """
+    s = jnp.sign(p)
+    (s_sum,), (s_dx_sum,) = row_sums(s), row_sums(jnp.where(s > 0.0, dx, 0.0))
+    ratio = s_dx_sum / jnp.where(s_sum > 0.0, s_sum, 1.0)
+    return jnp.where(s != 0.0, s * (dx - ratio), 0.0)
 
 
 @jax.custom_jvp
