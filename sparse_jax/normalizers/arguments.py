@@ -235,7 +235,9 @@ def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]):
 def prepare(x, axis, where, name):
     """Checks arguments; returns (scores with the row last and masked entries -inf, axis, dtype).
 
-    Masked entries become -inf whatever they held (NaN included): they never matter.
+    Masked entries become -inf whatever they held (NaN included): they never matter. ``+inf``
+    is left as it is: ``search.shift_to_zero_max`` applies its policy, and only to inputs that
+    hold it.
     """
     x = check_scores(x, name)
     axis = check_axis(axis, x.ndim, name)
@@ -243,26 +245,9 @@ def prepare(x, axis, where, name):
     where = check_where(where, x.shape, name)
     in_dtype = x.dtype
     x = x.astype(compute_dtype(in_dtype))
-    x = _finite_above(x)
     if where is not None:
         x = jnp.where(where, x, -jnp.inf)
     return jnp.moveaxis(x, axis, -1), axis, in_dtype
-
-
-@jax.custom_jvp
-def _finite_above(x):
-    """+inf -> the largest finite float (the policy for +inf: see search.shift_to_zero_max).
-
-    Done here, where x is formed anyway, with an identity derivative: as a plain jnp.minimum
-    in the row kernels, or differentiated (a saved mask and a select in the backward pass), it
-    slowed whole attention measurably.
-    """
-    return jnp.minimum(x, jnp.finfo(x.dtype).max)
-
-
-@_finite_above.defjvp
-def _finite_above_jvp(primals, tangents):
-    return _finite_above(primals[0]), tangents[0]
 
 
 def finish(p, axis, dtype):

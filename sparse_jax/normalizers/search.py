@@ -25,17 +25,32 @@ __all__: list[str] = []
 def shift_to_zero_max(x):
     """Rows x (masked entries -inf) made ready for a threshold search, under the non-finite policy.
 
-    Returns (z, has_any, nan_row). z = x - max(x) per row. arguments.prepare has replaced +inf
-    by the largest finite float, so a row that held +inf has z = 0 exactly at those entries and
-    z ~ -3e38 (or -inf) elsewhere: all its weight goes uniformly to them. XLA's max propagates
-    NaN, so a row holding NaN gets max NaN and z NaN everywhere; its has_any is False (no
-    iteration waits for it) and its output is NaN. A row with nothing allowed gets z = -inf.
-    No elementwise operation beyond the old shift: this runs twice per attention chunk (forward
-    and recomputation), where every extra pass over the scores shows.
+    Returns (z, has_any, nan_row). z = x - max(x) per row. +inf: a row holding +inf has it
+    replaced by the largest finite float, so z = 0 exactly at those entries and z ~ -3e38 (or
+    -inf) elsewhere: all its weight goes uniformly to them. XLA's max propagates NaN, so a row
+    holding NaN gets max NaN and z NaN everywhere; its has_any is False (no iteration waits for
+    it) and its output is NaN. A row with nothing allowed gets z = -inf.
+
+    The row maxima say whether any row holds +inf, and only then does the clamp run
+    (``lax.cond``; under ``vmap`` with a batched flag both branches run, with the same result).
+    The clamp changes nothing in a row without +inf, so finite scores take the branch without
+    it. The conditional also hands z on as one computed array: without it XLA:CPU recomputed z
+    from the raw scores (mask, shift) inside each of the later passes over the scores (the
+    output, the derivative's terms), each of which then cost as much as an extra pass
+    (docs/benchmarks.md, "The non-finite policy behind one conditional"). No derivative goes
+    through here (the normalizers' custom rules call it on primal values only).
     """
     row_max = jnp.max(x, axis=-1, keepdims=True)
-    has_any = row_max > -jnp.inf
-    return x - jnp.where(row_max == -jnp.inf, 0.0, row_max), has_any, jnp.isnan(row_max)
+    big = jnp.finfo(x.dtype).max
+
+    def shift(x, row_max):
+        return x - jnp.where(row_max == -jnp.inf, 0.0, row_max)
+
+    def clamp_then_shift(x, row_max):  # max commutes with the clamp: no second reduction
+        return shift(jnp.minimum(x, big), jnp.minimum(row_max, big))
+
+    z = jax.lax.cond(jnp.any(row_max == jnp.inf), clamp_then_shift, shift, x, row_max)
+    return z, row_max > -jnp.inf, jnp.isnan(row_max)
 
 
 def poison(p, nan_row):
