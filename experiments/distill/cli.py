@@ -5,7 +5,7 @@ the command that runs it (what a stopped or refused run tells the user to type).
 
 Example:
   >>> from experiments.distill.config import TrainConfig
-  >>> config = parse(["--config", "wikitext2_study", "--train.steps", "10"])
+  >>> config = parse(["--config", "planted", "--train.steps", "10"])
   >>> config.flags()["train.steps"]
   10
   >>> command(DistillConfig(train=TrainConfig(steps=9)), resume=True, run_dir="runs/a")
