@@ -530,7 +530,10 @@ def test_two_processes_follow_the_one_process_run(whole_run):
     args = [*TINY, "--run.dir", str(run_dir), "--run.cache-dir", str(tmp_path / "cache-two")]
     args += [*WHOLE[:2], "--run.checkpoint-every", "4", "--run.data-axis", "2"]
     args += ["--run.model-axis", "2"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    # Two CPU devices each, on top of the suite's XLA options (conftest.py): the one-process run
+    # compiled with them too.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags.strip())
     env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2"}
     env |= {"JAX_PLATFORMS": "cpu"}
     procs, logs = [], []
