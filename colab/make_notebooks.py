@@ -753,8 +753,8 @@ if SMALL:
         "--data.kinds", "rref", "--data.train", "8", "--data.validation", "1",
         "--data.test", "4", "--model.d-model", "16", "--model.num-heads", "2",
         "--model.d-ff", "32", "--model.cot-steps", "0", "--train.steps", "2",
-        "--train.batch-size", "4", "--train.warmup", "0", "--run.checkpoint-every", "2",
-        "--eval.batch-size", "4", "--eval.repeats", "1",
+        "--train.batch-size", "4", "--train.warmup", "0", "--train.buckets", "1", "1",
+        "--run.checkpoint-every", "2", "--eval.batch-size", "4", "--eval.repeats", "1",
     ]  # fmt: skip
 elif BACKEND != "cpu":
     args = ["--preset", "study"]
