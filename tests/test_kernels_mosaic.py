@@ -139,29 +139,30 @@ def _plan(q, v, layout, norm):
 def test_dead_blocks_are_dropped_from_what_the_backward_visits():
     # Queries that score key block 0 far above the rest: sparsemax gives the later blocks no
     # weight; the forward pass marks them dead and the backward kernels' visit lists omit them.
-    q = jnp.zeros((1, 512, 1, 16)).at[..., 0].set(1.0)
-    k = jnp.zeros((1, 512, 1, 16)).at[:, :128, :, 0].set(8.0)
-    v = jax.random.normal(jax.random.PRNGKey(2), (1, 512, 1, 16))
-    layout = masks.causal().blocks(512, 512, 128, 128)
+    # (Three blocks of 128: two dead blocks in the last query block's row, one in the middle's.)
+    q = jnp.zeros((1, 384, 1, 16)).at[..., 0].set(1.0)
+    k = jnp.zeros((1, 384, 1, 16)).at[:, :128, :, 0].set(8.0)
+    v = jax.random.normal(jax.random.PRNGKey(2), (1, 384, 1, 16))
+    layout = masks.causal().blocks(384, 384, 128, 128)
     plan = _plan(q, v, layout, "sparsemax")
     eps = jnp.zeros((1, 1), jnp.float32)
-    lengths = jnp.full((1,), 512, jnp.int32)
+    lengths = jnp.full((1,), 384, jnp.int32)
     no_bias = jnp.zeros((1, 1, 1, 1), jnp.float32)
-    key_nan = jnp.zeros((1, 1, 512), jnp.float32)
-    no_ids = (jnp.zeros((1, 512), jnp.int32),) * 2
+    key_nan = jnp.zeros((1, 1, 384), jnp.float32)
+    no_ids = (jnp.zeros((1, 384), jnp.int32),) * 2
     _, res = mosaic.forward(plan, jnp.ones(1), lengths, eps, q, k, v, no_bias, key_nan, *no_ids)
     live = np.asarray(res["live"])
-    assert live[0, 0, 3, :4].tolist() == [1, 0, 0, 0]  # query block 3 keeps 4, one holds weight
+    assert live[0, 0, 2, :3].tolist() == [1, 0, 0]  # query block 2 keeps 3, one holds weight
     (dq_count, dq_slots), (t_count, t_rows, _, _) = mosaic.visits(plan, res["live"])
-    assert np.asarray(dq_count)[0, 0, :, 0, 0].tolist() == [1, 1, 1, 1]
-    assert np.asarray(dq_slots)[0, 0, 3, 0, 0] == 0
+    assert np.asarray(dq_count)[0, 0, :, 0, 0].tolist() == [1, 1, 1]
+    assert np.asarray(dq_slots)[0, 0, 2, 0, 0] == 0
     # key block 0 is visited by every query block, the others by none
-    assert np.asarray(t_count)[0, 0, :, 0, 0].tolist() == [4, 0, 0, 0]
-    assert sorted(np.asarray(t_rows)[0, 0, 0, 0, :4].tolist()) == [0, 1, 2, 3]
+    assert np.asarray(t_count)[0, 0, :, 0, 0].tolist() == [3, 0, 0]
+    assert sorted(np.asarray(t_rows)[0, 0, 0, 0, :3].tolist()) == [0, 1, 2]
     # softmax visits every kept block (p > 0 everywhere it is allowed)
     (sm_count, _), (sm_t_count, *_) = mosaic.visits(_plan(q, v, layout, "softmax"), None)
-    assert np.asarray(sm_count)[0, 0, :, 0, 0].tolist() == [1, 2, 3, 4]
-    assert np.asarray(sm_t_count)[0, 0, :, 0, 0].tolist() == [4, 3, 2, 1]
+    assert np.asarray(sm_count)[0, 0, :, 0, 0].tolist() == [1, 2, 3]
+    assert np.asarray(sm_t_count)[0, 0, :, 0, 0].tolist() == [3, 2, 1]
     grads = jax.grad(
         lambda q, k, v: jnp.sum(_mosaic(q, k, v, masks.causal(), "sparsemax", 1.0, None) * v),
         argnums=(0, 1, 2),
