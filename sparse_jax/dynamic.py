@@ -62,6 +62,7 @@ block) gives output 0 and zero gradients.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from typing import Any, NamedTuple
@@ -81,7 +82,7 @@ from sparse_jax.validation import (
     check_scale,
 )
 
-__all__ = ["SENTINEL", "topk_block_attention", "topk_mask"]
+__all__ = ["SENTINEL", "BlockSelection", "topk_block_attention", "topk_mask"]
 
 # Bits of the threshold key settled per pass of :func:`topk_mask` (2 bits = 16 passes of 3 counts
 # each): faster on a 2-core CPU than 1 bit or 4 bits per pass (timed once on [8, 2048, 2048]
@@ -491,3 +492,126 @@ def topk_block_attention(
         normalizer_static=normalizer if static_norm else None,
         scale_static=scale if static_scale else None,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# BlockSelection: a data-dependent candidate mask.
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSelection:
+    """A data-dependent candidate mask: key blocks chosen per query token (MoBA's gate).
+
+    The keys are cut into blocks of ``block`` positions. Query ``i`` (absolute position ``p``)
+    attends causally to its own key block ``p // block`` and the ``local_blocks - 1`` blocks
+    before it, plus the ``keep_blocks`` *earlier* blocks whose mean key scores highest against
+    its own query, ``scale · q_i · mean(k_block)``, per batch element and head. The earlier
+    blocks are complete (all their keys precede ``p``), so the selection is strictly causal and
+    the same whether the sequence is read at once or decoded token by token. The selection is
+    not differentiated (``stop_gradient``); within the selected keys attention is exact.
+
+    It is :func:`topk_block_attention` with query blocks of one row (``block_size=(1, block)``):
+    :meth:`attention` runs that engine, and :meth:`dense` the same selection as an explicit
+    bool mask (for the soft candidate layer and for decoding into a cache).
+
+    Its cost does not depend on the data: query ``p`` forms ``(local + kept) · block`` scores,
+    ``local = min(local_blocks, p // block + 1)`` and ``kept = min(keep_blocks, p // block + 1 -
+    local)``, of which :meth:`entries` counts the allowed ones (the own block only up to ``p``).
+
+    Args:
+      keep_blocks: int >= 0, earlier key blocks chosen by score.
+      block: int >= 1, keys per block.
+      local_blocks: int >= 1, the most recent key blocks always kept (the own block first).
+
+    Example:
+      >>> sel = BlockSelection(keep_blocks=1, block=2)
+      >>> q = k = jax.random.normal(jax.random.key(0), (1, 6, 1, 4))  # [B, T, N, D]
+      >>> m = sel.dense(q, k)  # bool [B, N, T, T]
+      >>> m.shape, int(m[0, 0, 5].sum())  # query 5: its own block (4, 5) and one of 2 earlier
+      ((1, 1, 6, 6), 4)
+      >>> sel.entries(6, 6)  # 1 + 2 + (2 + 1) + (2 + 2) + (2 + 1) + (2 + 2): data-independent
+      17
+    """
+
+    keep_blocks: int
+    block: int = 64
+    local_blocks: int = 1
+
+    def __post_init__(self):
+        caller = "BlockSelection"
+        check_int(self.keep_blocks, "keep_blocks", caller, low=0)
+        check_int(self.block, "block", caller)
+        check_int(self.local_blocks, "local_blocks", caller)
+
+    def _counts(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per absolute query position: the local blocks and the selected blocks it keeps."""
+        own = positions // self.block
+        local = np.minimum(self.local_blocks, own + 1)
+        return local, np.minimum(self.keep_blocks, own + 1 - local)
+
+    def entries(self, tq: int, tk: int) -> int:
+        """Allowed score entries of ``tq`` queries (the last ``tq`` of ``tk`` positions): the
+        same for every input (see the class docstring)."""
+        p = np.arange(tk - tq, tk)
+        local, kept = self._counts(p)
+        own_start = (p // self.block - local + 1) * self.block
+        return int(np.sum(p - own_start + 1 + kept * self.block))
+
+    def formed(self, seq_len: int) -> int:
+        """Score entries the engine forms for causal self-attention on ``seq_len`` tokens: whole
+        blocks, ``Σ_p (local + kept) · block`` (one batch element, one head)."""
+        local, kept = self._counts(np.arange(seq_len))
+        return int(np.sum(local + kept) * self.block)
+
+    def dense(self, q: jax.Array, k: jax.Array, *, scale: Any = None, q_offset: Any = None):
+        """bool ``[B, N, Tq, Tk]``: the selected entries for ``q [B, Tq, N, D]`` against
+        ``k [B, Tk, Kh, D]`` (``Kh`` divides ``N``). Query ``i`` sits at absolute position
+        ``Tk - Tq + i``, or ``q_offset + i`` when ``q_offset`` (an int or a traced int) is
+        given: decoding into a cache of ``Tk`` slots, where keys from ``q_offset + Tq`` on are
+        not yet written. Traceable; ``scale`` defaults to ``D ** -0.5``."""
+        b, tq, n, d = q.shape
+        tk, kh = k.shape[1], k.shape[2]
+        scale = d**-0.5 if scale is None else scale
+        nk = -(-tk // self.block)
+        start = tk - tq if q_offset is None else q_offset
+        q_pos = start + jnp.arange(tq, dtype=jnp.int32)  # [Tq]
+        own = q_pos // self.block
+        cols = jnp.arange(nk, dtype=jnp.int32)
+        local = (cols[None, :] <= own[:, None]) & (cols[None, :] > own[:, None] - self.local_blocks)
+        blocks = jnp.broadcast_to(local, (b, n, tq, nk))
+        if self.keep_blocks:
+            compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+            qs = jax.lax.stop_gradient(q).astype(compute)
+            ks = jnp.pad(
+                jax.lax.stop_gradient(k).astype(compute),
+                ((0, 0), (0, nk * self.block - tk), (0, 0), (0, 0)),
+            )
+            pooled = ks.reshape(b, nk, self.block, kh, d).mean(axis=2)  # [B, nk, Kh, D]
+            pooled = jnp.repeat(pooled, n // kh, axis=2)  # [B, nk, N, D]
+            scores = jnp.einsum("bind,bcnd->bnic", qs, pooled) * jnp.asarray(scale, compute)
+            big = jnp.finfo(compute).max
+            scores = jnp.nan_to_num(scores, nan=-big, posinf=big, neginf=-big)
+            earlier = cols[None, :] <= own[:, None] - self.local_blocks  # [Tq, nk]
+            scores = jnp.where(earlier, scores, -jnp.inf)
+            top = jax.lax.top_k(scores, min(self.keep_blocks, nk))[1]  # [B, N, Tq, keep]
+            chosen = jnp.any(top[..., None] == cols, axis=-2) & earlier
+            blocks = blocks | chosen
+        kv_pos = jnp.arange(tk, dtype=jnp.int32)
+        allowed = blocks[..., kv_pos // self.block] & (kv_pos[None, :] <= q_pos[:, None])
+        if q_offset is not None:
+            allowed = allowed & (kv_pos < q_offset + tq)
+        return allowed
+
+    def attention(self, q, k, v, *, normalizer: Any = "softmax", scale: Any = None):
+        """Self-attention (``Tq == Tk``, query ``i`` at position ``i``) over the selected keys:
+        :func:`topk_block_attention` with query blocks of one row. ``[B, T, N, Dv]``."""
+        return topk_block_attention(
+            q,
+            k,
+            v,
+            keep_blocks=self.keep_blocks,
+            block_size=(1, self.block),
+            local_blocks=self.local_blocks,
+            normalizer=normalizer,
+            scale=scale,
+        )
