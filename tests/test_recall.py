@@ -215,6 +215,14 @@ def test_shortest_length_has_no_filler(tok):
         make_examples("passkey", tok, filler, length=shortest - 1, count=5, seed=0)
 
 
+@pytest.mark.parametrize("task, examples", [("passkey", 16), ("mqar", 16), ("mqar", 3)])
+def test_shortest_length_is_the_first_length_that_fits(task, examples):
+    shortest = recall.shortest_length(task, "byte", examples=examples)
+    make_examples(task, BYTE, "x", length=shortest, count=examples, seed=0)
+    with pytest.raises(ValueError, match="`length` must be at least"):
+        make_examples(task, BYTE, "x", length=shortest - 1, count=examples, seed=0)
+
+
 def test_depths_cycle_over_examples_and_draw_when_none():
     grid = (0.1, 0.5, 0.9)
     batch = make_examples("passkey", BYTE, TEXT, length=200, count=7, depths=grid)

@@ -216,7 +216,7 @@ def shortest_length(
 ) -> int:
     """The fewest tokens that hold the pieces (statements, questions, answers) of the first
     ``examples`` examples of ``task`` (seed 0), so that :func:`make_examples` accepts any length
-    from it on for them; found by bisection and kept per arguments.
+    from it on for them; found by doubling then bisection, and kept per arguments.
 
     Example:
       >>> shortest_length("passkey", "byte")  # the statement, question and answer of a 5-digit key
@@ -229,12 +229,22 @@ def shortest_length(
 
 @functools.lru_cache(maxsize=64)
 def _shortest(task, tokenizer, examples: int) -> int:
-    lo, hi = 2, 1 << 20  # make_examples refuses a length its pieces do not fit in
+    def fits(length: int) -> bool:  # make_examples refuses a length its pieces do not fit in
+        try:
+            make_examples(task, tokenizer, "x", length=length, count=examples, seed=0)
+        except ValueError:
+            return False
+        return True
+
+    # Double up to the first length that fits, then bisect below it: a bisection from 2**20
+    # would build examples of hundreds of thousands of tokens on the way down.
+    lo, hi = 2, 2
+    while hi < 1 << 20 and not fits(hi):
+        lo, hi = hi + 1, min(2 * hi, 1 << 20)
     while lo < hi:
         mid = (lo + hi) // 2
-        try:
-            make_examples(task, tokenizer, "x", length=mid, count=examples, seed=0)
+        if fits(mid):
             hi = mid
-        except ValueError:
+        else:
             lo = mid + 1
     return lo
