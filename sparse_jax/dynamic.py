@@ -543,8 +543,15 @@ class BlockSelection:
         check_int(self.block, "block", caller)
         check_int(self.local_blocks, "local_blocks", caller)
 
-    def _counts(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per absolute query position: the local blocks and the selected blocks it keeps."""
+    def blocks_per_query(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Two int arrays shaped like ``positions`` (absolute query positions): the local key
+        blocks each query keeps and the earlier blocks it chooses by score.
+
+        Example:
+          >>> local, chosen = BlockSelection(2, block=4).blocks_per_query(np.arange(0, 16, 4))
+          >>> local.tolist(), chosen.tolist()
+          ([1, 1, 1, 1], [0, 1, 2, 2])
+        """
         own = positions // self.block
         local = np.minimum(self.local_blocks, own + 1)
         return local, np.minimum(self.keep_blocks, own + 1 - local)
@@ -553,14 +560,14 @@ class BlockSelection:
         """Allowed score entries of ``tq`` queries (the last ``tq`` of ``tk`` positions): the
         same for every input (see the class docstring)."""
         p = np.arange(tk - tq, tk)
-        local, kept = self._counts(p)
+        local, kept = self.blocks_per_query(p)
         own_start = (p // self.block - local + 1) * self.block
         return int(np.sum(p - own_start + 1 + kept * self.block))
 
     def formed(self, seq_len: int) -> int:
         """Score entries the engine forms for causal self-attention on ``seq_len`` tokens: whole
         blocks, ``Σ_p (local + kept) · block`` (one batch element, one head)."""
-        local, kept = self._counts(np.arange(seq_len))
+        local, kept = self.blocks_per_query(np.arange(seq_len))
         return int(np.sum(local + kept) * self.block)
 
     def dense(self, q: jax.Array, k: jax.Array, *, scale: Any = None, q_offset: Any = None):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import BlockSelection
@@ -133,3 +134,159 @@ def test_a_later_token_changes_no_earlier_row():
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         BlockSelection(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# A selection as a candidate of CandidateMaskAttention (the learned search offers it).
+
+
+def _layer(cands, logits, **kw):
+    from sparse_jax.models.layers import CandidateMaskAttention
+
+    layer = CandidateMaskAttention(2, cands, granularity="head", **kw)
+    layer.logits[...] = jnp.asarray(logits, jnp.float32)
+    return layer
+
+
+def _window(w):
+    from sparse_jax import masks
+
+    return masks.causal() & masks.local(w - 1, 0)
+
+
+@pytest.mark.parametrize("combine", ["soft_union", "soft_mask"])
+def test_a_selection_enters_the_soft_combine_as_its_chosen_blocks(combine):
+    """The log-bias of each head recomputed in numpy from the selection's reference mask and a
+    2-key window: noisy-OR ``1 - Π(1 - w M)`` or sum ``Σ w M``, per batch element and head."""
+    sel = BlockSelection(keep_blocks=1, block=3)
+    layer = _layer([sel, _window(2)], [[0.7, -1.2], [-0.4, 2.0]], combine=combine)
+    q, k, v = inputs(n=2, kh=2)
+    out, _ = layer(q, k, v)
+    w = np.asarray(layer.weights(), np.float64)[None, :, None, None, :]  # [1, N, 1, 1, C]
+    window = np.tri(11, dtype=bool) & ~np.tri(11, k=-2, dtype=bool)
+    m = np.stack(np.broadcast_arrays(reference_mask(sel, q, k), window), axis=-1)  # [B,N,T,T,C]
+    if combine == "soft_union":
+        a = 1.0 - np.prod(np.where(m, 1.0 - w * (1 - 1e-7), 1.0), axis=-1)
+    else:
+        a = np.sum(w * m, axis=-1)
+    allowed = m.any(-1)
+    bias = np.where(allowed, np.log(np.where(allowed, a, 1.0)), -np.inf).astype(np.float32)
+    np.testing.assert_allclose(out, attention(q, k, v, mask=allowed, bias=bias), **TOL)
+
+
+def test_a_kept_selection_is_attention_under_its_chosen_blocks():
+    """Weights exactly 0/1 (sparsemax rows): head 0 keeps the selection, head 1 the window."""
+    sel = BlockSelection(keep_blocks=1, block=3)
+    layer = _layer([sel, _window(2)], [[5.0, -5.0], [-5.0, 5.0]], weighting="sparsemax")
+    np.testing.assert_array_equal(np.asarray(layer.weights()), [[1.0, 0.0], [0.0, 1.0]])
+    q, k, v = inputs(n=2, kh=2)
+    window = np.tri(11, dtype=bool) & ~np.tri(11, k=-2, dtype=bool)
+    chosen = reference_mask(sel, q, k)
+    want = np.stack(np.broadcast_arrays(chosen[:, 0], window), axis=1)
+    np.testing.assert_allclose(layer(q, k, v)[0], attention(q, k, v, mask=want), **TOL)
+
+
+def test_the_selections_weight_learns_from_the_loss():
+    sel = BlockSelection(keep_blocks=1, block=3)
+    layer = _layer([sel, _window(2), _window(11)], [[0.5, 0.2, -0.3]] * 2)
+    q, k, v = inputs(n=2, kh=2)
+
+    def loss(layer):
+        return jnp.sum(layer(q, k, v)[0] ** 2)
+
+    grad = nnx.grad(loss)(layer).logits[...]
+    assert np.all(np.abs(np.asarray(grad[:, 0])) > 1e-6), grad
+
+
+def test_mixture_runs_the_selection_engine_and_decodes_token_by_token():
+    sel = BlockSelection(keep_blocks=1, block=3)
+    layer = _layer([sel, _window(3)], [[1.0, -1.0], [0.0, 2.0]], combine="mixture")
+    q, k, v = inputs(n=2, kh=2)
+    out, _ = layer(q, k, v)
+    pi = np.asarray(layer.weights())
+    pi = pi / pi.sum(axis=1, keepdims=True)
+    parts = [sel.attention(q, k, v), attention(q, k, v, mask=_window(3))]
+    want = sum(p * pi[None, None, :, c, None] for c, p in enumerate(parts))
+    np.testing.assert_allclose(out, want, **TOL)
+    # The whole call runs the selection's gather engine (top_k of block scores), not a mask.
+    lowered = jax.jit(lambda q, k, v: layer(q, k, v)[0]).lower(q, k, v).as_text()
+    assert "topk" in lowered or "top_k" in lowered
+    # Token by token into a cache of 11 slots, unwritten slots junk: the same rows.
+    junk = 1e3 * jnp.ones_like(k)
+    rows = []
+    for t in range(11):
+        kc = jnp.where(jnp.arange(11)[None, :, None, None] <= t, k, junk)
+        vc = jnp.where(jnp.arange(11)[None, :, None, None] <= t, v, junk)
+        rows.append(layer(q[:, t : t + 1], kc, vc, q_offset=jnp.int32(t))[0])
+    np.testing.assert_allclose(jnp.concatenate(rows, axis=1), out, **TOL)
+
+
+def test_soft_union_decodes_token_by_token():
+    sel = BlockSelection(keep_blocks=1, block=2, local_blocks=2)
+    layer = _layer([sel, _window(2)], [[0.3, 1.0], [-0.5, 0.2]])
+    q, k, v = inputs(n=2, kh=2)
+    whole, _ = layer(q, k, v)
+    junk = -7.0 * jnp.ones_like(k)
+    rows = []
+    for t in range(11):
+        kc = jnp.where(jnp.arange(11)[None, :, None, None] <= t, k, junk)
+        rows.append(layer(q[:, t : t + 1], kc, v, q_offset=jnp.int32(t))[0])
+    np.testing.assert_allclose(jnp.concatenate(rows, axis=1), whole, **TOL)
+
+
+def test_a_selections_prices_are_its_counts():
+    from sparse_jax.blocksparse import blocksparse_cost
+    from sparse_jax.masks import causal
+
+    sel, win = BlockSelection(keep_blocks=2, block=4), _window(4)
+    layer = _layer([sel, win, causal()], [[1.0, 1.0, 1.0]] * 2, block_size=(4, 4))
+    q, k, _ = inputs(t=16, n=2, kh=2, b=1)
+    counted = int(np.sum(reference_mask(sel, q, k)[0, 0]))  # one input's entries
+    causal_entries = 16 * 17 // 2
+    np.testing.assert_allclose(layer.causal_shares(16, 16)[0], counted / causal_entries)
+    np.testing.assert_allclose(layer.candidate_densities(16)[0], counted / 256)
+    # Its engine forms whole blocks: own block + min(2, earlier) blocks of 4 per query.
+    formed = sum(4 * (1 + min(2, p // 4)) for p in range(16))
+    causal_formed = blocksparse_cost(causal().blocks(16, 16, 4, 4), batch=1, num_heads=1,
+                                     head_dim=1).computed_scores  # fmt: skip
+    np.testing.assert_allclose(layer.block_costs(16)[0], formed / causal_formed)
+    mixture = _layer([sel, causal()], [[1.0, 1.0]] * 2, combine="mixture")
+    assert mixture.scores_formed(16, batch=3, head_dim=8) == 3 * 2 * (formed + 16 * 16)
+    from sparse_jax.models.layers import mask_at
+
+    only = _layer([sel, win], [[1.0, 1.0]] * 2)  # a selection may choose any earlier block
+    np.testing.assert_array_equal(mask_at(only.allowed_mask(), 16, 16), np.tri(16, dtype=bool))
+
+
+def test_head_densities_count_a_selection_and_bound_a_union():
+    sel, win = BlockSelection(keep_blocks=1, block=4), _window(3)
+    # Head 0 keeps the selection alone (exact: its count), head 1 the selection and the window.
+    layer = _layer([sel, win], [[5.0, -5.0], [5.0, 5.0]])
+    dens = np.asarray(layer.head_densities(16))
+    np.testing.assert_allclose(dens[0], sel.entries(16, 16) / 256, rtol=1e-6)
+    window = np.tri(16, dtype=bool) & ~np.tri(16, k=-3, dtype=bool)
+    for seed in range(3):  # an upper bound of every input's union, at least the selection's
+        q, k, _ = inputs(t=16, n=2, kh=2, b=1, seed=seed)
+        union = reference_mask(sel, q, k)[0, 1] | window
+        assert dens[0] <= union.mean() <= dens[1] + 1e-7
+    # The bound: the fixed local part and window unioned, plus 4 chosen entries per row from 4 on.
+    own = np.arange(16) // 4
+    fixed = (own[None, :] == own[:, None]) & np.tri(16, dtype=bool) | window
+    rows = np.minimum(fixed.sum(1) + 4 * (own >= 1), np.arange(1, 17))
+    np.testing.assert_allclose(dens[1], rows.sum() / 256, rtol=1e-6)
+
+
+def test_hardening_a_kept_selection_is_refused_by_head():
+    sel = BlockSelection(keep_blocks=1, block=4)
+    layer = _layer([sel, _window(3)], [[5.0, -5.0], [-5.0, 5.0]])
+    with pytest.raises(NotImplementedError, match=r"heads \[0\] keep a BlockSelection"):
+        layer.head_masks()
+    assert layer.head_masks([[False, True], [False, True]]) == (_window(3), _window(3))
+
+
+def test_a_candidate_that_is_neither_is_a_type_error():
+    from sparse_jax.models.layers import CandidateMaskAttention
+
+    with pytest.raises(TypeError, match=r"candidates\[1\] must be a static head-agnostic Mask "
+                       "or a sparse_jax.dynamic.BlockSelection; got 3"):  # fmt: skip
+        CandidateMaskAttention(2, [_window(2), 3])

@@ -52,6 +52,7 @@ __all__ = [
     "mask_block_cost",
     "mask_density",
     "model_flops",
+    "selection_block_cost",
 ]
 
 
@@ -85,12 +86,30 @@ def mask_block_cost(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, i
       1.0
     """
     seq_len = check_int(seq_len, "seq_len", "mask_block_cost")
+    return _formed(mask & masks_lib.causal(), seq_len, block_size) / _formed(
+        masks_lib.causal(), seq_len, block_size
+    )
 
-    def formed(m):
-        layout = m.blocks(seq_len, seq_len, *block_size)
-        return blocksparse_cost(layout, batch=1, num_heads=1, head_dim=1).computed_scores
 
-    return formed(mask & masks_lib.causal()) / formed(masks_lib.causal())
+def selection_block_cost(selection: Any, seq_len: int, block_size: tuple[int, int]) -> float:
+    """The block cost of a :class:`~sparse_jax.dynamic.BlockSelection` at ``seq_len``: the score
+    entries its engine forms (whole key blocks per query token, :meth:`~BlockSelection.formed`;
+    the same for every input) relative to those the block-sparse kernel forms for full causal
+    attention with ``block_size`` blocks, as :func:`mask_block_cost` prices a static mask.
+
+    Example:
+      >>> from sparse_jax.dynamic import BlockSelection
+      >>> round(selection_block_cost(BlockSelection(2, block=64), 2048, (64, 64)), 3)
+      0.159
+    """
+    seq_len = check_int(seq_len, "seq_len", "selection_block_cost")
+    return selection.formed(seq_len) / _formed(masks_lib.causal(), seq_len, block_size)
+
+
+def _formed(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> int:
+    """Score entries the block-sparse kernel forms for ``mask`` (one batch element, one head)."""
+    layout = mask.blocks(seq_len, seq_len, *block_size)
+    return blocksparse_cost(layout, batch=1, num_heads=1, head_dim=1).computed_scores
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,11 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   - ``"mixture"`` (DuoAttention-style): ``out = Σ_c π_c out_c`` with ``π = w / Σ w``, each
     ``out_c`` computed under candidate ``c`` alone (cost: the sum of the candidates').
 
+  A candidate may also be data-dependent: a :class:`~sparse_jax.dynamic.BlockSelection`
+  (each query token's own key block and the earlier blocks whose mean key scores highest
+  against it), whose ``M_c`` is computed from the call's queries and keys, ``[B, N, T, S]``;
+  its price is its entry count, which does not depend on the data.
+
   ``anchor_self=True`` (``soft_union``/``soft_mask``) keeps every query's own position at
   ``A = 1`` whatever the weights: under softmax, ``log A`` of small weights is ≈ ``log Σ w·M``,
   which scaling every weight by one factor only shifts by a constant, so without an anchor a
@@ -81,7 +86,13 @@ from flax import nnx
 from sparse_jax import gates as gates_lib
 from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
-from sparse_jax.models.flops import attention_scores, mask_block_cost, mask_density
+from sparse_jax.dynamic import BlockSelection
+from sparse_jax.models.flops import (
+    attention_scores,
+    mask_block_cost,
+    mask_density,
+    selection_block_cost,
+)
 from sparse_jax.normalizers import entmax15, sparsemax
 from sparse_jax.validation import (
     check_alpha_start,
@@ -305,7 +316,9 @@ class CandidateMaskAttention(nnx.Module):
 
     Args:
       num_heads: ``N``.
-      candidates: static masks (default :func:`default_candidates`); head-agnostic.
+      candidates: static head-agnostic masks (default :func:`default_candidates`), and any
+        number of :class:`~sparse_jax.dynamic.BlockSelection` (data-dependent: chosen per
+        query token from the call's queries and keys).
       granularity: ``"layer"`` (one weight per candidate, ``[C]``) or ``"head"`` (``[N, C]``).
       combine: ``"soft_union"`` (default), ``"soft_mask"`` or ``"mixture"``.
       normalizer: ``"softmax"``, ``"sparsemax"``, ``"entmax15"`` or a float α.
@@ -380,9 +393,12 @@ class CandidateMaskAttention(nnx.Module):
         if not candidates:
             raise ValueError(f"{caller}: `candidates` must name at least one mask")
         for i, c in enumerate(candidates):
+            if isinstance(c, BlockSelection):
+                continue
             if not isinstance(c, masks_lib.Mask) or c.is_dynamic or c.num_heads is not None:
                 raise TypeError(
-                    f"{caller}: candidates[{i}] must be a static head-agnostic Mask; got {c!r}"
+                    f"{caller}: candidates[{i}] must be a static head-agnostic Mask or a "
+                    f"sparse_jax.dynamic.BlockSelection; got {c!r}"
                 )
         self.candidates = candidates
         self.granularity = check_choice(granularity, "granularity", ("layer", "head"), caller)
@@ -431,7 +447,12 @@ class CandidateMaskAttention(nnx.Module):
           [0.4]
         """
         n_causal = max(int(np.sum(mask_at(masks_lib.causal(), tq, tk))), 1)
-        return np.array([np.sum(mask_at(c, tq, tk)) / n_causal for c in self.candidates])
+        return np.array([_entries(c, tq, tk) / n_causal for c in self.candidates])
+
+    @property
+    def selections(self) -> tuple[int, ...]:
+        """The indices of the data-dependent candidates (:class:`BlockSelection`)."""
+        return tuple(i for i, c in enumerate(self.candidates) if isinstance(c, BlockSelection))
 
     def candidate_densities(self, seq_len: int) -> np.ndarray:
         """float64 ``[C]``: each candidate's density at ``seq_len`` (its fraction of the whole
@@ -443,7 +464,12 @@ class CandidateMaskAttention(nnx.Module):
           [0.25]
         """
         seq_len = check_int(seq_len, "seq_len", "CandidateMaskAttention.candidate_densities")
-        return np.array([mask_density(c, seq_len) for c in self.candidates])
+        return np.array([
+            c.entries(seq_len, seq_len) / seq_len**2
+            if isinstance(c, BlockSelection)
+            else mask_density(c, seq_len)
+            for c in self.candidates
+        ])  # fmt: skip
 
     def kept_candidates(self, threshold: float | None = None) -> jax.Array:
         """bool ``[N, C]``: the candidates each head keeps when its weights are made hard: those
@@ -469,8 +495,13 @@ class CandidateMaskAttention(nnx.Module):
         return (w >= threshold) | strongest
 
     def _union(self, kept_row) -> masks_lib.Mask:
-        """The union of the candidates a head keeps (and the diagonal, when anchored)."""
-        chosen = [c for c, k in zip(self.candidates, kept_row, strict=True) if k]
+        """The union of the candidates a head keeps (and the diagonal, when anchored); a
+        selection stands for the causal pairs it may choose from."""
+        chosen = [
+            masks_lib.causal() if isinstance(c, BlockSelection) else c
+            for c, k in zip(self.candidates, kept_row, strict=True)
+            if k
+        ]
         chosen += [SELF] if self.anchor_self else []
         out = chosen[0]
         for m in chosen[1:]:
@@ -479,7 +510,8 @@ class CandidateMaskAttention(nnx.Module):
 
     def allowed_mask(self) -> masks_lib.Mask:
         """The static mask of every pair this layer may attend to: the union of all candidates
-        (and the diagonal, when anchored), whatever their weights.
+        (and the diagonal, when anchored), whatever their weights; causal when a candidate is a
+        :class:`BlockSelection` (it may choose any earlier block).
 
         Example:
           >>> a, b = masks_lib.sink(1), masks_lib.causal() & masks_lib.local(2, 0)
@@ -511,13 +543,22 @@ class CandidateMaskAttention(nnx.Module):
                 f"with at least one True per head; got {kept.dtype} {kept.shape}: "
                 f"{kept.tolist()!r:.200}"
             )
+        chosen = [h for h, row in enumerate(kept) if any(row[i] for i in self.selections)]
+        if chosen:
+            raise NotImplementedError(
+                f"{caller}: heads {chosen} keep a BlockSelection candidate, whose hard mask "
+                "depends on the input; a fixed mask per head cannot hold it (hardening such "
+                "heads is not built yet: keep them soft, or give the selection weight 0)"
+            )
         return tuple(self._union(row) for row in kept)
 
     def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` with its weights made hard, i.e.
         of its :meth:`head_masks` at ``threshold`` (see :meth:`kept_candidates`; None: its
-        default). Traceable (a
-        training step can log it); not differentiable (it counts entries).
+        default). A head that keeps a :class:`BlockSelection` gets an upper bound, exact when
+        the selection is all it keeps: the selection's chosen blocks are counted as if no other
+        kept candidate covered them. Traceable (a training step can log it); not
+        differentiable (it counts entries).
 
         Example:
           >>> a, b = masks_lib.sink(1) & masks_lib.causal(), masks_lib.causal()
@@ -528,12 +569,18 @@ class CandidateMaskAttention(nnx.Module):
         """
         caller = "CandidateMaskAttention.head_densities"
         seq_len = check_int(seq_len, "seq_len", caller)
-        dense = np.stack([mask_at(c, seq_len, seq_len) for c in self.candidates])  # [C, T, T]
-        kept = self.kept_candidates(threshold)  # [N, C]
-        union = jnp.einsum("nc,cts->nts", kept.astype(jnp.float32), jnp.asarray(dense, jnp.float32))
+        # A selection's own local blocks are the same for every input; its chosen earlier blocks
+        # are counted as if no other kept candidate covered them (an upper bound), each row at
+        # most its causal entries.
+        dense = np.stack([_fixed_part(c, seq_len) for c in self.candidates])  # [C, T, T]
+        chosen = np.stack([_chosen_per_row(c, seq_len) for c in self.candidates])  # [C, T]
+        kept = self.kept_candidates(threshold).astype(jnp.float32)  # [N, C]
+        union = jnp.einsum("nc,cts->nts", kept, jnp.asarray(dense, jnp.float32))
         if self.anchor_self:
             union = union + jnp.asarray(mask_at(SELF, seq_len, seq_len), jnp.float32)
-        return jnp.mean(union > 0, axis=(1, 2))
+        rows = jnp.sum(union > 0, axis=2) + kept @ jnp.asarray(chosen, jnp.float32)  # [N, T]
+        rows = jnp.minimum(rows, jnp.arange(1, seq_len + 1, dtype=jnp.float32))
+        return jnp.sum(rows, axis=1) / seq_len**2
 
     def attention_density(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 scalar: the mean of :meth:`head_densities` over the heads."""
@@ -550,7 +597,9 @@ class CandidateMaskAttention(nnx.Module):
         """
         if self.combine == "mixture":
             return sum(
-                attention_scores(
+                batch * self.num_heads * c.formed(seq_len)
+                if isinstance(c, BlockSelection)
+                else attention_scores(
                     c,
                     seq_len,
                     batch=batch,
@@ -581,7 +630,12 @@ class CandidateMaskAttention(nnx.Module):
         n = self.price_len if seq_len is None else check_int(seq_len, "seq_len", caller)
         if n is None:
             raise ValueError(f"{caller}: pass `seq_len` (the layer has no `price_len`)")
-        return np.array([mask_block_cost(c, n, self.block_size) for c in self.candidates])
+        return np.array([
+            selection_block_cost(c, n, self.block_size)
+            if isinstance(c, BlockSelection)
+            else mask_block_cost(c, n, self.block_size)
+            for c in self.candidates
+        ])  # fmt: skip
 
     def _penalties(self, tq: int, tk: int) -> dict[str, jax.Array]:
         """The penalties of ``__call__``'s ``aux`` (shares and costs computed once)."""
@@ -623,7 +677,12 @@ class CandidateMaskAttention(nnx.Module):
         if self.combine == "mixture":
             outs = []
             for c in self.candidates:
-                if q_offset is not None:
+                if isinstance(c, BlockSelection) and q_offset is None and tq == tk:
+                    outs.append(c.attention(q, k, v, normalizer=self.normalizer))
+                    continue
+                if isinstance(c, BlockSelection):
+                    m = c.dense(q, k, q_offset=q_offset)
+                elif q_offset is not None:
                     m = mask_at(c, tq, tk, q_offset)
                 else:
                     m = c.with_offset(tk - tq) if tk != tq else c
@@ -631,28 +690,61 @@ class CandidateMaskAttention(nnx.Module):
             pi = w / jnp.sum(w, axis=-1, keepdims=True)  # [N, C]
             out = sum(o * pi[None, None, :, c, None].astype(o.dtype) for c, o in enumerate(outs))
             return out, aux
+        # Each candidate's entries: [T, S] for a static mask, [B, N, T, S] for a selection.
         xp = np if q_offset is None else jnp
-        dense = xp.stack([mask_at(c, tq, tk, q_offset) for c in self.candidates])  # [C, T, S]
-        m = jnp.asarray(dense, jnp.float32)
-        if self.combine == "soft_mask":
-            a = jnp.einsum("nc,cts->nts", w, m)
-        else:
-            a = 1.0 - jnp.exp(jnp.einsum("nc,cts->nts", jnp.log1p(-w * (1 - 1e-7)), m))
-        allowed = dense.any(axis=0)  # [T, S]: the union of the candidates
+        dense = [
+            c.dense(q, k, q_offset=q_offset)
+            if isinstance(c, BlockSelection)
+            else xp.asarray(mask_at(c, tq, tk, q_offset))
+            for c in self.candidates
+        ]
+        # The noisy-OR as a sum of logs: log Π_c (1 - w_c M_c) = Σ_c M_c log(1 - w_c).
+        terms = w if self.combine == "soft_mask" else jnp.log1p(-w * (1 - 1e-7))  # [N, C]
+        total = jnp.zeros((1, self.num_heads, tq, tk), jnp.float32)
+        allowed = jnp.zeros((1, 1, tq, tk), bool)
+        for c, m in enumerate(dense):
+            total = total + terms[:, c, None, None] * jnp.asarray(m, jnp.float32)
+            allowed = allowed | m
+        a = total if self.combine == "soft_mask" else 1.0 - jnp.exp(total)  # [B or 1, N, T, S]
         if self.anchor_self:
             own = mask_at(SELF, tq, tk, q_offset)
             a = jnp.where(own, 1.0, a)
             allowed = allowed | own
-        allowed = jnp.asarray(allowed)
         # An entry whose candidates all have weight exactly 0 (sparsemax/entmax15 weights, or a
         # sigmoid that underflowed) is masked by a -inf bias, with a zero gradient rather than
         # log's infinite one (which made the whole gradient NaN).
         open_ = allowed & (a > 0.0)
-        bias = jnp.where(open_, jnp.log(jnp.where(open_, a, 1.0)), -jnp.inf)[None]  # [1,N,T,S]
+        bias = jnp.where(open_, jnp.log(jnp.where(open_, a, 1.0)), -jnp.inf)  # [B or 1,N,T,S]
         out = attention(
             q, k, v, mask=allowed, bias=bias.astype(jnp.float32), normalizer=self.normalizer
         )
         return out, aux
+
+
+def _entries(candidate: Any, tq: int, tk: int) -> int:
+    """The entries ``candidate`` allows for the last ``tq`` of ``tk`` positions (a selection's
+    count does not depend on the input)."""
+    if isinstance(candidate, BlockSelection):
+        return candidate.entries(tq, tk)
+    return int(np.sum(mask_at(candidate, tq, tk)))
+
+
+def _fixed_part(candidate: Any, seq_len: int) -> np.ndarray:
+    """bool ``[T, T]``: the entries ``candidate`` allows whatever the input (a selection: the
+    causal part of its local blocks)."""
+    if not isinstance(candidate, BlockSelection):
+        return np.asarray(mask_at(candidate, seq_len, seq_len))
+    own = np.arange(seq_len) // candidate.block
+    near = own[None, :] > own[:, None] - candidate.local_blocks
+    return near & np.tri(seq_len, dtype=bool)
+
+
+def _chosen_per_row(candidate: Any, seq_len: int) -> np.ndarray:
+    """int ``[T]``: the entries each query row may add beyond :func:`_fixed_part` (a selection's
+    chosen earlier blocks; none for a static mask)."""
+    if not isinstance(candidate, BlockSelection):
+        return np.zeros(seq_len, np.int64)
+    return candidate.blocks_per_query(np.arange(seq_len))[1] * candidate.block
 
 
 class Gate(nnx.Module):
