@@ -276,12 +276,68 @@ def test_head_densities_count_a_selection_and_bound_a_union():
     np.testing.assert_allclose(dens[1], rows.sum() / 256, rtol=1e-6)
 
 
-def test_hardening_a_kept_selection_is_refused_by_head():
+def test_head_masks_of_a_kept_selection_point_to_head_parts():
     sel = BlockSelection(keep_blocks=1, block=4)
     layer = _layer([sel, _window(3)], [[5.0, -5.0], [-5.0, 5.0]])
-    with pytest.raises(NotImplementedError, match=r"heads \[0\] keep a BlockSelection"):
+    with pytest.raises(ValueError, match=r"heads \[0\] keep a BlockSelection .* head_parts"):
         layer.head_masks()
     assert layer.head_masks([[False, True], [False, True]]) == (_window(3), _window(3))
+    masks, selected = layer.head_parts([[True, True], [False, True]])
+    assert masks == (_window(3), _window(3)) and selected.tolist() == [[True], [False]]
+
+
+def _student_with_a_selection():
+    """A tiny GPT-2 student (3 heads a block) whose sigmoid weights are 1 or e^-30: head 0
+    keeps the selection alone, head 1 the selection and a 3-key window, head 2 the window; the
+    noisy-OR of such weights is the union (up to e^-30), so hardening is exact."""
+    from sparse_jax.models.gpt2 import GPT2, AttentionSpec, GPT2Config
+
+    sel = BlockSelection(keep_blocks=1, block=4)
+    spec = AttentionSpec(kind="candidates", candidates=(sel, _window(3)), granularity="head",
+                         combine="soft_union")  # fmt: skip
+    student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+    for block in student.h:
+        block.attn.core.logits[...] = jnp.array([[30.0, -30.0], [30.0, 30.0], [-30.0, 30.0]])
+    return student, sel
+
+
+def test_a_hardened_selection_head_computes_the_students_function():
+    from sparse_jax.models import harden
+    from sparse_jax.models.gpt2 import generate
+    from sparse_jax.models.hardening import harden_plan
+    from sparse_jax.models.layers import SELF, FixedAttention, union_density_bound
+
+    student, sel = _student_with_a_selection()
+    plan = harden_plan(student, length=16, price="blocks")
+    assert plan.head_masks[0] == (SELF, _window(3), _window(3))
+    assert plan.selections[0] == (sel,)
+    assert plan.head_selections[0].tolist() == [[True], [True], [False]]
+    bounds = [union_density_bound(SELF, [sel], 16), union_density_bound(_window(3), [sel], 16)]
+    window = float(np.tri(16, dtype=bool)[np.triu_indices(16, -2)].sum()) / 256
+    np.testing.assert_allclose(plan.density, np.mean([*bounds, window]), rtol=1e-6)
+    hard = harden(student)
+    core = hard.h[1].attn.core
+    assert isinstance(core, FixedAttention) and core.selections == (sel,)
+    assert core.selected == ((True,), (True,), (False,))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, student.config.vocab_size)
+    np.testing.assert_allclose(hard(ids), student(ids), rtol=1e-4, atol=1e-4)
+    # Decoding into a cache selects the same blocks as the whole sequence.
+    out, logits = generate(hard, ids[:, :9], 6, temperature=0.0, return_logits=True)
+    np.testing.assert_allclose(logits, hard(out)[:, 8:-1], rtol=1e-4, atol=1e-4)
+    # The program runs the XLA engine on the dense mask: the selection's top_k is in it.
+    text = jax.jit(lambda ids: hard(ids)).lower(ids).as_text()
+    assert "top_k" in text or "topk" in text
+
+
+def test_fixed_attention_refuses_bad_selections():
+    from sparse_jax.models.layers import FixedAttention
+
+    with pytest.raises(TypeError, match=r"selections\[0\] must be a sparse_jax.dynamic"):
+        FixedAttention(2, selections=[_window(2)])
+    with pytest.raises(ValueError, match=r"`selected` must be a bool array of shape \(2, 1\)"):
+        FixedAttention(2, selections=[BlockSelection(1, 4)], selected=[[True]])
+    with pytest.raises(ValueError, match=r"`impl` must be 'auto' or 'xla'; got 'pallas'"):
+        FixedAttention(2, selections=[BlockSelection(1, 4)], impl="pallas")
 
 
 def test_a_candidate_that_is_neither_is_a_type_error():

@@ -226,6 +226,8 @@ class AttentionSpec:
     gate_init: float = 3.0  # initial gate logit (open)
     impl: str = "auto"  # attention implementation (sparse_jax.attention's `impl`)
     block_size: tuple[int, int] = (128, 128)  # block-sparse kernel blocks
+    selections: tuple = ()  # fixed: BlockSelections whose chosen blocks heads add to `mask`
+    selected: tuple[tuple[bool, ...], ...] | None = None  # fixed: [N, len(selections)] (all)
 
     def __post_init__(self):
         caller = "AttentionSpec"
@@ -242,6 +244,14 @@ class AttentionSpec:
             check_choice(value, name, (None, *allowed), caller)
         if self.candidates is not None:
             object.__setattr__(self, "candidates", tuple(self.candidates))
+        object.__setattr__(self, "selections", tuple(self.selections))
+        if self.selected is not None:
+            object.__setattr__(self, "selected", tuple(tuple(row) for row in self.selected))
+        if self.selections and self.kind != "fixed":
+            raise ValueError(
+                f"{caller}: `selections` belong to kind 'fixed' (a candidates spec lists them "
+                f"among its `candidates`); got kind {self.kind!r}"
+            )
 
 
 def activation_fn(name: str):
@@ -292,6 +302,8 @@ class SelfAttention(nnx.Module):
                 learn_alpha=spec.learn_alpha,
                 impl=spec.impl,
                 block_size=spec.block_size,
+                selections=spec.selections,
+                selected=spec.selected,
             )
         self.head_gate = (
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None

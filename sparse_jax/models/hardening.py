@@ -9,6 +9,10 @@ model that does less work:
   candidate), run by ``sparse_jax.attention`` (block-sparse when the union leaves enough out).
   The layer answers what it keeps (``kept_candidates``, ``head_masks``,
   ``candidate_densities``); densities are those of :mod:`sparse_jax.models.flops`;
+* a head that keeps a data-dependent candidate (a :class:`~sparse_jax.dynamic.BlockSelection`)
+  keeps it: its :class:`~sparse_jax.models.layers.FixedAttention` adds the blocks the selection
+  chooses in each call to the union of its kept static candidates (exact; the XLA engine on a
+  dense mask, so not yet faster than causal); its density and block cost are upper bounds;
 * heads whose gate is closed are removed from ``c_attn`` and ``c_proj`` (smaller matrices, not
   zeros), FFN units likewise from ``c_fc`` and ``c_proj``; the gate values of the units that
   stay are folded into ``c_proj``, and a ``score_scaling`` head gate (a temperature) is folded
@@ -40,9 +44,9 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.models.flops import mask_block_cost, mask_density
+from sparse_jax.models.flops import mask_block_cost, mask_density, selection_block_cost
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
-from sparse_jax.models.layers import CandidateMaskAttention, Gate
+from sparse_jax.models.layers import SELF, CandidateMaskAttention, Gate, union_density_bound
 from sparse_jax.validation import check_choice, check_int
 
 __all__ = ["HardenReport", "harden", "harden_plan"]
@@ -83,6 +87,10 @@ class HardenReport:
     density: float  # mean density of the kept heads' masks at the reference length
     price: str = "density"  # what `budget` counted: "density" or "blocks"
     cost: float = 0.0  # the kept heads' mean cost in `price` at the reference length
+    # Per block: the data-dependent candidates (BlockSelections) of the layer, and bool
+    # [kept heads, selections], which of them each kept head adds to its mask (None: no heads).
+    selections: tuple[tuple, ...] = ()
+    head_selections: tuple[np.ndarray | None, ...] = ()
 
 
 def _gate_values(gate: Gate | None, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -199,6 +207,7 @@ def harden_plan(
     def assemble(kept_by_block):
         """The plan for explicit kept-candidate matrices (None for blocks without them)."""
         heads, units, head_masks, densities, costs = [], [], [], [], []
+        selections, head_selections = [], []
         for block, kept, block_size in zip(blocks, kept_by_block, block_sizes, strict=True):
             attn = block.attn
             n = attn.num_heads
@@ -209,15 +218,32 @@ def harden_plan(
             units.append(np.flatnonzero(keep_u))
             if not n:
                 head_masks.append(None)
+                selections.append(())
+                head_selections.append(None)
                 continue
-            masks = attn.core.head_masks() if kept is None else attn.core.head_masks(kept)
+            masks, sels, picks = _head_parts(attn.core, kept)
             head_masks.append(tuple(masks[h] for h in heads[-1]))
-            densities += [mask_density(masks[h], n_ref) for h in heads[-1]]
-            if price == "blocks":
-                costs += [mask_block_cost(masks[h], n_ref, block_size) for h in heads[-1]]
+            selections.append(sels)
+            head_selections.append(picks[heads[-1]])
+            for h in heads[-1]:
+                chosen = [s for s, on in zip(sels, picks[h], strict=True) if on]
+                if not chosen:
+                    densities.append(mask_density(masks[h], n_ref))
+                    if price == "blocks":
+                        costs.append(mask_block_cost(masks[h], n_ref, block_size))
+                    continue
+                # A selection's blocks counted as if nothing else covered them: upper bounds.
+                densities.append(union_density_bound(masks[h], chosen, n_ref))
+                if price == "blocks":
+                    own = 0.0 if masks[h] == SELF else mask_block_cost(masks[h], n_ref, block_size)
+                    extra = sum(selection_block_cost(s, n_ref, block_size) for s in chosen)
+                    costs.append(min(1.0, own + extra))
         density = float(np.mean(densities)) if densities else 0.0
         cost = (float(np.mean(costs)) if costs else 0.0) if price == "blocks" else density
-        return heads, units, head_masks, list(kept_by_block), cost, density
+        return (
+            heads, units, head_masks, list(kept_by_block), cost, density, selections,
+            head_selections,
+        )  # fmt: skip
 
     def kept_at(t: float | None):
         def choose(w, block):  # weight >= t, and each head's strongest (never an empty head)
@@ -248,10 +274,28 @@ def harden_plan(
                 f"{caller}: `budget`={budget} cannot be met: every head on its cheapest "
                 f"candidate still gives mean {what} {floor:.3f}"
             )
-    heads, units, head_masks, kept_cands, cost, density = plan
+    heads, units, head_masks, kept_cands, cost, density, selections, head_selections = plan
     return HardenReport(
-        tuple(heads), tuple(units), tuple(head_masks), tuple(kept_cands), t, density, price, cost
+        tuple(heads),
+        tuple(units),
+        tuple(head_masks),
+        tuple(kept_cands),
+        t,
+        density,
+        price,
+        cost,
+        tuple(selections),
+        tuple(head_selections),
     )
+
+
+def _head_parts(core, kept) -> tuple[tuple[masks_lib.Mask, ...], tuple, np.ndarray]:
+    """A layer's heads as (static masks, its selections, bool [N, selections] kept)."""
+    if isinstance(core, CandidateMaskAttention):
+        masks, picks = core.head_parts(kept)
+        return masks, tuple(core.candidates[i] for i in core.selections), picks
+    picks = np.asarray(core.selected, bool).reshape(core.num_heads, len(core.selections))
+    return core.head_masks(), core.selections, picks
 
 
 def harden(
@@ -320,14 +364,18 @@ def harden(
         else:
             mask = masks_lib.per_head(list(masks))
         learn_alpha = spec.learn_alpha and spec.kind == "fixed"
+        picks = plan.head_selections[i]
+        used = [] if picks is None else [j for j in range(picks.shape[1]) if picks[:, j].any()]
         specs.append(
             AttentionSpec(
                 kind="fixed",
                 mask=mask,
                 normalizer=spec.normalizer,
                 learn_alpha=learn_alpha,
-                impl=impl,
+                impl="xla" if used else impl,
                 block_size=spec.block_size,
+                selections=tuple(plan.selections[i][j] for j in used),
+                selected=tuple(map(tuple, picks[:, used].tolist())) if used else None,
             )
         )
     hard = GPT2(config, specs, rngs=nnx.Rngs(0))

@@ -183,6 +183,10 @@ class FixedAttention(nnx.Module):
         must then be sparse (:func:`~sparse_jax.validation.check_alpha_start`).
       impl, block_size: passed to :func:`sparse_jax.attention` (``"auto"``: the block-sparse
         kernel when the mask leaves enough out).
+      selections: :class:`~sparse_jax.dynamic.BlockSelection` s whose chosen entries a head adds
+        to its mask (a hardened head that kept a data-dependent candidate); the layer then runs
+        the XLA engine on the dense ``[B, N, T, S]`` mask of each call.
+      selected: bool ``[N, len(selections)]``: which heads add which selection (default: all).
 
     Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``.
 
@@ -205,6 +209,8 @@ class FixedAttention(nnx.Module):
         learn_alpha: bool = False,
         impl: str = "auto",
         block_size: tuple[int, int] = (128, 128),
+        selections: Sequence[BlockSelection] = (),
+        selected: Any = None,
     ):
         caller = "FixedAttention"
         self.num_heads = check_int(num_heads, "num_heads", caller)
@@ -215,6 +221,7 @@ class FixedAttention(nnx.Module):
             )
         self.mask = mask
         self.impl, self.block_size = impl, tuple(block_size)
+        self.selections, self.selected = _check_selections(selections, selected, num_heads, impl)
         if learn_alpha:
             alpha0 = check_alpha_start(normalizer, caller)
             theta0 = math.log(math.expm1(alpha0 - 1.0))  # softplus^-1(α - 1)
@@ -250,6 +257,9 @@ class FixedAttention(nnx.Module):
         m = self.mask
         return tuple(m.for_head(h) if m.num_heads is not None else m for h in range(self.num_heads))
 
+    def _head_selections(self, head: int) -> tuple[BlockSelection, ...]:
+        return tuple(s for s, on in zip(self.selections, self.selected[head], strict=True) if on)
+
     def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` (:mod:`~sparse_jax.models.flops`).
 
@@ -264,6 +274,14 @@ class FixedAttention(nnx.Module):
         seq_len = check_int(seq_len, "seq_len", caller)
         if threshold is not None:
             _check_threshold(threshold, caller)
+        if self.selections:  # the selection's chosen blocks: an upper bound (see the helper)
+            return jnp.asarray(
+                [
+                    union_density_bound(m, self._head_selections(h), seq_len)
+                    for h, m in enumerate(self.head_masks())
+                ],
+                jnp.float32,
+            )
         if self.mask.num_heads is None:
             d = np.full(self.num_heads, mask_density(self.mask, seq_len))
         else:
@@ -284,6 +302,8 @@ class FixedAttention(nnx.Module):
           >>> FixedAttention(2, impl="xla").scores_formed(8, head_dim=4)
           128
         """
+        if self.selections:  # the XLA engine on a dense mask: every entry
+            return batch * self.num_heads * seq_len * seq_len
         formed, _, _ = attention_scores(
             self.mask,
             seq_len,
@@ -301,6 +321,12 @@ class FixedAttention(nnx.Module):
         :func:`mask_at` for ``q_offset`` (decoding into a cache)."""
         tq, tk = q.shape[1], k.shape[1]
         normalizer = self.alpha() if self.alpha_logit is not None else self.normalizer
+        if self.selections:  # the static mask or each head's chosen blocks: [B, N, T, S]
+            m = jnp.asarray(mask_at(self.mask, tq, tk, q_offset))
+            for j, sel in enumerate(self.selections):
+                heads = jnp.asarray([row[j] for row in self.selected])[None, :, None, None]
+                m = m | (sel.dense(q, k, q_offset=q_offset) & heads)
+            return attention(q, k, v, mask=m, normalizer=normalizer, impl="xla"), {}
         if q_offset is not None:  # traced position: the mask becomes an array
             m = mask_at(self.mask, tq, tk, q_offset)
             return attention(q, k, v, mask=m, normalizer=normalizer, impl="xla"), {}
@@ -535,6 +561,18 @@ class CandidateMaskAttention(nnx.Module):
           True
         """
         caller = "CandidateMaskAttention.head_masks"
+        kept = self._check_kept(kept, caller)
+        chosen = [h for h, row in enumerate(kept) if any(row[i] for i in self.selections)]
+        if chosen:
+            raise ValueError(
+                f"{caller}: heads {chosen} keep a BlockSelection candidate, whose entries "
+                "depend on the input; ask head_parts() for each head's static mask and its "
+                "selections"
+            )
+        return tuple(self._union(row) for row in kept)
+
+    def _check_kept(self, kept: Any, caller: str) -> np.ndarray:
+        """``kept`` (default :meth:`kept_candidates`) as a checked bool ``[N, C]`` array."""
         kept = np.asarray(self.kept_candidates() if kept is None else kept)
         shape = (self.num_heads, len(self.candidates))
         if kept.shape != shape or kept.dtype != bool or not kept.any(axis=1).all():
@@ -543,14 +581,29 @@ class CandidateMaskAttention(nnx.Module):
                 f"with at least one True per head; got {kept.dtype} {kept.shape}: "
                 f"{kept.tolist()!r:.200}"
             )
-        chosen = [h for h, row in enumerate(kept) if any(row[i] for i in self.selections)]
-        if chosen:
-            raise NotImplementedError(
-                f"{caller}: heads {chosen} keep a BlockSelection candidate, whose hard mask "
-                "depends on the input; a fixed mask per head cannot hold it (hardening such "
-                "heads is not built yet: keep them soft, or give the selection weight 0)"
-            )
-        return tuple(self._union(row) for row in kept)
+        return kept
+
+    def head_parts(self, kept: Any = None) -> tuple[tuple[masks_lib.Mask, ...], np.ndarray]:
+        """Each head's hard attention in two parts, what :func:`~sparse_jax.models.harden`
+        builds a :class:`FixedAttention` from: the union of the *static* candidates it keeps
+        (and the diagonal, when anchored, or when it keeps selections only: a selection
+        always keeps each query's own block), and bool ``[N, len(selections)]``, which of the
+        :attr:`selections` it keeps. Without selections it is ``(head_masks(kept), [N, 0])``.
+
+        Example:
+          >>> from sparse_jax.dynamic import BlockSelection
+          >>> window, sel = masks_lib.causal() & masks_lib.local(2, 0), BlockSelection(1, 4)
+          >>> layer = CandidateMaskAttention(2, [window, sel])
+          >>> masks, selected = layer.head_parts([[True, True], [False, True]])
+          >>> masks == (window, SELF), selected.tolist()
+          (True, [[True], [True]])
+        """
+        kept = self._check_kept(kept, "CandidateMaskAttention.head_parts")
+        selections = list(self.selections)
+        static = kept.copy()
+        static[:, selections] = False
+        masks = tuple(self._union(row) if row.any() else SELF for row in static)
+        return masks, kept[:, selections]
 
     def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
         """float32 ``[N]``: each head's density at ``seq_len`` with its weights made hard, i.e.
@@ -719,6 +772,59 @@ class CandidateMaskAttention(nnx.Module):
             q, k, v, mask=allowed, bias=bias.astype(jnp.float32), normalizer=self.normalizer
         )
         return out, aux
+
+
+def _check_selections(selections, selected, num_heads: int, impl: str):
+    """FixedAttention's ``selections`` as a tuple and ``selected`` as ``N`` tuples of bools."""
+    caller = "FixedAttention"
+    selections = tuple(selections)
+    for i, sel in enumerate(selections):
+        if not isinstance(sel, BlockSelection):
+            raise TypeError(
+                f"{caller}: selections[{i}] must be a sparse_jax.dynamic.BlockSelection; "
+                f"got {sel!r}"
+            )
+    if not selections:
+        if selected is not None:
+            raise ValueError(f"{caller}: `selected` needs `selections`; got {selected!r}")
+        return (), ()
+    if impl not in ("auto", "xla"):
+        raise ValueError(
+            f"{caller}: a layer with `selections` runs the XLA engine on a dense mask; `impl` "
+            f"must be 'auto' or 'xla'; got {impl!r}"
+        )
+    shape = (num_heads, len(selections))
+    grid = np.ones(shape, bool) if selected is None else np.asarray(selected)
+    if grid.shape != shape or grid.dtype != bool:
+        raise ValueError(
+            f"{caller}: `selected` must be a bool array of shape {shape} (heads, selections); "
+            f"got {grid.dtype} {grid.shape}"
+        )
+    return selections, tuple(tuple(bool(x) for x in row) for row in grid)
+
+
+def union_density_bound(
+    mask: masks_lib.Mask, selections: Sequence[BlockSelection], seq_len: int
+) -> float:
+    """An upper bound of the density at ``seq_len`` of a head that attends to ``mask`` and to
+    the blocks each of ``selections`` chooses: the entries every input gets (``mask`` and the
+    selections' local blocks) plus each selection's chosen blocks counted as if nothing else
+    covered them, each row at most its causal entries. Exact for a causal ``mask`` within one
+    selection's local blocks and that selection alone.
+
+    Example:
+      >>> from sparse_jax.dynamic import BlockSelection
+      >>> sel = BlockSelection(keep_blocks=1, block=4)
+      >>> union_density_bound(SELF, [sel], 16) == sel.entries(16, 16) / 256
+      True
+    """
+    fixed = np.asarray(mask_at(mask, seq_len, seq_len))
+    rows = np.zeros(seq_len, np.int64)
+    for sel in selections:
+        fixed = fixed | _fixed_part(sel, seq_len)
+        rows = rows + _chosen_per_row(sel, seq_len)
+    rows = np.minimum(fixed.sum(axis=1) + rows, np.arange(1, seq_len + 1))
+    return float(rows.sum() / seq_len**2)
 
 
 def _entries(candidate: Any, tq: int, tk: int) -> int:
