@@ -294,6 +294,15 @@ def test_a_time_limit_stops_with_a_checkpoint_and_resume_ends_identically(whole_
             "--student.weighting reviving_sparsemax needs --student.combine mixture; got soft_u",
         ),
         (["--train.lr", "0"], "--train.lr must be a number > 0; got 0.0"),
+        (["--student.select-blocks", "-1"], "--student.select-blocks must be an int >= 0"),
+        (
+            ["--student.select-blocks", "1", "--student.kind", "fixed"],
+            "--student.select-blocks 1 adds a candidate: it needs --student.kind candidates",
+        ),
+        (
+            ["--student.select-blocks", "1", "--teacher.source", "planted"],
+            "--student.select-blocks adds a data-dependent candidate, which the planted",
+        ),
         (["--train.trainable", "(["], "--train.trainable '([' is not a regex"),
         (["--train.fast-params", "a)"], "--train.fast-params 'a)' is not a regex"),
         (["--run.model-axis", "0"], "--run.model-axis must be an int >= 1; got 0"),
@@ -623,3 +632,30 @@ def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
     text = "\n".join(_hardening_lines({"hardening": out, "serve_len": 64}))
     assert f"{out['threshold']['kl'] / out['budget']['kl']:.2f}" in text
     assert f"| --harden.budget | {out['budget']['kl']:.4f} |" in text
+
+
+def test_select_blocks_adds_a_selection_that_hardening_keeps(tmp_path):
+    """--student.select-blocks puts a BlockSelection last in the student's bank; a head that
+    keeps it is hardened with it, and the summary's masks and block maps say so."""
+    from flax import nnx
+
+    from sparse_jax.dynamic import BlockSelection
+    from sparse_jax.models import GPT2, GPT2Config, harden
+
+    flags = ["--student.select-blocks", "2", "--student.select-block", "4"]
+    spec = distill_phases.student_spec(distill.parse(_args(tmp_path, "run", *flags)))
+    assert spec.candidates[:-1] == distill_phases.candidate_bank(distill.parse(_args(tmp_path)))
+    assert spec.candidates[-1] == BlockSelection(2, block=4)
+    student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+    for block in student.h:  # head 0 on the selection alone, the others on full causal
+        logits = np.full(block.attn.core.logits[...].shape, -5.0, np.float32)
+        logits[0, -1] = logits[1:, -2] = 5.0
+        block.attn.core.logits[...] = logits
+    hard = harden(student)
+    described = hard.h[0].attn.core.describe()
+    assert described.endswith(
+        "| BlockSelection(keep_blocks=2, block=4, local_blocks=1) on heads [0]"
+    )
+    maps = measure.block_maps(hard, 16)["blocks"][0]
+    assert maps[0]["selections"] == ["BlockSelection(keep_blocks=2, block=4, local_blocks=1)"]
+    assert "selections" not in maps[1]

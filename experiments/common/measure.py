@@ -28,6 +28,7 @@ from sparse_jax.data import recall
 from sparse_jax.data.tokenizers import get_tokenizer
 from sparse_jax.models import AttentionSpec, generate, student_from_teacher
 from sparse_jax.models.flops import mask_block_cost
+from sparse_jax.models.layers import FixedAttention
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss
 from sparse_jax.training.sharding import local_model
 
@@ -271,21 +272,24 @@ def block_maps(model, seq_len: int) -> dict:
     """What the kernel computes in each head at ``seq_len``: per block, per head, the block map
     of the head's mask (``[nq, nk]``, 0 = skipped, 1 = partial, 2 = full; see
     :meth:`~sparse_jax.masks.BlockLayout.block_mask`) at the block's block size, with the
-    mask's repr: ``{"seq_len", "blocks": [[{"mask", "block_size", "map"}] per head]}``."""
+    mask's repr: ``{"seq_len", "blocks": [[{"mask", "block_size", "map"}] per head]}``. A head
+    that adds a :class:`~sparse_jax.dynamic.BlockSelection` to its mask also lists it under
+    ``"selections"`` (its map is the static mask's: the chosen blocks depend on the input)."""
     blocks = []
     for block, spec in zip(model.h, model.specs, strict=True):
         heads = []
         if block.attn.num_heads:
             bq, bk = spec.block_size
-            for mask in block.attn.core.head_masks():
+            core = block.attn.core
+            for h, mask in enumerate(core.head_masks()):
                 layout = mask.blocks(seq_len, seq_len, bq, bk)
-                heads.append(
-                    {
-                        "mask": repr(mask),
-                        "block_size": [bq, bk],
-                        "map": layout.block_mask()[0].tolist(),
-                    }
-                )
+                head = {
+                    "mask": repr(mask),
+                    "block_size": [bq, bk],
+                    "map": layout.block_mask()[0].tolist(),
+                }
+                chosen = core.head_selections(h) if isinstance(core, FixedAttention) else ()
+                heads.append(head | ({"selections": [repr(s) for s in chosen]} if chosen else {}))
         blocks.append(heads)
     return {"seq_len": seq_len, "blocks": blocks}
 

@@ -275,6 +275,13 @@ class StudentConfig(_Group):
     prices each candidate by the key blocks the block-sparse kernel computes."""
     windows: tuple[int, ...] = (8, 16, 32)
     """Causal window sizes of the candidate bank (besides sink(4), strided and full causal)."""
+    select_blocks: int = 0
+    """Add a data-dependent candidate to the bank: each query token's own key block and the
+    --student.select-blocks earlier blocks whose mean key scores highest against it
+    (sparse_jax.dynamic.BlockSelection, MoBA's gate); 0: none. A head that keeps it keeps it
+    hardened (on the XLA engine)."""
+    select_block: int = 16
+    """Keys per block of --student.select-blocks."""
     fixed_window: int = 32
     """Window of the 'fixed' student (causal window | sink(4))."""
     block_size: int = 64
@@ -284,6 +291,7 @@ class StudentConfig(_Group):
 
     def __post_init__(self):
         set_ints_at_least(self, self.group, block_size=1, fixed_window=1, serve_len_factor=1)
+        set_ints_at_least(self, self.group, select_blocks=0, select_block=1)
         windows = self.windows
         if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
             raise ValueError(f"{self.flag('windows')} must be ints >= 1; got {windows!r}")
@@ -587,6 +595,17 @@ class DistillConfig:
                     f"--teacher.recall-lengths {list(lengths)} reach beyond the teacher's "
                     f"{positions} positions (--teacher.size {self.teacher.size})"
                 )
+        if self.student.select_blocks and self.student.kind != "candidates":
+            raise ValueError(
+                f"--student.select-blocks {self.student.select_blocks} adds a candidate: it "
+                f"needs --student.kind candidates; got {self.student.kind!r}"
+            )
+        if self.student.select_blocks and self.teacher.source == "planted":
+            raise ValueError(
+                "--student.select-blocks adds a data-dependent candidate, which the planted "
+                "teacher cannot plant (its heads are static masks); use --student.select-blocks "
+                "0 with --teacher.source planted"
+            )
         if self.teacher.source == "planted" and (
             self.student.kind != "candidates" or self.student.granularity != "head"
         ):

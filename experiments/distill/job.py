@@ -109,7 +109,7 @@ def run(config: DistillConfig) -> dict:
     summary = {
         "candidates": [repr(c) for c in (spec.candidates or ())],
         "hardened_layer_density": measure.layer_density(hard, n),
-        "hardened_masks": [repr(b.attn.core.mask) if b.attn.num_heads else None for b in hard.h],
+        "hardened_masks": [b.attn.core.describe() if b.attn.num_heads else None for b in hard.h],
         "teacher_ppl": math.exp(t_nll),
         "student_ppl": math.exp(s_nll),
         "hardened_ppl": math.exp(h_nll),

@@ -40,6 +40,7 @@ from experiments.distill.config import DistillConfig
 from experiments.distill.run_folder import Run, log
 from sparse_jax import masks
 from sparse_jax.data import recall, text
+from sparse_jax.dynamic import BlockSelection
 from sparse_jax.models import (
     GPT2,
     AttentionSpec,
@@ -303,9 +304,12 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
     norm = s.normalizer_value()
     blocks = (s.block_size, s.block_size)
     if s.kind == "candidates":
+        selection = (
+            (BlockSelection(s.select_blocks, block=s.select_block),) if s.select_blocks else ()
+        )
         return AttentionSpec(
             kind="candidates",
-            candidates=candidate_bank(config),
+            candidates=(*candidate_bank(config), *selection),
             granularity=s.granularity,
             combine=s.combine,
             anchor_self=s.anchor_self,

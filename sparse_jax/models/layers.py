@@ -257,7 +257,36 @@ class FixedAttention(nnx.Module):
         m = self.mask
         return tuple(m.for_head(h) if m.num_heads is not None else m for h in range(self.num_heads))
 
-    def _head_selections(self, head: int) -> tuple[BlockSelection, ...]:
+    def describe(self) -> str:
+        """The layer's attention in one line: its mask, and each selection with the heads that
+        add it.
+
+        Example:
+          >>> from sparse_jax.dynamic import BlockSelection
+          >>> attn = FixedAttention(2, mask=SELF, selections=[BlockSelection(1, block=4)],
+          ...                       selected=[[True], [False]])
+          >>> for part in attn.describe().split(" | "): print(part)
+          Local(left=0, right=0)
+          BlockSelection(keep_blocks=1, block=4, local_blocks=1) on heads [0]
+        """
+        parts = [repr(self.mask)]
+        for j, sel in enumerate(self.selections):
+            heads = [h for h, row in enumerate(self.selected) if row[j]]
+            parts.append(f"{sel!r} on heads {heads}")
+        return " | ".join(parts)
+
+    def head_selections(self, head: int) -> tuple[BlockSelection, ...]:
+        """The :class:`BlockSelection` s head ``head`` adds to its mask (empty for most layers).
+
+        Example:
+          >>> from sparse_jax.dynamic import BlockSelection
+          >>> sel = BlockSelection(1, block=4)
+          >>> attn = FixedAttention(2, selections=[sel], selected=[[True], [False]])
+          >>> attn.head_selections(0) == (sel,), attn.head_selections(1)
+          (True, ())
+        """
+        if not self.selections:
+            return ()
         return tuple(s for s, on in zip(self.selections, self.selected[head], strict=True) if on)
 
     def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
@@ -277,7 +306,7 @@ class FixedAttention(nnx.Module):
         if self.selections:  # the selection's chosen blocks: an upper bound (see the helper)
             return jnp.asarray(
                 [
-                    union_density_bound(m, self._head_selections(h), seq_len)
+                    union_density_bound(m, self.head_selections(h), seq_len)
                     for h, m in enumerate(self.head_masks())
                 ],
                 jnp.float32,
