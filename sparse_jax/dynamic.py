@@ -611,7 +611,12 @@ class BlockSelection:
 
     def attention(self, q, k, v, *, normalizer: Any = "softmax", scale: Any = None):
         """Self-attention (``Tq == Tk``, query ``i`` at position ``i``) over the selected keys:
-        :func:`topk_block_attention` with query blocks of one row. ``[B, T, N, Dv]``."""
+        :func:`topk_block_attention` with query blocks of one row, under the named scope
+        ``sparse_jax/block_selection``. ``[B, T, N, Dv]``."""
+        with jax.named_scope("sparse_jax/block_selection"):
+            return self._attention(q, k, v, normalizer, scale)
+
+    def _attention(self, q, k, v, normalizer, scale):
         return topk_block_attention(
             q,
             k,

@@ -16,6 +16,7 @@ from flax import nnx
 
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import BlockSelection
+from tests.engines import engine_trace, engines_used
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -140,6 +141,12 @@ def test_bad_arguments_name_themselves(kwargs, match):
 # A selection as a candidate of CandidateMaskAttention (the learned search offers it).
 
 
+def _selection_work(fn, *args):
+    """The primitives ``fn(*args)`` runs under the scope of BlockSelection.attention (its gather
+    engine; empty when the selection only made a dense mask)."""
+    return {p for stack, p in engine_trace(fn, *args) if "sparse_jax/block_selection" in stack}
+
+
 def _layer(cands, logits, **kw):
     from sparse_jax.models.layers import CandidateMaskAttention
 
@@ -208,9 +215,8 @@ def test_mixture_runs_the_selection_engine_and_decodes_token_by_token():
     parts = [sel.attention(q, k, v), attention(q, k, v, mask=_window(3))]
     want = sum(p * pi[None, None, :, c, None] for c, p in enumerate(parts))
     np.testing.assert_allclose(out, want, **TOL)
-    # The whole call runs the selection's gather engine (top_k of block scores), not a mask.
-    lowered = jax.jit(lambda q, k, v: layer(q, k, v)[0]).lower(q, k, v).as_text()
-    assert "topk" in lowered or "top_k" in lowered
+    # The whole call runs the selection's gather engine, not a dense mask.
+    assert "gather" in _selection_work(lambda q, k, v: layer(q, k, v)[0], q, k, v)
     # Token by token into a cache of 11 slots, unwritten slots junk: the same rows.
     junk = 1e3 * jnp.ones_like(k)
     rows = []
@@ -324,9 +330,15 @@ def test_a_hardened_selection_head_computes_the_students_function():
     # Decoding into a cache selects the same blocks as the whole sequence.
     out, logits = generate(hard, ids[:, :9], 6, temperature=0.0, return_logits=True)
     np.testing.assert_allclose(logits, hard(out)[:, 8:-1], rtol=1e-4, atol=1e-4)
-    # The program runs the XLA engine on the dense mask: the selection's top_k is in it.
-    text = jax.jit(lambda ids: hard(ids)).lower(ids).as_text()
-    assert "top_k" in text or "topk" in text
+    # Head 0 (the selection alone) runs the selection's gather engine, heads 1 and 2 the XLA
+    # engine on their dense masks; decoding runs every head on dense masks.
+    assert engines_used(hard, ids) == {"xla"} and "gather" in _selection_work(hard, ids)
+    core = hard.h[0].attn.core
+    q, k, v = inputs(t=16, n=3, kh=3, d=16, b=1)
+    assert not _selection_work(lambda q, k, v: core(q, k, v, q_offset=jnp.int32(15))[0],
+                               q[:, -1:], k, v)  # fmt: skip
+    everyone = FixedAttention(3, mask=SELF, selections=[sel])  # every head on the selection
+    np.testing.assert_allclose(everyone(q, k, v)[0], sel.attention(q, k, v), **TOL)
 
 
 def test_fixed_attention_refuses_bad_selections():

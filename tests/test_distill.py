@@ -411,6 +411,8 @@ SINCE_GROUPING = {
                                      "answer_weight")),
     "train.recall_fraction",
     "measure.recall_sequences",
+    "student.select_blocks",
+    "student.select_block",
 }  # fmt: skip
 
 

@@ -257,6 +257,49 @@ class FixedAttention(nnx.Module):
         m = self.mask
         return tuple(m.for_head(h) if m.num_heads is not None else m for h in range(self.num_heads))
 
+    def _with_selections(self, q, k, v, normalizer, q_offset):
+        """A call of a layer with selections. On a whole sequence, the heads whose attention is
+        one selection alone run its gather engine (:meth:`BlockSelection.attention`: the
+        chosen blocks only); the others, and every head when decoding into a cache, run the
+        XLA engine on the dense mask (static mask or chosen blocks, ``[B, N, T, S]``)."""
+        tq, tk = q.shape[1], k.shape[1]
+        masks = self.head_masks()
+        alone = {}  # selection index -> the heads that run it alone
+        if q_offset is None and tq == tk:
+            for h, row in enumerate(self.selected):
+                if sum(row) == 1 and masks[h] == SELF:  # SELF: inside the own key block
+                    alone.setdefault(row.index(True), []).append(h)
+        groups = [(self.selections[j], heads) for j, heads in alone.items()]
+        rest = [h for h in range(self.num_heads) if not any(h in g for _, g in groups)]
+        if rest:
+            groups.append((None, rest))
+
+        def of_heads(x, heads):
+            return x if len(heads) == self.num_heads else x[:, :, np.asarray(heads)]
+
+        def norm_of(heads):
+            if isinstance(normalizer, jax.Array) and normalizer.ndim == 1:
+                return normalizer[np.asarray(heads)]
+            return normalizer
+
+        outs, order = [], []
+        for sel, heads in groups:
+            qh, kh, vh = (of_heads(x, heads) for x in (q, k, v))
+            if sel is not None:
+                outs.append(sel.attention(qh, kh, vh, normalizer=norm_of(heads)))
+            else:
+                static = masks_lib.per_head([masks[h] for h in heads])
+                m = jnp.asarray(mask_at(static, tq, tk, q_offset))  # [n, T, S]
+                for j, s in enumerate(self.selections):
+                    on = jnp.asarray([self.selected[h][j] for h in heads])[None, :, None, None]
+                    m = m | (s.dense(qh, kh, q_offset=q_offset) & on)
+                outs.append(attention(qh, kh, vh, mask=m, normalizer=norm_of(heads), impl="xla"))
+            order += heads
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+        if order == sorted(order):
+            return out
+        return out[:, :, np.argsort(order)]
+
     def describe(self) -> str:
         """The layer's attention in one line: its mask, and each selection with the heads that
         add it.
@@ -350,12 +393,8 @@ class FixedAttention(nnx.Module):
         :func:`mask_at` for ``q_offset`` (decoding into a cache)."""
         tq, tk = q.shape[1], k.shape[1]
         normalizer = self.alpha() if self.alpha_logit is not None else self.normalizer
-        if self.selections:  # the static mask or each head's chosen blocks: [B, N, T, S]
-            m = jnp.asarray(mask_at(self.mask, tq, tk, q_offset))
-            for j, sel in enumerate(self.selections):
-                heads = jnp.asarray([row[j] for row in self.selected])[None, :, None, None]
-                m = m | (sel.dense(q, k, q_offset=q_offset) & heads)
-            return attention(q, k, v, mask=m, normalizer=normalizer, impl="xla"), {}
+        if self.selections:
+            return self._with_selections(q, k, v, normalizer, q_offset), {}
         if q_offset is not None:  # traced position: the mask becomes an array
             m = mask_at(self.mask, tq, tk, q_offset)
             return attention(q, k, v, mask=m, normalizer=normalizer, impl="xla"), {}
