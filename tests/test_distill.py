@@ -661,3 +661,14 @@ def test_select_blocks_adds_a_selection_that_hardening_keeps(tmp_path):
     maps = measure.block_maps(hard, 16)["blocks"][0]
     assert maps[0]["selections"] == ["BlockSelection(keep_blocks=2, block=4, local_blocks=1)"]
     assert "selections" not in maps[1]
+    # The report's contrast: hardened with the selection taken out, head 0 on its strongest
+    # static candidate (all at -5: the first, the sink); the student itself unchanged.
+    config = distill.parse(_args(tmp_path, "run", *flags))
+    contrast = distill_phases.harden_without_selections(config, student)
+    bank = distill_phases.candidate_bank(config)
+    for block in contrast.h:
+        assert block.attn.core.selections == ()
+        assert block.attn.core.head_masks() == (bank[0], bank[-1], bank[-1])
+    assert harden(student).h[0].attn.core.selections  # the student still holds its selection
+    plain = distill.parse(_args(tmp_path))
+    assert distill_phases.harden_without_selections(plain, harden(student)) is None

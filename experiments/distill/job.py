@@ -24,8 +24,9 @@ line per step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.m
 (experiments.distill.report): perplexity of teacher, student and hardened model on the evaluation
 split, KL, attention density, FLOPs per token, attention time and tokens/s of the dense teacher and
 the hardened student at the run's length and at the serving length (--student.serve-len-factor x
-it), the blocks each hardened head computes there, greedy and sampled continuations, and for a
-planted teacher the heads whose planted mask the student found, all measured in this run
+it), the blocks each hardened head computes there, greedy and sampled continuations, the
+passkey recall of each model (with ``--student.select-blocks``, also of the student hardened
+without its block selection, for contrast), and for a planted teacher the heads whose planted mask the student found, all measured in this run
 (experiments.common.measure).
 
 On several hosts the same command runs in every process (``jax.distributed`` is initialised from
@@ -104,6 +105,9 @@ def run(config: DistillConfig) -> dict:
     )
     lap("samples")
     models = {"teacher": teacher, "student": student, "hardened": hard}
+    contrast = distill_phases.harden_without_selections(config, student)
+    if contrast is not None:  # the same student hardened without its selections
+        models["hardened without selection"] = contrast
     recall_table = distill_phases.recall_table(r, models)
     lap("recall")
     summary = {

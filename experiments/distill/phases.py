@@ -51,7 +51,7 @@ from sparse_jax.models import (
     student_from_teacher,
 )
 from sparse_jax.models.hf import PretrainedFileError
-from sparse_jax.models.layers import default_candidates
+from sparse_jax.models.layers import CandidateMaskAttention, default_candidates
 from sparse_jax.training import loop, sharding
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss, sparsity_penalty
 
@@ -434,6 +434,22 @@ def harden_student(config: DistillConfig, student: GPT2, *, by_budget: bool = Tr
         serve_len = c.student.serve_len_factor * c.data.seq_len
         return harden(student, budget=c.harden.budget, length=serve_len, price="blocks")
     return harden(student, budget=c.harden.budget, length=c.data.seq_len)
+
+
+def harden_without_selections(config: DistillConfig, student: GPT2) -> GPT2 | None:
+    """The contrast to a student that may keep data-dependent candidates: the same student
+    hardened as --harden.* say with every BlockSelection taken out of each head's choice (its
+    weight set to 0, so each head keeps among its static candidates), without the fine-tune.
+    None when the student has no selection to take out."""
+    copy = nnx.clone(student)
+    found = False
+    for block in copy.h:
+        core = block.attn.core if block.attn.num_heads else None
+        chosen = list(getattr(core, "selections", ()))
+        if isinstance(core, CandidateMaskAttention) and chosen:
+            core.logits[...] = core.logits[...].at[..., chosen].set(-1e9)  # weight 0
+            found = True
+    return harden_student(config, copy) if found else None
 
 
 def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
