@@ -136,6 +136,28 @@ def _ms(row: list[str], rows: int) -> float:
     return float(cell.split()[0].split("†")[0])
 
 
+def test_the_selection_benchmark_times_the_gather_engine_its_dense_mask_and_causal(capsys):
+    from sparse_jax.dynamic import BlockSelection
+
+    bench.main(["selection", "--shapes", "1x2x64x8", "--keep-blocks", "1", "--block", "4",
+                "--rounds", "2"])  # fmt: skip
+    printed = capsys.readouterr().out
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in printed.splitlines()
+        if line.startswith("| 1x2x64x8")
+    ]
+    assert [row[1] for row in rows] == ["forward", "fwd+bwd"]
+    for row in rows:
+        assert row[2] == f"{BlockSelection(1, block=4).formed(64) / 64**2:.3f}"
+        gather, dense = (float(c.split()[0].split("†")[0]) for c in row[3:5])
+        assert float(row[6].rstrip("x")) == pytest.approx(gather / dense, rel=0.05, abs=0.01)
+    assert "BlockSelection(keep_blocks=1, block=4, local_blocks=1)" in printed
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["selection", "--block", "0"])
+    assert exit_info.value.code == 2
+
+
 def test_bad_query_chunks_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["query_chunks", "--shapes", "2x2x64"])

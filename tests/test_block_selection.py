@@ -16,6 +16,7 @@ from flax import nnx
 
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import BlockSelection
+from sparse_jax.models.layers import gathers
 from tests.engines import engine_trace, engines_used
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -216,7 +217,12 @@ def test_mixture_runs_the_selection_engine_and_decodes_token_by_token():
     want = sum(p * pi[None, None, :, c, None] for c, p in enumerate(parts))
     np.testing.assert_allclose(out, want, **TOL)
     # The whole call runs the selection's gather engine, not a dense mask.
-    assert "gather" in _selection_work(lambda q, k, v: layer(q, k, v)[0], q, k, v)
+    # At 11 tokens it runs the dense mask; at 1024 (its blocks under 1/64 of the scores) the
+    # selection's gather engine.
+    assert not gathers(sel, 11) and gathers(sel, 1024)
+    assert not _selection_work(lambda q, k, v: layer(q, k, v)[0], q, k, v)
+    long = inputs(t=1024, n=2, kh=2, b=1)
+    assert "gather" in _selection_work(lambda q, k, v: layer(q, k, v)[0], *long)
     # Token by token into a cache of 11 slots, unwritten slots junk: the same rows.
     junk = 1e3 * jnp.ones_like(k)
     rows = []
@@ -243,6 +249,7 @@ def test_soft_union_decodes_token_by_token():
 def test_a_selections_prices_are_its_counts():
     from sparse_jax.blocksparse import blocksparse_cost
     from sparse_jax.masks import causal
+    from sparse_jax.models.flops import attention_scores
 
     sel, win = BlockSelection(keep_blocks=2, block=4), _window(4)
     layer = _layer([sel, win, causal()], [[1.0, 1.0, 1.0]] * 2, block_size=(4, 4))
@@ -257,7 +264,10 @@ def test_a_selections_prices_are_its_counts():
                                      head_dim=1).computed_scores  # fmt: skip
     np.testing.assert_allclose(layer.block_costs(16)[0], formed / causal_formed)
     mixture = _layer([sel, causal()], [[1.0, 1.0]] * 2, combine="mixture")
-    assert mixture.scores_formed(16, batch=3, head_dim=8) == 3 * 2 * (formed + 16 * 16)
+    assert mixture.scores_formed(16, batch=3, head_dim=8) == 3 * 2 * (16 * 16 + 16 * 16)
+    gathered = sum(4 * (1 + min(2, p // 4)) for p in range(1024))  # the gather engine's blocks
+    causal_scores = attention_scores(causal(), 1024, batch=3, num_heads=2, head_dim=8)[0]
+    assert mixture.scores_formed(1024, batch=3, head_dim=8) == 3 * 2 * gathered + causal_scores
     from sparse_jax.models.layers import mask_at
 
     only = _layer([sel, win], [[1.0, 1.0]] * 2)  # a selection may choose any earlier block
@@ -311,7 +321,7 @@ def test_a_hardened_selection_head_computes_the_students_function():
     from sparse_jax.models import harden
     from sparse_jax.models.gpt2 import generate
     from sparse_jax.models.hardening import harden_plan
-    from sparse_jax.models.layers import SELF, FixedAttention, union_density_bound
+    from sparse_jax.models.layers import SELF, FixedAttention, mask_at, union_density_bound
 
     student, sel = _student_with_a_selection()
     plan = harden_plan(student, length=16, price="blocks")
@@ -325,6 +335,11 @@ def test_a_hardened_selection_head_computes_the_students_function():
     core = hard.h[1].attn.core
     assert isinstance(core, FixedAttention) and core.selections == (sel,)
     assert core.selected == ((True,), (True,), (False,))
+    # FLOPs: head 0 forms its selection's blocks (gather engine), heads 1 and 2 every entry;
+    # the layer may attend to any causal pair.
+    assert core.scores_formed(16, batch=2, head_dim=16) == 2 * 3 * 256  # 16: dense masks
+    assert core.scores_formed(1024, batch=1, head_dim=16) == sel.formed(1024) + 2 * 1024**2
+    assert np.all(mask_at(core.allowed_mask(), 16, 16) == np.tri(16, dtype=bool))  # every head
     ids = jax.random.randint(jax.random.key(1), (2, 16), 0, student.config.vocab_size)
     np.testing.assert_allclose(hard(ids), student(ids), rtol=1e-4, atol=1e-4)
     # Decoding into a cache selects the same blocks as the whole sequence.
@@ -332,13 +347,17 @@ def test_a_hardened_selection_head_computes_the_students_function():
     np.testing.assert_allclose(logits, hard(out)[:, 8:-1], rtol=1e-4, atol=1e-4)
     # Head 0 (the selection alone) runs the selection's gather engine, heads 1 and 2 the XLA
     # engine on their dense masks; decoding runs every head on dense masks.
-    assert engines_used(hard, ids) == {"xla"} and "gather" in _selection_work(hard, ids)
+    assert engines_used(hard, ids) == {"xla"} and not _selection_work(hard, ids)
     core = hard.h[0].attn.core
     q, k, v = inputs(t=16, n=3, kh=3, d=16, b=1)
     assert not _selection_work(lambda q, k, v: core(q, k, v, q_offset=jnp.int32(15))[0],
                                q[:, -1:], k, v)  # fmt: skip
+    q, k, v = inputs(t=1024, n=3, kh=3, d=16, b=1)  # long enough for the gather engine
+    assert "gather" in _selection_work(lambda q, k, v: core(q, k, v)[0], q, k, v)
     everyone = FixedAttention(3, mask=SELF, selections=[sel])  # every head on the selection
     np.testing.assert_allclose(everyone(q, k, v)[0], sel.attention(q, k, v), **TOL)
+    np.testing.assert_allclose(everyone(q, k, v)[0], attention(q, k, v, mask=sel.dense(q, k)),
+                               **TOL)  # fmt: skip
 
 
 def test_fixed_attention_refuses_bad_selections():

@@ -17,6 +17,7 @@ from experiments.common import timing
 from sparse_jax import masks
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention, default_query_chunk
+from sparse_jax.dynamic import BlockSelection
 
 
 def _fmt_ratio(value: float, reference: float | None) -> str:
@@ -349,6 +350,88 @@ def run_attention(config: AttentionConfig, command: str) -> str:
         *findings["speed"],
         *findings["density"],
         *findings["normalizer"],
+        f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
+    ]
+    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionConfig:
+    """A BlockSelection (each query token's own key block and the best earlier blocks) run two
+    ways: its gather engine (BlockSelection.attention: only the chosen blocks' scores) and the
+    XLA engine on its dense [B, N, T, T] mask, beside causal attention on the XLA engine; the
+    forward pass and forward+backward, the three calls of a cell timed in alternation."""
+
+    shapes: tuple[str, ...] = ("8x4x128x64", "2x4x512x64", "1x4x2048x64", "1x4x4096x64")
+    """Self-attention shapes 'BxNxTxH' (the main job's student at 128 and its serving 512)."""
+    keep_blocks: int = 2
+    """Earlier key blocks each query chooses (--student.select-blocks)."""
+    block: int = 16
+    """Keys per block (--student.select-block)."""
+    rounds: int = 7
+    """Rounds of the alternation (median reported)."""
+    budget_s: float = 20.0
+    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
+    seed: int = 0
+    """Seed of the random inputs."""
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        timing.check_counts(self, "keep_blocks", "block", "rounds")
+        if not self.shapes:
+            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
+        for text in self.shapes:
+            _shape(text)
+        timing.check_seconds(self, "budget_s")
+
+
+def run_selection(config: SelectionConfig, command: str) -> str:
+    """Returns the markdown of the block-selection benchmark (see SelectionConfig)."""
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    timing.log(header)
+    selection = BlockSelection(config.keep_blocks, block=config.block)
+    engines = {
+        "gather": selection.attention,
+        "dense mask": lambda q, k, v: attention(q, k, v, mask=selection.dense(q, k), impl="xla"),
+        "causal": lambda q, k, v: attention(q, k, v, mask=masks.causal(), impl="xla"),
+    }
+    headers = ["shape B x N x T x H", "pass", "formed / T²", *engines, "gather / dense mask"]
+    rows = []
+    for text in config.shapes:
+        b, n, t, h = _shape(text)
+        keys = jax.random.split(jax.random.key(config.seed + t), 4)
+        q, k, v, go = (jax.random.normal(kk, (b, t, n, h), jnp.float32) for kk in keys)
+        for which in ("forward", "fwd+bwd"):
+            calls = []
+            for fn in engines.values():
+                if which == "forward":
+                    calls.append((fn, (q, k, v)))
+                else:
+
+                    def loss(q, k, v, g, fn=fn):
+                        return jnp.sum(fn(q, k, v) * g)
+
+                    calls.append((jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, go)))
+            stats = timing.time_interleaved(
+                calls, rounds=config.rounds, min_rounds=min(3, config.rounds),
+                budget_s=config.budget_s,
+            )  # fmt: skip
+            ratio = stats[0].median_s / stats[1].median_s
+            rows.append([text, which, f"{selection.formed(t) / t**2:.3f}",
+                         *(timing.format_ms(s) for s in stats), f"{ratio:.2f}x"])  # fmt: skip
+            timing.log(f"[{time.perf_counter() - start:6.0f} s] {text} {which}: " + ", ".join(
+                f"{name} {s.median_ms:.1f}" for name, s in zip(engines, stats, strict=True)
+            ) + " ms")  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lll" + "r" * (len(headers) - 3))
+    elapsed = time.perf_counter() - start
+    notes = [
+        f"{selection!r}, float32; formed / T²: the scores the gather engine forms (whole "
+        "blocks per query token) per entry of the full score matrix; fwd+bwd = gradient of "
+        "sum(out * g) w.r.t. q, k, v; each cell the median of its calls, the three engines of "
+        f"a row timed in alternation (up to {config.rounds} rounds, after compilation and a "
+        "warm-up call).",
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
     ]
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"

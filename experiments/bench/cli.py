@@ -10,6 +10,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench kernels    # fused kernels and, on a GPU, the PyTorch peers
     python -m experiments.bench forward_passes   # what a pass of the sparse forward costs
     python -m experiments.bench query_chunks     # impl='xla': query rows per chunk
+    python -m experiments.bench selection        # BlockSelection: gather engine vs dense mask
 
 The default ``normalizers`` run takes minutes on a CPU (docs/benchmarks.md), most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, tuple[type, Callable[[Any, str], str]]] = {
     "normalizers": (normalizers.NormalizersConfig, normalizers.run_normalizers),
     "query_chunks": (attention.QueryChunksConfig, attention.run_query_chunks),
     "attention": (attention.AttentionConfig, attention.run_attention),
+    "selection": (attention.SelectionConfig, attention.run_selection),
     "hardening": (hardening.HardeningConfig, hardening.run_hardening),
     "kernels": (kernels.KernelsConfig, kernels.run_kernels),
     "pallas_tuning": (kernels.TuningConfig, kernels.run_tuning),

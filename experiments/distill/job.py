@@ -26,8 +26,8 @@ split, KL, attention density, FLOPs per token, attention time and tokens/s of th
 the hardened student at the run's length and at the serving length (--student.serve-len-factor x
 it), the blocks each hardened head computes there, greedy and sampled continuations, the
 passkey recall of each model (with ``--student.select-blocks``, also of the student hardened
-without its block selection, for contrast), and for a planted teacher the heads whose planted mask the student found, all measured in this run
-(experiments.common.measure).
+without its block selection, for contrast), and for a planted teacher the heads whose planted
+mask the student found, all measured in this run (experiments.common.measure).
 
 On several hosts the same command runs in every process (``jax.distributed`` is initialised from
 ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, SLURM, Open MPI or a Cloud

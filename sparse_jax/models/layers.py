@@ -105,10 +105,12 @@ from sparse_jax.validation import (
 __all__ = [
     "COMBINES",
     "GATE_KINDS",
+    "GATHER_FRACTION",
     "CandidateMaskAttention",
     "FixedAttention",
     "Gate",
     "default_candidates",
+    "gathers",
     "mask_at",
 ]
 
@@ -132,6 +134,25 @@ def default_candidates(sink_tokens: int = 4, windows: Sequence[int] = (32, 64, 1
     bank = [masks_lib.sink(sink_tokens) & c]
     bank += [c & masks_lib.local(w - 1, 0) for w in windows]
     return (*bank, masks_lib.strided(64), c)
+
+
+# A selection runs its gather engine (only the chosen blocks' scores) when those are at most
+# this fraction of the T x T score matrix, else the XLA engine on its dense mask: the gather
+# moves each query's blocks, which on a 2-core CPU costs more than dense scores up to about 2048
+# tokens (`python -m experiments.bench selection`, docs/benchmarks.md "Block selection").
+GATHER_FRACTION = 1 / 64
+
+
+def gathers(selection: BlockSelection, seq_len: int) -> bool:
+    """Whether a layer runs ``selection`` on ``seq_len`` tokens with its gather engine
+    (:data:`GATHER_FRACTION`).
+
+    Example:
+      >>> from sparse_jax.dynamic import BlockSelection
+      >>> gathers(BlockSelection(2, block=16), 512), gathers(BlockSelection(2, block=16), 4096)
+      (False, True)
+    """
+    return selection.formed(seq_len) <= GATHER_FRACTION * seq_len * seq_len
 
 
 # Each query's own position: what `anchor_self` always keeps.
@@ -238,13 +259,14 @@ class FixedAttention(nnx.Module):
         return 1.0 + jax.nn.softplus(self.alpha_logit[...])
 
     def allowed_mask(self) -> masks_lib.Mask:
-        """The static mask of every pair this layer may attend to (its ``mask``).
+        """The static mask of every pair this layer may attend to: its ``mask``, and with
+        ``selections`` every causal pair too (a selection may choose any earlier block).
 
         Example:
           >>> FixedAttention(2).allowed_mask() == masks_lib.causal()
           True
         """
-        return self.mask
+        return self.mask | masks_lib.causal() if self.selections else self.mask
 
     def head_masks(self) -> tuple[masks_lib.Mask, ...]:
         """The ``N`` heads' masks (one entry per head; a per-head mask split up).
@@ -260,15 +282,12 @@ class FixedAttention(nnx.Module):
     def _with_selections(self, q, k, v, normalizer, q_offset):
         """A call of a layer with selections. On a whole sequence, the heads whose attention is
         one selection alone run its gather engine (:meth:`BlockSelection.attention`: the
-        chosen blocks only); the others, and every head when decoding into a cache, run the
-        XLA engine on the dense mask (static mask or chosen blocks, ``[B, N, T, S]``)."""
+        chosen blocks only) where :func:`gathers` says so; the others, and every head when
+        decoding into a cache, run the XLA engine on the dense mask (static mask or chosen
+        blocks, ``[B, N, T, S]``)."""
         tq, tk = q.shape[1], k.shape[1]
         masks = self.head_masks()
-        alone = {}  # selection index -> the heads that run it alone
-        if q_offset is None and tq == tk:
-            for h, row in enumerate(self.selected):
-                if sum(row) == 1 and masks[h] == SELF:  # SELF: inside the own key block
-                    alone.setdefault(row.index(True), []).append(h)
+        alone = self._alone(tk) if q_offset is None and tq == tk else {}
         groups = [(self.selections[j], heads) for j, heads in alone.items()]
         rest = [h for h in range(self.num_heads) if not any(h in g for _, g in groups)]
         if rest:
@@ -299,6 +318,17 @@ class FixedAttention(nnx.Module):
         if order == sorted(order):
             return out
         return out[:, :, np.argsort(order)]
+
+    def _alone(self, seq_len: int) -> dict[int, list[int]]:
+        """Selection index -> the heads whose attention is that selection alone (their static
+        mask only their own position, which the selection's own block holds), where it runs
+        its gather engine at ``seq_len`` (:func:`gathers`)."""
+        alone = {}
+        for h, (row, mask) in enumerate(zip(self.selected, self.head_masks(), strict=True)):
+            single = sum(row) == 1 and gathers(self.selections[row.index(True)], seq_len)
+            if single and mask == SELF:
+                alone.setdefault(row.index(True), []).append(h)
+        return alone
 
     def describe(self) -> str:
         """The layer's attention in one line: its mask, and each selection with the heads that
@@ -374,8 +404,14 @@ class FixedAttention(nnx.Module):
           >>> FixedAttention(2, impl="xla").scores_formed(8, head_dim=4)
           128
         """
-        if self.selections:  # the XLA engine on a dense mask: every entry
-            return batch * self.num_heads * seq_len * seq_len
+        if self.selections:  # gather engine: its blocks; the XLA engine: every entry
+            alone = {
+                h: self.selections[j] for j, heads in self._alone(seq_len).items() for h in heads
+            }
+            return batch * sum(
+                alone[h].formed(seq_len) if h in alone else seq_len * seq_len
+                for h in range(self.num_heads)
+            )
         formed, _, _ = attention_scores(
             self.mask,
             seq_len,
@@ -718,7 +754,7 @@ class CandidateMaskAttention(nnx.Module):
         """
         if self.combine == "mixture":
             return sum(
-                batch * self.num_heads * c.formed(seq_len)
+                batch * self.num_heads * (c.formed(seq_len) if gathers(c, seq_len) else seq_len**2)
                 if isinstance(c, BlockSelection)
                 else attention_scores(
                     c,
@@ -798,7 +834,8 @@ class CandidateMaskAttention(nnx.Module):
         if self.combine == "mixture":
             outs = []
             for c in self.candidates:
-                if isinstance(c, BlockSelection) and q_offset is None and tq == tk:
+                whole = q_offset is None and tq == tk
+                if isinstance(c, BlockSelection) and whole and gathers(c, tk):
                     outs.append(c.attention(q, k, v, normalizer=self.normalizer))
                     continue
                 if isinstance(c, BlockSelection):
