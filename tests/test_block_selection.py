@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import BlockSelection
-from sparse_jax.models.layers import gathers
+from sparse_jax.models.selections import gathers
 from tests.engines import engine_trace, engines_used
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -321,7 +321,8 @@ def test_a_hardened_selection_head_computes_the_students_function():
     from sparse_jax.models import harden
     from sparse_jax.models.gpt2 import generate
     from sparse_jax.models.hardening import harden_plan
-    from sparse_jax.models.layers import SELF, FixedAttention, mask_at, union_density_bound
+    from sparse_jax.models.layers import SELF, FixedAttention, mask_at
+    from sparse_jax.models.selections import union_density_bound
 
     student, sel = _student_with_a_selection()
     plan = harden_plan(student, length=16, price="blocks")

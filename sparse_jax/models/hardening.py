@@ -46,7 +46,8 @@ from flax import nnx
 from sparse_jax import masks as masks_lib
 from sparse_jax.models.flops import mask_block_cost, mask_density, selection_block_cost
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
-from sparse_jax.models.layers import SELF, CandidateMaskAttention, Gate, union_density_bound
+from sparse_jax.models.layers import SELF, CandidateMaskAttention, Gate
+from sparse_jax.models.selections import union_density_bound
 from sparse_jax.validation import check_choice, check_int
 
 __all__ = ["HardenReport", "harden", "harden_plan"]

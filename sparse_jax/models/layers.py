@@ -93,6 +93,14 @@ from sparse_jax.models.flops import (
     mask_density,
     selection_block_cost,
 )
+from sparse_jax.models.selections import (
+    check_selections,
+    chosen_per_row,
+    entries_of,
+    fixed_part,
+    gathers,
+    union_density_bound,
+)
 from sparse_jax.normalizers import entmax15, sparsemax
 from sparse_jax.validation import (
     check_alpha_start,
@@ -105,12 +113,10 @@ from sparse_jax.validation import (
 __all__ = [
     "COMBINES",
     "GATE_KINDS",
-    "GATHER_FRACTION",
     "CandidateMaskAttention",
     "FixedAttention",
     "Gate",
     "default_candidates",
-    "gathers",
     "mask_at",
 ]
 
@@ -134,25 +140,6 @@ def default_candidates(sink_tokens: int = 4, windows: Sequence[int] = (32, 64, 1
     bank = [masks_lib.sink(sink_tokens) & c]
     bank += [c & masks_lib.local(w - 1, 0) for w in windows]
     return (*bank, masks_lib.strided(64), c)
-
-
-# A selection runs its gather engine (only the chosen blocks' scores) when those are at most
-# this fraction of the T x T score matrix, else the XLA engine on its dense mask: the gather
-# moves each query's blocks, which on a 2-core CPU costs more than dense scores up to about 2048
-# tokens (`python -m experiments.bench selection`, docs/benchmarks.md "Block selection").
-GATHER_FRACTION = 1 / 64
-
-
-def gathers(selection: BlockSelection, seq_len: int) -> bool:
-    """Whether a layer runs ``selection`` on ``seq_len`` tokens with its gather engine
-    (:data:`GATHER_FRACTION`).
-
-    Example:
-      >>> from sparse_jax.dynamic import BlockSelection
-      >>> gathers(BlockSelection(2, block=16), 512), gathers(BlockSelection(2, block=16), 4096)
-      (False, True)
-    """
-    return selection.formed(seq_len) <= GATHER_FRACTION * seq_len * seq_len
 
 
 # Each query's own position: what `anchor_self` always keeps.
@@ -242,7 +229,7 @@ class FixedAttention(nnx.Module):
             )
         self.mask = mask
         self.impl, self.block_size = impl, tuple(block_size)
-        self.selections, self.selected = _check_selections(selections, selected, num_heads, impl)
+        self.selections, self.selected = check_selections(selections, selected, num_heads, impl)
         if learn_alpha:
             alpha0 = check_alpha_start(normalizer, caller)
             theta0 = math.log(math.expm1(alpha0 - 1.0))  # softplus^-1(α - 1)
@@ -282,9 +269,9 @@ class FixedAttention(nnx.Module):
     def _with_selections(self, q, k, v, normalizer, q_offset):
         """A call of a layer with selections. On a whole sequence, the heads whose attention is
         one selection alone run its gather engine (:meth:`BlockSelection.attention`: the
-        chosen blocks only) where :func:`gathers` says so; the others, and every head when
-        decoding into a cache, run the XLA engine on the dense mask (static mask or chosen
-        blocks, ``[B, N, T, S]``)."""
+        chosen blocks only) where :func:`~sparse_jax.models.selections.gathers` says so; the
+        others, and every head when decoding into a cache, run the XLA engine on the dense
+        mask (static mask or chosen blocks, ``[B, N, T, S]``)."""
         tq, tk = q.shape[1], k.shape[1]
         masks = self.head_masks()
         alone = self._alone(tk) if q_offset is None and tq == tk else {}
@@ -322,7 +309,7 @@ class FixedAttention(nnx.Module):
     def _alone(self, seq_len: int) -> dict[int, list[int]]:
         """Selection index -> the heads whose attention is that selection alone (their static
         mask only their own position, which the selection's own block holds), where it runs
-        its gather engine at ``seq_len`` (:func:`gathers`)."""
+        its gather engine at ``seq_len`` (:func:`~sparse_jax.models.selections.gathers`)."""
         alone = {}
         for h, (row, mask) in enumerate(zip(self.selected, self.head_masks(), strict=True)):
             single = sum(row) == 1 and gathers(self.selections[row.index(True)], seq_len)
@@ -577,7 +564,7 @@ class CandidateMaskAttention(nnx.Module):
           [0.4]
         """
         n_causal = max(int(np.sum(mask_at(masks_lib.causal(), tq, tk))), 1)
-        return np.array([_entries(c, tq, tk) / n_causal for c in self.candidates])
+        return np.array([entries_of(c, tq, tk) / n_causal for c in self.candidates])
 
     @property
     def selections(self) -> tuple[int, ...]:
@@ -729,8 +716,8 @@ class CandidateMaskAttention(nnx.Module):
         # A selection's own local blocks are the same for every input; its chosen earlier blocks
         # are counted as if no other kept candidate covered them (an upper bound), each row at
         # most its causal entries.
-        dense = np.stack([_fixed_part(c, seq_len) for c in self.candidates])  # [C, T, T]
-        chosen = np.stack([_chosen_per_row(c, seq_len) for c in self.candidates])  # [C, T]
+        dense = np.stack([fixed_part(c, seq_len) for c in self.candidates])  # [C, T, T]
+        chosen = np.stack([chosen_per_row(c, seq_len) for c in self.candidates])  # [C, T]
         kept = self.kept_candidates(threshold).astype(jnp.float32)  # [N, C]
         union = jnp.einsum("nc,cts->nts", kept, jnp.asarray(dense, jnp.float32))
         if self.anchor_self:
@@ -877,85 +864,6 @@ class CandidateMaskAttention(nnx.Module):
             q, k, v, mask=allowed, bias=bias.astype(jnp.float32), normalizer=self.normalizer
         )
         return out, aux
-
-
-def _check_selections(selections, selected, num_heads: int, impl: str):
-    """FixedAttention's ``selections`` as a tuple and ``selected`` as ``N`` tuples of bools."""
-    caller = "FixedAttention"
-    selections = tuple(selections)
-    for i, sel in enumerate(selections):
-        if not isinstance(sel, BlockSelection):
-            raise TypeError(
-                f"{caller}: selections[{i}] must be a sparse_jax.dynamic.BlockSelection; "
-                f"got {sel!r}"
-            )
-    if not selections:
-        if selected is not None:
-            raise ValueError(f"{caller}: `selected` needs `selections`; got {selected!r}")
-        return (), ()
-    if impl not in ("auto", "xla"):
-        raise ValueError(
-            f"{caller}: a layer with `selections` runs the XLA engine on a dense mask; `impl` "
-            f"must be 'auto' or 'xla'; got {impl!r}"
-        )
-    shape = (num_heads, len(selections))
-    grid = np.ones(shape, bool) if selected is None else np.asarray(selected)
-    if grid.shape != shape or grid.dtype != bool:
-        raise ValueError(
-            f"{caller}: `selected` must be a bool array of shape {shape} (heads, selections); "
-            f"got {grid.dtype} {grid.shape}"
-        )
-    return selections, tuple(tuple(bool(x) for x in row) for row in grid)
-
-
-def union_density_bound(
-    mask: masks_lib.Mask, selections: Sequence[BlockSelection], seq_len: int
-) -> float:
-    """An upper bound of the density at ``seq_len`` of a head that attends to ``mask`` and to
-    the blocks each of ``selections`` chooses: the entries every input gets (``mask`` and the
-    selections' local blocks) plus each selection's chosen blocks counted as if nothing else
-    covered them, each row at most its causal entries. Exact for a causal ``mask`` within one
-    selection's local blocks and that selection alone.
-
-    Example:
-      >>> from sparse_jax.dynamic import BlockSelection
-      >>> sel = BlockSelection(keep_blocks=1, block=4)
-      >>> union_density_bound(SELF, [sel], 16) == sel.entries(16, 16) / 256
-      True
-    """
-    fixed = np.asarray(mask_at(mask, seq_len, seq_len))
-    rows = np.zeros(seq_len, np.int64)
-    for sel in selections:
-        fixed = fixed | _fixed_part(sel, seq_len)
-        rows = rows + _chosen_per_row(sel, seq_len)
-    rows = np.minimum(fixed.sum(axis=1) + rows, np.arange(1, seq_len + 1))
-    return float(rows.sum() / seq_len**2)
-
-
-def _entries(candidate: Any, tq: int, tk: int) -> int:
-    """The entries ``candidate`` allows for the last ``tq`` of ``tk`` positions (a selection's
-    count does not depend on the input)."""
-    if isinstance(candidate, BlockSelection):
-        return candidate.entries(tq, tk)
-    return int(np.sum(mask_at(candidate, tq, tk)))
-
-
-def _fixed_part(candidate: Any, seq_len: int) -> np.ndarray:
-    """bool ``[T, T]``: the entries ``candidate`` allows whatever the input (a selection: the
-    causal part of its local blocks)."""
-    if not isinstance(candidate, BlockSelection):
-        return np.asarray(mask_at(candidate, seq_len, seq_len))
-    own = np.arange(seq_len) // candidate.block
-    near = own[None, :] > own[:, None] - candidate.local_blocks
-    return near & np.tri(seq_len, dtype=bool)
-
-
-def _chosen_per_row(candidate: Any, seq_len: int) -> np.ndarray:
-    """int ``[T]``: the entries each query row may add beyond :func:`_fixed_part` (a selection's
-    chosen earlier blocks; none for a static mask)."""
-    if not isinstance(candidate, BlockSelection):
-        return np.zeros(seq_len, np.int64)
-    return candidate.blocks_per_query(np.arange(seq_len))[1] * candidate.block
 
 
 class Gate(nnx.Module):
