@@ -445,8 +445,8 @@ def harden_without_selections(config: DistillConfig, student: GPT2) -> GPT2 | No
     found = False
     for block in copy.h:
         core = block.attn.core if block.attn.num_heads else None
-        chosen = list(getattr(core, "selections", ()))
-        if isinstance(core, CandidateMaskAttention) and chosen:
+        chosen = list(core.selection_indices) if isinstance(core, CandidateMaskAttention) else []
+        if chosen:
             core.logits[...] = core.logits[...].at[..., chosen].set(-1e9)  # weight 0
             found = True
     return harden_student(config, copy) if found else None

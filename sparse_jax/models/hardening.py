@@ -294,7 +294,7 @@ def _head_parts(core, kept) -> tuple[tuple[masks_lib.Mask, ...], tuple, np.ndarr
     """A layer's heads as (static masks, its selections, bool [N, selections] kept)."""
     if isinstance(core, CandidateMaskAttention):
         masks, picks = core.head_parts(kept)
-        return masks, tuple(core.candidates[i] for i in core.selections), picks
+        return masks, tuple(core.candidates[i] for i in core.selection_indices), picks
     picks = np.asarray(core.selected, bool).reshape(core.num_heads, len(core.selections))
     return core.head_masks(), core.selections, picks
 

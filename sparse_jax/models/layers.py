@@ -192,8 +192,10 @@ class FixedAttention(nnx.Module):
       impl, block_size: passed to :func:`sparse_jax.attention` (``"auto"``: the block-sparse
         kernel when the mask leaves enough out).
       selections: :class:`~sparse_jax.dynamic.BlockSelection` s whose chosen entries a head adds
-        to its mask (a hardened head that kept a data-dependent candidate); the layer then runs
-        the XLA engine on the dense ``[B, N, T, S]`` mask of each call.
+        to its mask (a hardened head that kept a data-dependent candidate); such heads run the
+        selection's gather engine where it is alone and cheap enough
+        (:func:`~sparse_jax.models.selections.gathers`), else the XLA engine on the dense
+        ``[B, N, T, S]`` mask of each call.
       selected: bool ``[N, len(selections)]``: which heads add which selection (default: all).
 
     Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``.
@@ -567,8 +569,9 @@ class CandidateMaskAttention(nnx.Module):
         return np.array([entries_of(c, tq, tk) / n_causal for c in self.candidates])
 
     @property
-    def selections(self) -> tuple[int, ...]:
-        """The indices of the data-dependent candidates (:class:`BlockSelection`)."""
+    def selection_indices(self) -> tuple[int, ...]:
+        """The indices of the data-dependent candidates (:class:`BlockSelection`) in
+        ``candidates``."""
         return tuple(i for i, c in enumerate(self.candidates) if isinstance(c, BlockSelection))
 
     def candidate_densities(self, seq_len: int) -> np.ndarray:
@@ -653,7 +656,7 @@ class CandidateMaskAttention(nnx.Module):
         """
         caller = "CandidateMaskAttention.head_masks"
         kept = self._check_kept(kept, caller)
-        chosen = [h for h, row in enumerate(kept) if any(row[i] for i in self.selections)]
+        chosen = [h for h, row in enumerate(kept) if any(row[i] for i in self.selection_indices)]
         if chosen:
             raise ValueError(
                 f"{caller}: heads {chosen} keep a BlockSelection candidate, whose entries "
@@ -678,8 +681,9 @@ class CandidateMaskAttention(nnx.Module):
         """Each head's hard attention in two parts, what :func:`~sparse_jax.models.harden`
         builds a :class:`FixedAttention` from: the union of the *static* candidates it keeps
         (and the diagonal, when anchored, or when it keeps selections only: a selection
-        always keeps each query's own block), and bool ``[N, len(selections)]``, which of the
-        :attr:`selections` it keeps. Without selections it is ``(head_masks(kept), [N, 0])``.
+        always keeps each query's own block), and bool ``[N, len(selection_indices)]``, which
+        of the selections it keeps (in :attr:`selection_indices` order). Without selections it
+        is ``(head_masks(kept), [N, 0])``.
 
         Example:
           >>> from sparse_jax.dynamic import BlockSelection
@@ -690,7 +694,7 @@ class CandidateMaskAttention(nnx.Module):
           (True, [[True], [True]])
         """
         kept = self._check_kept(kept, "CandidateMaskAttention.head_parts")
-        selections = list(self.selections)
+        selections = list(self.selection_indices)
         static = kept.copy()
         static[:, selections] = False
         masks = tuple(self._union(row) if row.any() else SELF for row in static)
