@@ -11,8 +11,10 @@ model that does less work:
   ``candidate_densities``); densities are those of :mod:`sparse_jax.models.flops`;
 * a head that keeps a data-dependent candidate (a :class:`~sparse_jax.dynamic.BlockSelection`)
   keeps it: its :class:`~sparse_jax.models.layers.FixedAttention` adds the blocks the selection
-  chooses in each call to the union of its kept static candidates (exact; the XLA engine on a
-  dense mask, so not yet faster than causal); its density and block cost are upper bounds;
+  chooses in each call to the union of its kept static candidates (exact: the selection's
+  gather engine where it is alone and cheap enough, see
+  :func:`~sparse_jax.models.selections.gathers`, else the XLA engine on a dense mask); its
+  density and block cost are upper bounds;
 * heads whose gate is closed are removed from ``c_attn`` and ``c_proj`` (smaller matrices, not
   zeros), FFN units likewise from ``c_fc`` and ``c_proj``; the gate values of the units that
   stay are folded into ``c_proj``, and a ``score_scaling`` head gate (a temperature) is folded

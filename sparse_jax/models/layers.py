@@ -299,8 +299,10 @@ class FixedAttention(nnx.Module):
                 static = masks_lib.per_head([masks[h] for h in heads])
                 m = jnp.asarray(mask_at(static, tq, tk, q_offset))  # [n, T, S]
                 for j, s in enumerate(self.selections):
-                    on = jnp.asarray([self.selected[h][j] for h in heads])[None, :, None, None]
-                    m = m | (s.dense(qh, kh, q_offset=q_offset) & on)
+                    picks = [self.selected[h][j] for h in heads]
+                    if any(picks):  # no head of the group adds it: nothing to compute
+                        on = jnp.asarray(picks)[None, :, None, None]
+                        m = m | (s.dense(qh, kh, q_offset=q_offset) & on)
                 outs.append(attention(qh, kh, vh, mask=m, normalizer=norm_of(heads), impl="xla"))
             order += heads
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
@@ -839,20 +841,22 @@ class CandidateMaskAttention(nnx.Module):
             pi = w / jnp.sum(w, axis=-1, keepdims=True)  # [N, C]
             out = sum(o * pi[None, None, :, c, None].astype(o.dtype) for c, o in enumerate(outs))
             return out, aux
-        # Each candidate's entries: [T, S] for a static mask, [B, N, T, S] for a selection.
-        xp = np if q_offset is None else jnp
-        dense = [
-            c.dense(q, k, q_offset=q_offset)
-            if isinstance(c, BlockSelection)
-            else xp.asarray(mask_at(c, tq, tk, q_offset))
-            for c in self.candidates
-        ]
-        # The noisy-OR as a sum of logs: log Π_c (1 - w_c M_c) = Σ_c M_c log(1 - w_c).
+        # The noisy-OR as a sum of logs: log Π_c (1 - w_c M_c) = Σ_c M_c log(1 - w_c); the
+        # static masks in one contraction ([C, T, S]), each selection's [B, N, T, S] added.
         terms = w if self.combine == "soft_mask" else jnp.log1p(-w * (1 - 1e-7))  # [N, C]
+        chosen = self.selection_indices
+        static = [i for i in range(len(self.candidates)) if i not in chosen]
         total = jnp.zeros((1, self.num_heads, tq, tk), jnp.float32)
         allowed = jnp.zeros((1, 1, tq, tk), bool)
-        for c, m in enumerate(dense):
-            total = total + terms[:, c, None, None] * jnp.asarray(m, jnp.float32)
+        if static:
+            xp = np if q_offset is None else jnp
+            dense = xp.stack([mask_at(self.candidates[i], tq, tk, q_offset) for i in static])
+            m = jnp.asarray(dense, jnp.float32)  # [C_static, T, S]
+            total = jnp.einsum("nc,cts->nts", terms[:, static], m)[None]
+            allowed = jnp.asarray(dense.any(axis=0))[None, None]
+        for i in chosen:
+            m = self.candidates[i].dense(q, k, q_offset=q_offset)  # [B, N, T, S]
+            total = total + terms[None, :, i, None, None] * m.astype(jnp.float32)
             allowed = allowed | m
         a = total if self.combine == "soft_mask" else 1.0 - jnp.exp(total)  # [B or 1, N, T, S]
         if self.anchor_self:
