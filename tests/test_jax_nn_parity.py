@@ -182,24 +182,26 @@ def test_bias_gradient_under_vmap():
 
 
 @pytest.mark.parametrize(
-    "engine,normalizer,empty",
+    "engine,normalizer,empty,block",
     [
-        ("xla", "softmax", True),
-        ("blocksparse", "softmax", True),
-        ("xla", "sparsemax", True),
-        # The Pallas kernel keeps -inf row statistics for fully masked rows among the outputs
-        # of its compiled forward pass (sparse_jax/kernels): only partly masked rows here.
-        ("pallas", "softmax", False),
+        ("xla", "softmax", True, BLOCK),
+        ("blocksparse", "softmax", True, BLOCK),
+        ("xla", "sparsemax", True, BLOCK),
+        ("pallas", "softmax", True, BLOCK),
+        ("pallas", "sparsemax", True, BLOCK),
+        ("pallas", "entmax15", True, BLOCK),
+        # The default blocks, larger than the sequence: the kernels' padded rows see no key.
+        ("pallas", "softmax", False, (128, 128)),
     ],
 )
-def test_debug_infs_masked_call(engine, normalizer, empty):
+def test_debug_infs_masked_call(engine, normalizer, empty, block):
     keys = jax.random.split(jax.random.key(2), 3)
     q, k, v = (_normal(key, (B, T, N, H), jnp.float32) for key in keys)
     lengths = np.array([0 if empty else 5, T // 2])  # 0: every row of batch element 0 masked
 
     def f(q, k, v):
         mask = masks.causal() & masks.padding(lengths)
-        return attention(q, k, v, mask=mask, impl=engine, normalizer=normalizer, block_size=BLOCK)
+        return attention(q, k, v, mask=mask, impl=engine, normalizer=normalizer, block_size=block)
 
     with jax.debug_infs(True):
         out = f(q, k, v)  # eagerly: every primitive outside a compiled call is checked

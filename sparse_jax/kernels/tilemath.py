@@ -217,13 +217,17 @@ def softmax_step(plan: Plan, carry, x, v):
 
 
 def softmax_finish(carry):
-    """(output ``[bq, Dv]`` float32, log-sum-exp ``[bq, 1]``; +inf for a row that sees no key,
-    whose output is 0; NaN for a NaN row, whose derivatives are then NaN) of the online
-    softmax's final carry."""
+    """(output ``[bq, Dv]`` float32, log-sum-exp ``[bq, 1]``; the largest float32 for a row
+    that sees no key, whose output is 0; NaN for a NaN row, whose derivatives are then NaN) of
+    the online softmax's final carry.
+
+    Why not +inf for a row that sees no key: its weights ``exp(-inf - lse)`` are 0 either way,
+    and a finite statistic keeps ``jax.debug_infs`` quiet (it checks each compiled call's
+    outputs, and the padded rows of a block larger than the sequence see no key)."""
     row_max, total, acc = carry
     shift = jnp.where(row_max == -jnp.inf, 0.0, row_max)
     out = acc / jnp.where(total > 0.0, total, 1.0)
-    lse = jnp.where(total > 0.0, shift + jnp.log(total), jnp.inf)
+    lse = jnp.where(total > 0.0, shift + jnp.log(total), jnp.finfo(_F32).max)
     return out, jnp.where(jnp.isnan(total), jnp.nan, lse)
 
 
