@@ -320,26 +320,6 @@ def log_sum_exp(s: jax.Array, allowed: Any, dtype: Any) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(has_any, lse.astype(dtype), jnp.finfo(dtype).min))
 
 
-@functools.partial(jax.jit, static_argnames=("name",))
-def _normalize_jit(s: jax.Array, allowed: Any, alpha: Any, name: Any) -> jax.Array:
-    return normalize(s, allowed, name if alpha is None else alpha)
-
-
-def compiled_normalize(s: jax.Array, allowed: Any, normalizer: Any) -> jax.Array:
-    """``normalize(s, allowed, normalizer)`` (weights of ``s``'s shape, e.g. ``[B, N, C, Tk]``)
-    as one compiled call, also when the caller runs eagerly.
-
-    Why: the normalizers mark masked scores ``-inf`` inside; ``jax.debug_infs`` checks the output
-    of every primitive run eagerly but only the outputs of a compiled call, and the weights are
-    finite. So an eager call under ``jax.debug_infs(True)`` (or the de-optimized re-run jax makes
-    when a jitted program's output holds an inf) is not stopped by the mask. Inside ``jit`` the
-    nested call is inlined: the same program.
-    """
-    if isinstance(normalizer, (str, float)):
-        return _normalize_jit(s, allowed, None, normalizer)
-    return _normalize_jit(s, allowed, normalizer, None)
-
-
 def _gather_bias(bias: jax.Array, rows: jax.Array, idx: jax.Array, plan: _Plan) -> jax.Array:
     """The bias of one step in the scores' layout ``[b', A', G', step, bq', K', bkv']``.
 
@@ -443,7 +423,7 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
         s_rows = s.reshape(*s.shape[:5], width * p_.bkv)
         allowed = jnp.broadcast_to(allowed, (allowed.shape[0], *s.shape[1:]))
         allowed = allowed.reshape(*allowed.shape[:5], width * p_.bkv)
-        p = compiled_normalize(s_rows, allowed, normalizer).reshape(s.shape)
+        p = normalize(s_rows, allowed, normalizer).reshape(s.shape)
         out = shared_einsum(
             "bagcikj,backje->bagcie", p.astype(v.dtype), vg, v.dtype, compute, precision
         ).astype(q.dtype)

@@ -82,8 +82,9 @@ rows NaN when traced (``checkify`` reports them: ``normalizers.enable_traced_che
 As a drop-in for ``jax.nn.dot_product_attention``, :func:`attention` also takes its keywords
 ``is_causal``, ``query_seq_lengths``, ``key_value_seq_lengths``, ``local_window_size`` (turned
 into mask leaves), ``return_residual`` (softmax's log-sum-exp) and rank-3 inputs; it runs under
-``jax.numpy_rank_promotion("raise")``, and under ``jax.debug_infs(True)`` the normalizer's
-``-inf`` masking stays inside one compiled call, so a masked call is not stopped by it.
+``jax.numpy_rank_promotion("raise")``, and under ``jax.debug_infs(True)``: the normalizers'
+``-inf`` masking stays inside one compiled call (``normalizers.normalize``), so a masked call
+is not stopped by it.
 
 :func:`attention_fn` adapts :func:`attention` to the ``attention_fn`` argument of
 ``flax.nnx.MultiHeadAttention``.
@@ -104,7 +105,6 @@ from sparse_jax import masks as masks_lib
 from sparse_jax.blocksparse import (
     blocksparse_attention,
     blocksparse_cost,
-    compiled_normalize,
     log_sum_exp,
     nonfinite_values,
     shared_einsum,
@@ -118,7 +118,7 @@ from sparse_jax.fused import (
     splash_mask_parts,
 )
 from sparse_jax.kernels import pallas_attention, pallas_supports
-from sparse_jax.normalizers import NORMALIZERS
+from sparse_jax.normalizers import NORMALIZERS, normalize
 from sparse_jax.validation import (
     as_4d_broadcastable,
     check_bias,
@@ -578,7 +578,7 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             if mask_obj.batch_size is None:
                 m = m[None]
             allowed = m if allowed is None else allowed & m
-        p = compiled_normalize(s, allowed, normalizer)  # [B, N, C, Tk]
+        p = normalize(s, allowed, normalizer)  # [B, N, C, Tk]
         out = shared_einsum(
             "bkgcs,bskh->bckgh",
             p.reshape(b, kh, g, c, tk).astype(v.dtype),

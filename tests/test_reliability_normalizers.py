@@ -331,6 +331,32 @@ def test_nonfinite_in_attention_follows_the_policy():
             np.testing.assert_allclose(out[0, :7], clean[0, :7], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "name,fn",
+    [
+        ("sparsemax", lambda x, w: sj.sparsemax(x, axis=0, where=w)),
+        ("entmax15", lambda x, w: sj.entmax15(x, axis=0, where=w)),
+        ("entmax 1.3", lambda x, w: sj.entmax(x, 1.3, axis=0, where=w)),
+        ("entmax per row", lambda x, w: sj.entmax(x, jnp.array([1.2, 1.7, 2.5]), axis=0, where=w)),
+        ("masked_softmax", lambda x, w: masked_softmax(x.T, w.T).T),
+    ],
+)
+def test_masking_under_debug_infs_called_eagerly(name, fn):
+    # The mask's -inf is an intermediate of one compiled call: jax.debug_infs, which checks
+    # every primitive run eagerly, sees only its finite output. Rows along axis 0 here, so that
+    # the normalized axis is moved inside the call too.
+    x = jax.random.normal(jax.random.key(5), (4, 3))
+    where = jnp.array([[1, 0, 1], [0, 0, 1], [1, 0, 0], [1, 0, 1]], bool)  # column 1: none allowed
+    with jax.debug_infs(True):
+        p = fn(x, where)
+        grad = jax.grad(lambda x: jnp.sum(fn(x, where) * jnp.arange(4.0)[:, None]))(x)
+    assert np.isfinite(np.asarray(p)).all() and np.isfinite(np.asarray(grad)).all()
+    np.testing.assert_array_equal(np.asarray(p)[:, 1], 0.0)
+    np.testing.assert_array_equal(np.asarray(grad)[:, 1], 0.0)
+    np.testing.assert_allclose(np.asarray(p).sum(axis=0), [1.0, 0.0, 1.0], atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(p)[~np.asarray(where)], 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad arguments.
 # ---------------------------------------------------------------------------------------------

@@ -20,11 +20,9 @@ import numpy as np  # noqa: F401 (the examples use it)
 from sparse_jax.normalizers.arguments import (
     alpha_eps,
     check_alpha,
-    check_axis,
-    check_row_length,
-    check_scores,
-    finish,
-    prepare,
+    check_inputs,
+    compute_dtype,
+    normalize_rows,
     softmax_eps,
 )
 from sparse_jax.normalizers.exact import entmax15, sparsemax
@@ -331,20 +329,19 @@ def entmax(x, alpha, axis: int = -1, *, where=None) -> jax.Array:
       >>> print(np.asarray(entmax(jnp.array([1.0, 0.8, -1.0]), 1.25)).round(3))
       [0.55  0.433 0.017]
     """
-    x = check_scores(x, "entmax")
-    axis = check_axis(axis, x.ndim, "entmax")
-    check_row_length(x, axis, "entmax")
-    alpha = check_alpha(alpha, x.shape[:axis] + x.shape[axis + 1 :], "entmax")
+    x, axis, where = check_inputs(x, axis, where, "entmax")
+    rows = x.shape[:axis] + x.shape[axis + 1 :]
+    alpha = check_alpha(alpha, rows, "entmax")
     if isinstance(alpha, float) and alpha == 2.0:
         return sparsemax(x, axis, where=where)
     if isinstance(alpha, float) and alpha == 1.5:
         return entmax15(x, axis, where=where)
-    x, axis, dtype = prepare(x, axis, where, "entmax")
+    dtype = compute_dtype(x.dtype)
     if isinstance(alpha, float):  # α - 1 in python float64: α = 1 + 1e-7 is not a float32
-        eps_value = alpha - 1.0 if alpha > 1.0 else softmax_eps(x.dtype)
-        eps = jnp.full((*x.shape[:-1], 1), eps_value, x.dtype)
+        eps_value = alpha - 1.0 if alpha > 1.0 else softmax_eps(dtype)
+        eps = jnp.full((*rows, 1), eps_value, dtype)
         sigma = eps_value <= SIGMA_MAX_EPS
     else:
-        eps = jnp.broadcast_to(alpha_eps(alpha, x.dtype), x.shape[:-1])[..., None]
+        eps = jnp.broadcast_to(alpha_eps(alpha, dtype), rows)[..., None]
         sigma = None  # chosen per row
-    return finish(_entmax_rows(x, eps, sigma), axis, dtype)
+    return normalize_rows(_entmax_rows, x, where, axis, (sigma,), eps)

@@ -2,13 +2,14 @@
 
 Every public function of :mod:`sparse_jax.normalizers` checks its arguments here before
 anything is traced (a wrong type, an empty normalized axis, a bad ``axis``, ``where`` or
-``alpha`` raise ``TypeError``/``ValueError`` naming the argument), and :func:`prepare` /
-:func:`finish` move the normalized axis last and back, computing in float32 (float64 stays
-float64).
+``alpha`` raise ``TypeError``/``ValueError`` naming the argument: :func:`check_inputs`), and
+:func:`normalize_rows` runs a row function with the normalized axis last, in float32 (float64
+stays float64), as one compiled call.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 import os
@@ -232,23 +233,30 @@ def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]):
     return out if tuple(out) == tuple(b) else None
 
 
-def prepare(x, axis, where, name):
-    """Checks arguments; returns (scores with the row last and masked entries -inf, axis, dtype).
-
-    Masked entries become -inf whatever they held (NaN included): they never matter. ``+inf``
-    is left as it is: ``search.shift_to_zero_max`` applies its policy, and only to inputs that
-    hold it.
-    """
+def check_inputs(x, axis, where, name):
+    """Checks a normalizer's arguments; returns (``x`` as an array, ``axis`` in ``[0, ndim)``,
+    ``where`` as a boolean array or None)."""
     x = check_scores(x, name)
     axis = check_axis(axis, x.ndim, name)
     check_row_length(x, axis, name)
-    where = check_where(where, x.shape, name)
-    in_dtype = x.dtype
-    x = x.astype(compute_dtype(in_dtype))
+    return x, axis, check_where(where, x.shape, name)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def normalize_rows(rows, x, where, axis: int, static: tuple, *operands) -> jax.Array:
+    """``rows(z, *operands, *static)`` of the checked scores ``x``, where ``z`` is ``x`` with
+    the normalized ``axis`` last, in the compute dtype (float32; float64 stays float64) and
+    -inf where ``where`` is False (whatever it held, NaN included: masked entries never
+    matter); returned in ``x``'s layout and dtype. ``+inf`` is left as it is:
+    ``search.shift_to_zero_max`` applies its policy, and only to inputs that hold it.
+
+    Why one compiled call: the mask's ``-inf`` is an intermediate, and ``jax.debug_infs``
+    checks every primitive run eagerly but only the outputs of a compiled call, which are
+    finite. Inside ``jit`` the call is inlined: the same program.
+    """
+    dtype = x.dtype
+    z = x.astype(compute_dtype(dtype))
     if where is not None:
-        x = jnp.where(where, x, -jnp.inf)
-    return jnp.moveaxis(x, axis, -1), axis, in_dtype
-
-
-def finish(p, axis, dtype):
+        z = jnp.where(where, z, -jnp.inf)
+    p = rows(jnp.moveaxis(z, axis, -1), *operands, *static)
     return jnp.moveaxis(p, -1, axis).astype(dtype)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np  # noqa: F401 (the examples use it)
 
-from sparse_jax.normalizers.arguments import finish, prepare
+from sparse_jax.normalizers.arguments import check_inputs, normalize_rows
 from sparse_jax.normalizers.search import (
     RowSearch,
     jacobian_product,
@@ -327,8 +327,8 @@ def sparsemax(x, axis: int = -1, *, where=None) -> jax.Array:
       >>> print(np.asarray(sparsemax(jnp.array([1.0, 0.8, -1.0]))).round(4))
       [0.6 0.4 0. ]
     """
-    x, axis, dtype = prepare(x, axis, where, "sparsemax")
-    return finish(_sparsemax_rows(x), axis, dtype)
+    x, axis, where = check_inputs(x, axis, where, "sparsemax")
+    return normalize_rows(_sparsemax_rows, x, where, axis, ())
 
 
 def entmax15(x, axis: int = -1, *, where=None) -> jax.Array:
@@ -351,5 +351,5 @@ def entmax15(x, axis: int = -1, *, where=None) -> jax.Array:
       >>> print(np.asarray(entmax15(jnp.array([1.0, 0.8, -1.0]))).round(4))
       [0.5705 0.4295 0.    ]
     """
-    x, axis, dtype = prepare(x, axis, where, "entmax15")
-    return finish(_entmax15_rows(x), axis, dtype)
+    x, axis, where = check_inputs(x, axis, where, "entmax15")
+    return normalize_rows(_entmax15_rows, x, where, axis, ())

@@ -65,5 +65,11 @@ def masked_softmax(s: jax.Array, allowed: jax.Array) -> jax.Array:
     allowed = check_where(allowed, s.shape, "masked_softmax", "allowed")
     if allowed is None:
         allowed = jnp.bool_(True)
-    dtype = s.dtype
-    return _softmax_rows(s.astype(compute_dtype(dtype)), allowed).astype(dtype)
+    return _compiled_softmax(s, allowed)
+
+
+@jax.jit
+def _compiled_softmax(s, allowed):
+    # One compiled call, as the sparse normalizers' (arguments.normalize_rows): the masked max
+    # is -inf inside, and jax.debug_infs checks only a compiled call's outputs.
+    return _softmax_rows(s.astype(compute_dtype(s.dtype)), allowed).astype(s.dtype)
