@@ -66,7 +66,7 @@ def test_the_entmax_row_takes_one_alpha_per_head_as_an_array(monkeypatch, capsys
     ("flags", "match"),
     [
         (["--lengths", "0"], "lengths"),
-        (["--entmax-alpha", "1.0"], "entmax_alpha"),
+        (["--entmax-alpha", "0.5"], "entmax_alpha must be finite and >= 1"),
         (["--repeats", "0"], "repeats"),
     ],
 )
@@ -469,7 +469,7 @@ def test_bad_kernels_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["kernels", "--normalizers", "0.5"])
     assert exit_info.value.code == 2
-    assert "finite α > 1" in capsys.readouterr().err
+    assert "finite α >= 1 (1 is softmax)" in capsys.readouterr().err
 
 
 def test_the_prepared_gpu_check_runs_commands_that_parse():

@@ -276,7 +276,8 @@ def test_a_time_limit_stops_with_a_checkpoint_and_resume_ends_identically(whole_
         (["--harden.budget", "1.5"], "--harden.budget must be in (0, 1] or None; got 1.5"),
         (["--harden.threshold", "1"], "--harden.threshold must be in (0, 1); got 1.0"),
         (["--student.normalizer", "soft"], "--student.normalizer must be softmax, sparsemax"),
-        (["--student.normalizer", "inf"], "entmax15 or a finite float alpha > 1; got 'inf'"),
+        (["--student.normalizer", "inf"], "entmax15 or a finite float alpha >= 1 (1 is softmax)"),
+        (["--student.normalizer", "0.5"], "alpha >= 1 (1 is softmax); got '0.5'"),
         (["--student.windows", "0"], "--student.windows must be ints >= 1; got (0,)"),
         (["--loss.mask-density", "-1"], "--loss.mask-density must be a number >= 0; got -1.0"),
         (["--loss.temperature", "nan"], "--loss.temperature must be a number > 0; got nan"),
@@ -318,6 +319,17 @@ def test_bad_configuration_fails_before_training(tmp_path, extra, match, capsys)
     message = " ".join(message.replace("│", " ").split())  # tyro boxes and wraps the message
     assert match in message
     assert not (tmp_path / "bad").exists()  # refused before the run folder is made
+
+
+def test_alpha_one_is_softmax_for_the_student():
+    # The library's rule for α (sparse_jax.entmax): α = 1 exactly is softmax, so the flag
+    # takes it, and the student's attention gets the name.
+    from experiments.distill.cli import parse
+    from sparse_jax.validation import check_normalizer
+
+    config = parse(["--student.normalizer", "1.0"])
+    assert config.student.normalizer_value() == 1.0
+    assert check_normalizer(config.student.normalizer_value(), 4, "test") == "softmax"
 
 
 def test_the_mask_price_is_off_then_ramped_in():

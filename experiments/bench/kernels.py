@@ -99,10 +99,10 @@ def _check_normalizer_names(names) -> None:
                 alpha = float(name)
             except ValueError:
                 alpha = float("nan")
-            if not alpha > 1.0 or alpha == float("inf"):
+            if not alpha >= 1.0 or alpha == float("inf"):
                 raise ValueError(
                     f"normalizers: {name!r} is neither softmax, sparsemax, entmax15 nor a "
-                    "finite α > 1"
+                    "finite α >= 1 (1 is softmax)"
                 )
 
 

@@ -52,7 +52,7 @@ class NormalizersConfig(timing.TimingFlags):
     sparse_jax.entmax with alpha=--entmax-alpha, and optax.projections.projection_simplex
     vmapped over rows. Ratios are to softmax when it is included."""
     entmax_alpha: float = 1.3
-    """The alpha of the 'entmax' row (> 1)."""
+    """The alpha of the 'entmax' row (>= 1; 1 is softmax, through entmax's general path)."""
     entmax_alpha_per_head: bool = False
     """Give the 'entmax' row its alpha as an array of one alpha per head, [heads, 1], that the
     program cannot fold into a constant: how a learned alpha reaches it (a python float
@@ -88,8 +88,10 @@ class NormalizersConfig(timing.TimingFlags):
             raise ValueError(
                 f"which must be distinct names from {_ALL_NORMALIZERS}, got {self.which!r}"
             )
-        if not self.entmax_alpha > 1:
-            raise ValueError(f"entmax_alpha must be > 1, got {self.entmax_alpha!r}")
+        if not (self.entmax_alpha >= 1 and math.isfinite(self.entmax_alpha)):
+            raise ValueError(
+                f"entmax_alpha must be finite and >= 1 (1 is softmax), got {self.entmax_alpha!r}"
+            )
         if self.mask_mode not in ("neg_inf", "where"):
             raise ValueError(f"mask_mode must be 'neg_inf' or 'where', got {self.mask_mode!r}")
         if self.dtype not in ("float32", "bfloat16"):

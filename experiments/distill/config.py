@@ -250,7 +250,7 @@ class StudentConfig(_Group):
     kind: Literal["candidates", "gated", "fixed"] = "candidates"
     """Learned candidate masks per head, gated heads/FFN units, or a fixed sparse mask."""
     normalizer: str = "softmax"
-    """Attention normalizer: softmax, sparsemax, entmax15 or a float alpha > 1."""
+    """Attention normalizer: softmax, sparsemax, entmax15 or a float alpha >= 1 (1 is softmax)."""
     combine: Literal["soft_union", "soft_mask", "mixture"] = "mixture"
     """How candidate masks combine (see sparse_jax.models.layers): 'mixture' runs each
     candidate's attention on its own and mixes the outputs by the weights (a candidate that lets
@@ -314,10 +314,10 @@ class StudentConfig(_Group):
                 alpha = float(self.normalizer)
             except ValueError:
                 alpha = 0.0
-            if not (alpha > 1 and math.isfinite(alpha)):
+            if not (alpha >= 1 and math.isfinite(alpha)):
                 raise ValueError(
                     f"{self.flag('normalizer')} must be softmax, sparsemax, entmax15 or a finite "
-                    f"float alpha > 1; got {self.normalizer!r}"
+                    f"float alpha >= 1 (1 is softmax); got {self.normalizer!r}"
                 )
 
     def normalizer_value(self) -> str | float:
