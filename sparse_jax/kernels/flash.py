@@ -161,7 +161,9 @@ def _fused_bwd(plan, residuals, do):
     else:
         grads = _kernels(plan)[1](plan, *inputs, res, do)
     dq, dk, dv, deps, dscale, dbias = _finish_gradients(plan, k, v, grads)
-    deps = jnp.zeros_like(eps) if deps is None else deps
+    # A head whose α breaks the rule (ε NaN) has NaN rows and NaN dq, dk, dv: its dα is NaN
+    # too, as the XLA engines give it, also where its rows' cotangent is zero.
+    deps = jnp.zeros_like(eps) if deps is None else jnp.where(jnp.isnan(eps), jnp.nan, deps)
 
     def no_cotangent(x):  # integer inputs (lengths, segment ids)
         return np.zeros(x.shape, jax.dtypes.float0)
