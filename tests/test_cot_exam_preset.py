@@ -2,19 +2,23 @@
 (linalg_cot.GeneratorConfig.exam(), all kinds, the answers in words included), its splits hold
 no question of the GiantRabbit quiz by content (read from the shared folder at run time, skipped
 when absent; never copied here: CC BY-NC-SA), a tiny override of it trains; the default command
-is unchanged; a Solver trained on a kind answered in words reads and grades it by parts.
+is unchanged; --data.exclude-quiz reads the quiz file --eval.quiz names (and a trained run's
+later commands the one its training read); a Solver trained on a kind answered in words reads
+and grades it by parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.common.run_folder import COT, RunFolderError, with_program
 from experiments.cot import config as cli
-from experiments.cot import run_folder
+from experiments.cot import exam, job, run_folder
 from experiments.cot.exam import DEFAULT_QUIZ
 from sparse_jax import cot
 from sparse_jax.cot.record import generator_of
@@ -68,6 +72,91 @@ def test_a_missing_quiz_excludes_nothing_and_says_so(tmp_path, monkeypatch, caps
     assert run_folder.prepare_data(data, tmp_path, quiz=tmp_path / "none.json") == "data"
     assert list(seen["exclude"]) == []
     assert "was not found: nothing excluded" in capsys.readouterr().err
+
+
+class _Prepared(Exception):
+    """Raised by a stand-in for linalg_cot.prepare: the splits asked for are what is tested."""
+
+
+def _stop_at_prepare(monkeypatch):
+    seen = {}
+
+    def fake(root, **kwargs):
+        seen.update(kwargs)
+        raise _Prepared
+
+    monkeypatch.setattr(run_folder.linalg_cot, "prepare", fake)
+    return seen
+
+
+OWN_QUESTION = "Find the special solutions of A = [[1, 2]]."
+TINY = ["--data.kinds", "nullspace", "--data.train", "4", "--train.batch-size", "2",
+        "--data.exclude-quiz"]  # fmt: skip
+
+
+@pytest.fixture
+def own_quiz(tmp_path):
+    """A quiz file of one question of this file's own, elsewhere than the default path."""
+    path = tmp_path / "own-quiz.json"
+    entry = {"no": 1, "text": OWN_QUESTION, "type": "computable", "answer": {}}
+    path.write_text(json.dumps({"questions": [entry]}))
+    return path
+
+
+def test_exclude_quiz_reads_the_quiz_eval_quiz_names(own_quiz, tmp_path, monkeypatch, capsys):
+    seen = _stop_at_prepare(monkeypatch)
+    own = [lc.parse_question(OWN_QUESTION).contents]
+    folder = tmp_path / "run"
+    where = ["--run.dir", str(folder), "--run.cache-dir", str(tmp_path)]
+    for command in (["all"], ["seeds", "--seeds", "0"]):
+        seen.clear()
+        with pytest.raises(_Prepared):
+            job.run(cli.parse([*command, *TINY, *where, "--eval.quiz", str(own_quiz)]))
+        assert [q.contents for q in seen["exclude"]] == own, command
+        log = capsys.readouterr().err
+        assert f"--data.exclude-quiz: 1 questions of {own_quiz} in no split" in log
+    # The default is unchanged: absent, nothing is excluded and one line says so.
+    missing = tmp_path / "nowhere" / "quiz.json"
+    monkeypatch.setattr(exam, "DEFAULT_QUIZ", missing)
+    with pytest.raises(_Prepared):
+        job.run(cli.parse([*TINY, *where]))
+    assert list(seen["exclude"]) == []
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if "--data.exclude-quiz" in line] == [
+        f"[cot] --data.exclude-quiz: the quiz {missing} was not found: nothing excluded"
+    ]
+
+
+def test_a_trained_runs_splits_are_made_without_the_quiz_its_training_read(
+    own_quiz, tmp_path, monkeypatch, capsys
+):
+    """eval, roles and a resumption make the splits again: without the quiz the run's training
+    excluded (its config.json records --eval.quiz), whatever the default; a resumption naming
+    another --eval.quiz is refused by name."""
+    seen = _stop_at_prepare(monkeypatch)
+    own = [lc.parse_question(OWN_QUESTION).contents]
+    folder = tmp_path / "run"
+    where = ["--run.dir", str(folder), "--run.cache-dir", str(tmp_path)]
+    trained = cli.parse([*TINY, *where, "--eval.quiz", str(own_quiz)])
+    folder.mkdir()
+    record = with_program(
+        json.loads(json.dumps(dataclasses.asdict(trained), default=str)), COT.name
+    )
+    (folder / "config.json").write_text(json.dumps(record))
+    (folder / cot.RECORD).write_text("{}")
+    assert run_folder.recorded_quiz(folder) == own_quiz
+    monkeypatch.setattr(exam, "DEFAULT_QUIZ", tmp_path / "nowhere.json")
+    for flags in (["eval", *where], ["roles", *where], ["train", *TINY, *where, "--run.resume"],
+                  [*TINY, *where, "--run.resume", "--eval.quiz", str(own_quiz)]):  # fmt: skip
+        seen.clear()
+        with pytest.raises(_Prepared):
+            job.run(cli.parse(flags))
+        assert [q.contents for q in seen["exclude"]] == own, flags[0]
+    other = tmp_path / "other.json"
+    other.write_text(own_quiz.read_text())
+    with pytest.raises(RunFolderError, match=f"--eval.quiz '{other}': the run in '{folder}' kept "
+                       f"the questions of '{own_quiz}' out of its splits"):  # fmt: skip
+        job.run(cli.parse([*TINY, *where, "--run.resume", "--eval.quiz", str(other)]))
 
 
 @pytest.fixture(scope="module")

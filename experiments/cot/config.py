@@ -141,8 +141,10 @@ class Data:
     a-k*b=a-p=c (linalg_cot.GeneratorConfig.products)."""
     exclude_quiz: bool = False
     """No split holds a question of the GiantRabbit study's exam (by content, whatever the
-    phrasing: linalg_cot.prepare's exclude), read from ../shared/data/giantrabbit-quiz/quiz.json
-    beside the repository when it is there (else a log line says nothing was excluded)."""
+    phrasing: linalg_cot.prepare's exclude), read from the quiz file --eval.quiz names (default
+    ../shared/data/giantrabbit-quiz/quiz.json beside the repository; the train command, which
+    has no --eval.quiz, reads the default) when it is there (else a log line says nothing was
+    excluded)."""
 
     def __post_init__(self):
         if self.products and not self.arithmetic:
@@ -303,7 +305,9 @@ class QuizFlags:
     quiz: pathlib.Path | None = None
     """The GiantRabbit study's exam, a quiz.json of its nine questions and answers (never in
     the repository: CC BY-NC-SA). None: ../shared/data/giantrabbit-quiz/quiz.json beside the
-    repository, or, where it is not, a line in the report saying so."""
+    repository, or, where it is not, a line in the report saying so. With --data.exclude-quiz,
+    its questions are in no split (the run records it: its later commands make the same
+    splits)."""
 
     def __post_init__(self):
         if self.quiz is not None:

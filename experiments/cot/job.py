@@ -25,7 +25,14 @@ from experiments.cot.config import (
 )
 from experiments.cot.exam import ask_quiz, quiz_lines, quiz_path, write_answers
 from experiments.cot.report import write_report
-from experiments.cot.run_folder import evaluate_run, log, prepare_data, read_config, train
+from experiments.cot.run_folder import (
+    evaluate_run,
+    log,
+    prepare_data,
+    read_config,
+    recorded_quiz,
+    train,
+)
 from experiments.cot.seeds import seeds
 from sparse_jax import cot
 
@@ -88,7 +95,7 @@ def roles(cmd: RolesCommand) -> dict[str, dict[str, dict[str, int]]]:
     split per unit of ``CotFormat(numbers=cmd.numbers)``, the terms' results split by sign (a
     run of `seeds --models` may hold one model)."""
     folder = pathlib.Path(cmd.run.dir)
-    test = list(prepare_data(read_config(folder), cmd.run.cache_dir).test)
+    test = list(prepare_data(read_config(folder), cmd.run.cache_dir, recorded_quiz(folder)).test)
     units = cot.CotFormat(numbers=cmd.numbers)
     out = {}
     for name in MODELS:

@@ -25,6 +25,7 @@ from experiments.common.phase import train_phase
 from experiments.common.run_folder import (
     COT,
     RECORD,
+    RunFolderError,
     check_folder,
     check_same_flags,
     check_writable,
@@ -47,6 +48,7 @@ __all__ = [
     "prepare_data",
     "quiz_questions",
     "read_config",
+    "recorded_quiz",
     "train",
 ]
 
@@ -73,14 +75,16 @@ def quiz_questions(path: pathlib.Path = DEFAULT_QUIZ) -> list[linalg_cot.ParsedQ
     return out
 
 
-def prepare_data(data: Data, cache_dir: pathlib.Path, quiz: pathlib.Path = DEFAULT_QUIZ):
+def prepare_data(data: Data, cache_dir: pathlib.Path, quiz: pathlib.Path | str | None = None):
     """The splits ``data`` describes, generated once into ``cache_dir`` (--run.cache-dir; a
     folder that cannot be written is refused by name first); with --data.exclude-quiz, none
-    holds a question of the quiz file ``quiz`` (when it exists; a log line says so either
+    holds a question of the quiz file ``quiz`` (the one --eval.quiz names; None:
+    :data:`~experiments.cot.exam.DEFAULT_QUIZ`) when it exists (a log line says so either
     way)."""
     cache = pathlib.Path(cache_dir).expanduser()
     check_writable(cache, "--run.cache-dir", existing_may_be_read_only=True)
     exclude: list[linalg_cot.ParsedQuestion] = []
+    quiz = quiz_path(quiz)
     if data.exclude_quiz:
         found = quiz_questions(quiz)
         if found is None:
@@ -97,6 +101,37 @@ def prepare_data(data: Data, cache_dir: pathlib.Path, quiz: pathlib.Path = DEFAU
         config=data.generator(),
         exclude=exclude,
     )
+
+
+def recorded_quiz(folder: pathlib.Path) -> pathlib.Path | None:
+    """The ``--eval.quiz`` that the run ``folder``'s config.json records: the quiz file its
+    training kept out of the splits with --data.exclude-quiz (None: it names none, the default
+    path then; a train command's run, or one from before the flag)."""
+    path = pathlib.Path(folder) / RECORD
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    quiz = (record.get("eval") or {}).get("quiz")
+    return None if quiz is None else pathlib.Path(quiz)
+
+
+def _training_quiz(cfg: TrainCommand, folder: pathlib.Path, resumed: bool) -> pathlib.Path | None:
+    """The --eval.quiz whose questions --data.exclude-quiz keeps out of ``cfg``'s splits: the
+    one the command names (``all`` and ``seeds`` have evaluation flags; None: the default
+    path), or for a resumed run that names none, the one its config.json records. A resumption
+    naming another one than its run's is refused by name (its splits would differ)."""
+    ev = getattr(cfg, "eval", None)
+    quiz = None if ev is None else ev.quiz
+    if not resumed or not cfg.data.exclude_quiz:
+        return quiz
+    had = recorded_quiz(folder)
+    if quiz is None:
+        return had
+    if quiz_path(quiz) != quiz_path(had):
+        raise RunFolderError(
+            f"--eval.quiz {str(quiz)!r}: the run in {str(folder)!r} kept the questions of "
+            f"{str(quiz_path(had))!r} out of its splits (--data.exclude-quiz); resume it with "
+            "that --eval.quiz, or start another --run.dir"
+        )
+    return quiz
 
 
 def _lengths(splits, fmt: cot.CotFormat) -> dict[str, dict[str, float]]:
@@ -163,7 +198,8 @@ def train(
         # (A run older than a flag ran it as BEFORE_NEWER_FLAGS says.)
         check_same_flags(cfg, folder, COT, defaults=BEFORE_NEWER_FLAGS)
     check_writable(folder, "--run.dir")
-    data = prepare_data(cfg.data, cfg.run.cache_dir)
+    quiz = _training_quiz(cfg, folder, resumed=saved is not None)
+    data = prepare_data(cfg.data, cfg.run.cache_dir, quiz)
     splits = (data.train, data.validation, data.test)
     problems = [list(s) for s in splits]
     fmt = cot.fit_format([p for split in problems for p in split], numbers=cfg.model.numbers)
@@ -172,6 +208,8 @@ def train(
         clear_failed_start(folder, log)
     folder.mkdir(parents=True, exist_ok=True)
     record = with_program(dataclasses.asdict(cfg), COT.name)
+    if quiz is not None:  # the quiz the splits were made without (recorded_quiz reads it)
+        record["eval"] = {**record.get("eval", {}), "quiz": str(quiz)}
     write_text_atomically(folder / RECORD, json.dumps(record, default=str, indent=2) + "\n")
     cot.write_record(folder, fmt, configs, kinds=cfg.data.kinds, generator=cfg.data.generator())
     # A cell of under 5% of the problems saves less time than its compilation costs.
@@ -214,7 +252,7 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     ``report.md`` and the plots."""
     lap = time.perf_counter()
     data_cfg = read_config(folder)
-    data = prepare_data(data_cfg, cache_dir)
+    data = prepare_data(data_cfg, cache_dir, recorded_quiz(folder))
     train, test = list(data.train), list(data.test)  # read once: three summaries below
     training_file = folder / "training.json"  # written when both models have trained
     training = json.loads(training_file.read_text()) if training_file.exists() else {}

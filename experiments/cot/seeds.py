@@ -1,7 +1,9 @@
 """``python -m experiments.cot seeds``: the chosen models trained and evaluated at several seeds
 (initial weights and batches; the data stay the same), each seed's run in
 ``<run.dir>/seed-<s>``; their exact match side by side with its mean and range, and sparse minus
-dense pooled over the seeds' answers, in ``seeds.json`` and ``seeds.md``.
+dense pooled over the seeds' answers, in ``seeds.json`` and ``seeds.md``, which ends with the
+GiantRabbit study's exam asked of each seed's models (:mod:`experiments.cot.exam`: each seed's
+``quiz-answers.json``, the table pooled over the seeds).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from experiments.common import stats
 from experiments.common.files import write_text_atomically
 from experiments.common.phase import RunStopped
 from experiments.common.run_folder import RunFolderError
-from experiments.cot.config import MODELS, SeedsCommand, TrainCommand
+from experiments.cot.config import MODELS, AllCommand, SeedsCommand, TrainCommand
+from experiments.cot.exam import ask_quiz, quiz_path, read_answers, seeds_quiz_lines, write_answers
 from experiments.cot.report import (
     DIVERGENCES_TEXT,
     ROLES_TEXT,
@@ -27,7 +30,8 @@ from experiments.cot.report import (
     pct,
     roles_table,
 )
-from experiments.cot.run_folder import decode_test, log, prepare_data, train
+from experiments.cot.run_folder import decode_test, log, prepare_data, recorded_quiz, train
+from sparse_jax import cot
 from sparse_jax.models.encdec import describe
 from sparse_jax.training.stopping import StopRequest
 
@@ -36,9 +40,11 @@ __all__ = ["seeds"]
 
 def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
     """Trains and evaluates ``cmd.models`` at each of ``cmd.seeds`` (one run folder per seed,
-    ``<run.dir>/seed-<s>``, with ``answers-<model>.jsonl`` and ``eval-<model>.json``); writes
-    ``seeds.json`` and ``seeds.md`` and prints the table. With ``--run.resume`` a model already
-    evaluated at a seed is read back, one whose training stopped continues from its checkpoint."""
+    ``<run.dir>/seed-<s>``, with ``answers-<model>.jsonl``, ``eval-<model>.json`` and the
+    answers to the study's exam, ``quiz-answers.json``: ``--eval.quiz``); writes ``seeds.json``
+    and ``seeds.md`` and prints the table. With ``--run.resume`` a model already evaluated at a
+    seed is read back (and the seed's answers to the same quiz file), one whose training stopped
+    continues from its checkpoint."""
     stamp = time.strftime("cot-seeds-%Y%m%d-%H%M%S")
     top = pathlib.Path(cmd.run.dir or pathlib.Path("runs") / stamp)
     held = sorted(p.name for p in top.glob("seed-*"))
@@ -47,12 +53,21 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
             f"--run.dir {str(top)!r} already holds runs ({', '.join(held)}); continue them "
             "with --run.resume or pass another --run.dir"
         )
-    # Each seed's command, without a run folder yet (each seed's is checked as it is set below).
+    # Each seed's command, without a run folder yet (each seed's is checked as it is set below);
+    # its evaluation flags name the quiz that --data.exclude-quiz keeps out of the splits (when
+    # resumed without --eval.quiz: the one the seeds' runs were made without).
     fields = {f.name: getattr(cmd, f.name) for f in dataclasses.fields(TrainCommand)}
-    base = TrainCommand(**{**fields, "run": dataclasses.replace(cmd.run, dir=None, resume=False)})
-    data = prepare_data(cmd.data, cmd.run.cache_dir)
+    run = dataclasses.replace(cmd.run, dir=None, resume=False)
+    ev = cmd.eval
+    if ev.quiz is None and held and cmd.run.resume:
+        if (had := recorded_quiz(top / held[0])) is not None:
+            ev = dataclasses.replace(ev, quiz=had)
+    base = AllCommand(**{**fields, "run": run}, eval=ev)
+    data = prepare_data(cmd.data, cmd.run.cache_dir, ev.quiz)
+    quiz = quiz_path(ev.quiz)  # the exam asked of each seed's models
     test = list(data.test)
     rows = []
+    quizzes: dict[int, dict | None] = {}
     for seed in cmd.seeds:
         folder = top / f"seed-{seed}"
         resume = cmd.run.resume and (folder / "config.json").is_file()
@@ -69,13 +84,15 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
                 stopped.folder = top
                 raise
             trained = json.loads((folder / "training.json").read_text())["phase_seconds"]
+        solvers = {}
         for name in cmd.models:
             path = folder / f"eval-{name}.json"
             if name in pending:
-                _, result, _ = decode_test(folder, name, test, cmd.eval)
+                solvers[name], result, _ = decode_test(folder, name, test, cmd.eval)
                 result["train_seconds"] = trained[f"train_{name}"]
                 write_text_atomically(path, json.dumps(result, indent=2) + "\n")
             rows.append({"seed": seed, "model": name, **json.loads(path.read_text())})
+        quizzes[seed] = _quiz(folder, cmd.models, solvers, quiz, asked_again=bool(pending))
     kinds = list(cmd.data.kinds)
     summary = {
         "kinds": kinds,
@@ -84,15 +101,46 @@ def seeds(cmd: SeedsCommand, stop: StopRequest | None = None) -> dict:
         "switches": describe(cmd.model.config(0)),
         "runs": rows,
         "exact_match": _seed_spread(rows, cmd.models, [*kinds, "overall"]),
+        "quiz": str(quiz),
     }
     if set(cmd.models) == set(MODELS):
         summary["pooled"] = _pooled(top, cmd.seeds, [*kinds, "overall"])
     write_text_atomically(top / "seeds.json", json.dumps(summary, indent=2) + "\n")
-    table = _seeds_table(summary)
+    table = _seeds_table(summary, quizzes)
     write_text_atomically(top / "seeds.md", table)
     print(table)
     log(f"table: {top / 'seeds.md'}")
     return summary
+
+
+def _quiz(
+    folder: pathlib.Path,
+    models: tuple[str, ...],
+    solvers: dict[str, cot.Solver],
+    quiz: pathlib.Path,
+    *,
+    asked_again: bool,
+) -> dict:
+    """One seed's answers to the study's exam (the quiz file ``quiz``), saved in its run
+    folder (:func:`experiments.cot.exam.write_answers`): those already saved there for the
+    same file when no model of the seed was trained or evaluated again (``asked_again``), else
+    asked of ``models`` now (``solvers``: those already loaded; the others are loaded)."""
+    saved = read_answers(folder)
+    if (
+        not asked_again
+        and saved is not None
+        and saved.get("quiz") == str(quiz)
+        and bool(saved.get("found")) == quiz.is_file()
+    ):
+        return saved
+    if quiz.is_file():
+        for name in models:
+            if name not in solvers:
+                solvers[name] = cot.Solver.load(folder, name, batch_size=1)
+    log(f"{folder.name}: the study's exam ({quiz})")
+    record = ask_quiz({name: solvers[name] for name in models if name in solvers}, quiz)
+    write_answers(folder, record)
+    return record
 
 
 def _pooled(top: pathlib.Path, seed_list, kinds: list[str]) -> dict:
@@ -155,7 +203,10 @@ def _seed_spread(rows: list[dict], models, kinds: list[str]) -> dict:
     return out
 
 
-def _seeds_table(s: dict) -> str:
+def _seeds_table(s: dict, quizzes: dict[int, dict | None] | None = None) -> str:
+    """``seeds.md`` from the summary ``s``, ending with the study's exam pooled over the seeds
+    (:func:`experiments.cot.exam.seeds_quiz_lines` of each seed's saved answers, ``quizzes``;
+    None: a summary without them, no exam lines)."""
     kinds = [*s["kinds"], "overall"]
     lines = [
         "# Chain-of-thought linear algebra: exact match over seeds",
@@ -225,4 +276,6 @@ def _seeds_table(s: dict) -> str:
     if roles:
         models = " / ".join(s["models"]) + ", the mean over the seeds"
         lines += ["", ROLES_TEXT.format(models=models), "", *roles]
+    if quizzes is not None:
+        lines += ["", *seeds_quiz_lines(quizzes, tuple(s["models"]))]
     return "\n".join(lines) + "\n"
