@@ -134,6 +134,28 @@ def test_a_resumption_refuses_a_missing_an_empty_and_a_foreign_folder(
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("link", ["step", "phase"])
+def test_a_resumption_refuses_checkpoints_linked_out_of_the_run_folder(
+    name, link, tmp_path, no_data, capsys
+):
+    # A run folder may be downloaded: a checkpoint that is a link elsewhere is refused before
+    # anything is read (or, on a later save, written) there.
+    program = PROGRAMS[name]
+    folder, outside = tmp_path / "run", tmp_path / "elsewhere"
+    program.write_run(folder, step=4)
+    (outside / "4").mkdir(parents=True)
+    linked = folder / "checkpoints" / "phase"
+    if link == "step":
+        linked = linked / "4"
+    os.rmdir(linked) if link == "step" else shutil.rmtree(linked)
+    linked.symlink_to(outside / "4" if link == "step" else outside, target_is_directory=True)
+    said = _refusal(program, program.argv(folder, tmp_path / "cache", program.resume), capsys)
+    assert f"{linked} leads to {(outside / '4' if link == 'step' else outside).resolve()}" in said
+    assert "outside the run folder" in said
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_fresh_start_refuses_a_folder_that_holds_a_run(name, tmp_path, no_data, capsys):
     program = PROGRAMS[name]
     for recorded in (True, False):  # a run of before the program field too

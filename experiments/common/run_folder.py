@@ -230,6 +230,7 @@ def check_folder(folder: str | os.PathLike, program: Program, *, resume: bool) -
         other = program_of(record, folder)
         if other != program.name:
             raise RunFolderError(_foreign(folder, other, program, flag))
+        _check_checkpoints_inside(folder, flag)
         return record
     if folder.exists() and not folder.is_dir():
         raise RunFolderError(f"--run.dir {str(folder)!r} is a file; choose another --run.dir")
@@ -268,6 +269,27 @@ def check_folder(folder: str | os.PathLike, program: Program, *, resume: bool) -
     raise RunFolderError(
         f"--run.dir {str(folder)!r} already holds a run ({held}); nothing is overwritten. {how}"
     )
+
+
+def _check_checkpoints_inside(folder: pathlib.Path, flag: str) -> None:
+    """Refuses a resumption whose checkpoints (a phase's folder or a step in it) are links that
+    lead out of the run folder: a run folder is data a user may have downloaded, and nothing in
+    it may make the run read (or later write) elsewhere."""
+    root = folder.resolve()
+    top = folder / "checkpoints"
+    entries = [top] if top.is_symlink() else []
+    if top.is_dir():
+        for phase in top.iterdir():
+            entries.append(phase)
+            if phase.is_dir():
+                entries += list(phase.iterdir())
+    for entry in entries:
+        target = entry.resolve()
+        if not target.is_relative_to(root):
+            raise RunFolderError(
+                f"{flag}: {entry} leads to {target}, outside the run folder {root}: refused "
+                "(a run folder's checkpoints lie inside it; copy the files in, not a link)"
+            )
 
 
 def check_same_flags(
