@@ -9,12 +9,10 @@ import os
 import pathlib
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import jax
 import numpy as np
@@ -27,7 +25,7 @@ from experiments.distill import configs, job
 from experiments.distill import phases as distill_phases
 from experiments.distill.run_folder import Run, check_same_config
 from sparse_jax.training.checkpoint import Checkpointer
-from tests import script_env
+from tests import kill_when, script_env, start_logged
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -185,20 +183,6 @@ _HANG_IN_WRITE = textwrap.dedent(
 )
 
 
-def _start(cmd, log, **kwargs):
-    with open(log, "w") as err:  # a file, not a pipe nobody reads: the child never blocks
-        return subprocess.Popen(cmd, cwd=ROOT, stderr=err, **kwargs)
-
-
-def _kill_when(proc, ready, log, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and not ready():
-        time.sleep(0.2)
-    assert proc.poll() is None, log.read_text()[-2000:]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
 @pytest.mark.slow
 def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identically(whole_run):
     tmp_path, _ = whole_run
@@ -211,15 +195,15 @@ def test_sigkill_in_training_and_in_a_checkpoint_write_then_resume_ends_identica
 
     # 1. Killed between updates, once the student has checkpoints up to step 3.
     log = tmp_path / "first.log"
-    proc = _start([*cli, *args], log, stdout=subprocess.DEVNULL)
-    _kill_when(proc, lambda: max(saved_steps(), default=0) >= 3, log)
+    proc = start_logged([*cli, *args], log, stdout=subprocess.DEVNULL)
+    kill_when(proc, lambda: max(saved_steps(), default=0) >= 3, log)
     # 2. Resumed, then killed inside the write of the step-12 checkpoint.
     (tmp_path / "hang_in_write.py").write_text(_HANG_IN_WRITE)
     log = tmp_path / "second.log"
     env = script_env()
     cmd = [sys.executable, str(tmp_path / "hang_in_write.py"), *args, "--resume"]
-    proc = _start(cmd, log, stdout=subprocess.PIPE, env=env)
-    _kill_when(proc, lambda: proc.stdout.readline().strip() == b"WRITING", log)
+    proc = start_logged(cmd, log, stdout=subprocess.PIPE, env=env)
+    kill_when(proc, lambda: proc.stdout.readline().strip() == b"WRITING", log)
     proc.stdout.close()
     assert "student: resumed at step" in log.read_text()
     assert max(saved_steps()) == 11 and list(ckpts.glob("12.*orbax-checkpoint-tmp*"))
@@ -418,7 +402,7 @@ def test_a_run_from_before_the_finetune_rate_resumes_with_its_rate():
 # Fields added after the flags were grouped: no flat name ever existed (a run folder that lacks
 # them ran at their defaults, which check_same_config assumes).
 SINCE_GROUPING = {
-    *(f"teacher.{name}" for name in ("smear_keys", "recall_steps", "recall_fraction",
+    *(f"teacher.{name}" for name in ("smear_keys", "positions", "recall_steps", "recall_fraction",
                                      "recall_lengths", "recall_tokens", "recall_lr",
                                      "answer_weight")),
     "train.recall_fraction",

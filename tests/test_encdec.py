@@ -20,9 +20,9 @@ from sparse_jax.models.encdec import (
     describe,
     greedy_decode,
     literal_coordinates,
-    rotate,
     sequence_loss,
 )
+from sparse_jax.models.positions import rotate
 from tests.engines import engines_used
 
 SMALL = dict(vocab_size=13, d_model=16, num_heads=2, d_ff=32, encoder_layers=1, decoder_layers=2)

@@ -102,8 +102,9 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
     assert (tmp_path / "cache" / "teachers" / key / "model.safetensors").is_file()
     plain = _config(tmp_path, "--teacher.recall-steps", "0", "--teacher.no-smear-keys")
     other = _config(tmp_path, "--teacher.recall-fraction", "0.25")
-    keys = {phases.teacher_key(c, data) for c in (config, plain, other)}
-    assert len(keys) == 3
+    rotary = _config(tmp_path, "--teacher.positions", "rotary")
+    keys = {phases.teacher_key(c, data) for c in (config, plain, other, rotary)}
+    assert len(keys) == 4
     old = [plain.teacher.size, data.dataset_name, 1, plain.teacher.lr, 8, 0, 1]
     digest = hashlib.sha256(json.dumps(old, default=str).encode()).hexdigest()[:16]
     assert phases.teacher_key(plain, data) == digest

@@ -347,11 +347,12 @@ def masked_score_excess(teacher, windows: np.ndarray) -> np.ndarray:
     ids = jnp.asarray(windows[:, :-1])
     t = ids.shape[1]
     causal = np.asarray(masks.causal().dense(t, t))
-    x = teacher.embed(ids, jnp.arange(t)).astype(jnp.float32)
+    positions = jnp.arange(t)
+    x = teacher.embed(ids, positions).astype(jnp.float32)
     out = []
     for block in teacher.h:
         attn = block.attn
-        q, k, _ = attn.project_qkv(block.ln_1(x))
+        q, k, _ = attn.project_qkv(block.ln_1(x), positions)
         scores = jnp.einsum("bqnh,bknh->bnqk", q, k) / attn.head_dim**0.5
         row = []
         for h, mask in enumerate(attn.core.head_masks()):
@@ -366,7 +367,7 @@ def masked_score_excess(teacher, windows: np.ndarray) -> np.ndarray:
             above = jnp.max(jnp.where(outside[queries], s, -jnp.inf), axis=-1) - inside
             row.append(float(jnp.median(above)))
         out.append(row)
-        x = block(x)[0]
+        x = block(x, positions)[0]
     return np.asarray(out, np.float64)
 
 

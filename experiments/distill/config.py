@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 
 from experiments.common.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
 from experiments.distill import configs, teachers
-from sparse_jax.models.gpt2 import PRESETS, GPT2Config
+from sparse_jax.models.gpt2 import POSITIONS, PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
     check_weights_file,
@@ -126,6 +126,11 @@ class TeacherConfig(_Group):
     smear_keys: bool = False
     """The trained teacher smears its keys (GPT2Config.smear_keys: each key mixed with the
     previous position's by a weight per head), which lets it learn to retrieve (induction)."""
+    positions: Literal["learned", "rotary"] = "learned"
+    """How the trained teacher (and so its students) knows positions (GPT2Config.positions):
+    'learned' embeddings, one per position, or 'rotary' (queries and keys turned by their
+    positions, so that a score sees only distances: what the model learns at short lengths
+    holds at later positions)."""
     recall_steps: int = 0
     """Updates of the trained teacher after its --teacher.steps on text, on a mixture of text and
     passkey sequences (sparse_jax.data.recall.RecallMixture); 0: none."""
@@ -145,8 +150,8 @@ class TeacherConfig(_Group):
     TRAINED: ClassVar[tuple[str, ...]] = ("train", "planted")  # sources trained here
     # The flags a trained teacher depends on (besides the data's): bundled teachers record them.
     TRAINING: ClassVar[tuple[str, ...]] = (
-        "size", "steps", "lr", "smear_keys", "recall_steps", "recall_fraction", "recall_lengths",
-        "recall_tokens", "recall_lr", "answer_weight",
+        "size", "steps", "lr", "smear_keys", "positions", "recall_steps", "recall_fraction",
+        "recall_lengths", "recall_tokens", "recall_lr", "answer_weight",
     )  # fmt: skip
 
     def __post_init__(self):
@@ -167,6 +172,10 @@ class TeacherConfig(_Group):
         if any(not is_int(n) or n < 1 for n in lengths):
             raise ValueError(f"{self.flag('recall_lengths')} must be ints >= 1; got {lengths!r}")
         object.__setattr__(self, "recall_lengths", tuple(int(n) for n in lengths))
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"{self.flag('positions')} must be one of {list(POSITIONS)}; got {self.positions!r}"
+            )
         if self.size not in PRESETS:
             raise ValueError(
                 f"{self.flag('size')} {self.size!r} is not a preset; allowed: {list(PRESETS)}"
@@ -233,7 +242,7 @@ class TeacherConfig(_Group):
             ) from err
         return config
 
-    def positions(self) -> int | None:
+    def n_positions(self) -> int | None:
         """The teacher's n_positions, known before anything is built (None for a hub name)."""
         if self.source in self.TRAINED:
             return GPT2Config.preset(self.size).n_positions
@@ -582,7 +591,7 @@ class DistillConfig:
             raise ValueError(f"--config {self.config!r} is unknown; allowed: {configs.NAMES}")
         if self.teacher.source == "bundled":
             self.teacher.check_bundled(self.data.seq_len)
-        positions = self.teacher.positions()
+        positions = self.teacher.n_positions()
         if positions is not None and self.data.seq_len > positions:
             raise ValueError(
                 f"--data.seq-len {self.data.seq_len} is longer than the teacher's {positions} "

@@ -84,9 +84,11 @@ def teacher_key(config: DistillConfig, data) -> str:
     parts = [t.size, data.dataset_name, t.steps, t.lr, config.data.batch_size, config.run.seed, 1]
     if t.smear_keys or t.recall_steps:  # (a teacher trained without them keeps its old key)
         parts += [t.smear_keys, t.recall_steps]
-        if t.recall_steps:
-            recall = [t.recall_fraction, config.teacher_recall_lengths(), t.recall_tokens]
-            parts += [*recall, t.recall_lr, t.answer_weight]
+    if t.positions != "learned":
+        parts += [t.positions]
+    if t.recall_steps:
+        recall = [t.recall_fraction, config.teacher_recall_lengths(), t.recall_tokens]
+        parts += [*recall, t.recall_lr, t.answer_weight]
     if t.source == "planted":
         pattern = planted_pattern(config)
         parts += ["planted", pattern.tolist(), [repr(m) for m in candidate_bank(config)]]
@@ -246,7 +248,9 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
     """--teacher.steps updates on the corpus's windows, then --teacher.recall-steps on a mixture
     of text and passkey sequences (phase ``teacher_recall``)."""
     c, t = run.config, run.config.teacher
-    config = GPT2Config.preset(t.size, vocab_size=run.data.vocab_size, smear_keys=t.smear_keys)
+    config = GPT2Config.preset(
+        t.size, vocab_size=run.data.vocab_size, smear_keys=t.smear_keys, positions=t.positions
+    )
     model = GPT2(config, attention or AttentionSpec(), rngs=nnx.Rngs(c.run.seed))
     tc = loop.TrainConfig(
         steps=t.steps,

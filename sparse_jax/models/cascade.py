@@ -171,6 +171,11 @@ class CascadeConfig:
                 f"{caller}: `gpt2.smear_keys` must be False: the cascade's attention does not "
                 "smear keys (its blocks would drop the smear weights of a GPT2 loaded into it)"
             )
+        if self.gpt2.positions != "learned":
+            raise ValueError(
+                f"{caller}: `gpt2.positions` must be 'learned' (the cascade adds learned position "
+                f"embeddings); got {self.gpt2.positions!r}"
+            )
         if self.keep_ratios is None:  # linear from 1 to 1/2
             default = tuple(1.0 - 0.5 * i / max(n - 1, 1) for i in range(n))
             object.__setattr__(self, "keep_ratios", default)

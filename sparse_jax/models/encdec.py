@@ -17,8 +17,9 @@ softmax encoder–decoder of the same size, the baseline):
   ``[[1, 2], [3, 4]]`` (:func:`literal_coordinates`), in the question and in the decoder's
   input, so that an entry of a matrix can be found by where it sits, whatever text precedes it.
   With ``positions="rotary"`` no sinusoids are added: every self-attention rotates its queries
-  and keys by their positions instead (:func:`rotate`), so that a head can look a fixed
-  distance back wherever it is (e.g. from a number to the ``m =`` before it).
+  and keys by their positions instead (:func:`~sparse_jax.models.positions.rotate`), so that a
+  head can look a fixed distance back wherever it is (e.g. from a number to the ``m =`` before
+  it).
 * Encoder layers (post-norm, "Add & Norm"): self-attention ``normalizer(QKᵀ/√d + M) V``
   (``normalizer="sparsemax"``; ``M`` is ``-inf`` outside the source's padding and, with
   ``encoder_window``, outside a window of that many keys either side), then an FFN. With
@@ -73,6 +74,7 @@ from flax import nnx
 from sparse_jax import masks as masks_lib
 from sparse_jax.dispatch import attention
 from sparse_jax.dynamic import topk_mask
+from sparse_jax.models.positions import rotate, sinusoid
 from sparse_jax.normalizers import NORMALIZERS, sparsemax_loss
 from sparse_jax.validation import (
     ALPHA_OF_NORMALIZER,
@@ -89,7 +91,6 @@ __all__ = [
     "greedy_decode",
     "literal_coordinates",
     "literal_step",
-    "rotate",
     "sequence_loss",
 ]
 
@@ -260,36 +261,6 @@ class EncDecConfig:
         return masks_lib.local(self.encoder_window, self.encoder_window)
 
 
-def sinusoid(positions: jax.Array, d_model: int) -> jax.Array:
-    """Sinusoidal position encodings ``[..., D]`` of integer ``positions [...]``."""
-    half = d_model // 2
-    freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / max(half, 1))
-    angle = positions.astype(jnp.float32)[..., None] * freq
-    enc = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
-    return jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, d_model - 2 * half)])
-
-
-def rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotary position encoding (RoPE) of queries or keys ``x [B, L, N, H]`` (``H`` even) at
-    integer ``positions [L]``: each pair of features ``(x_i, x_{i+H/2})`` turned by the angle
-    ``position · 10000^(-2i/H)``, so that the score of a rotated query and key depends on
-    their positions only through their difference.
-
-    Example:
-      >>> q, k = jnp.ones((1, 1, 1, 4)), jnp.arange(4.0).reshape(1, 1, 1, 4)
-      >>> def score(i, j):  # a query at i against a key at j
-      ...     return float((rotate(q, jnp.array([i])) * rotate(k, jnp.array([j]))).sum())
-      >>> round(score(5, 3), 4) == round(score(9, 7), 4)  # the same distance, the same score
-      True
-    """
-    half = x.shape[-1] // 2
-    freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[:, None] * freq  # [L, H/2]
-    cos, sin = (f(angle)[:, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))  # [L, 1, H/2]
-    a, b = x[..., :half], x[..., half:]
-    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-
-
 LITERAL_SLOTS = 16  # rows and columns of a literal told apart (later ones share the last)
 LITERAL_DEPTHS = 4  # bracket depths told apart (0: outside every literal)
 
@@ -395,8 +366,8 @@ class Attention(nnx.Module):
         return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
 
     def keys_values(self, memory: jax.Array, positions=None) -> tuple[jax.Array, jax.Array]:
-        """``k, v [B, Tk, N, H]`` of ``memory [B, Tk, D]``, the keys rotated (:func:`rotate`)
-        by ``positions [Tk]`` when given."""
+        """``k, v [B, Tk, N, H]`` of ``memory [B, Tk, D]``, the keys rotated by ``positions
+        [Tk]`` when given (:func:`~sparse_jax.models.positions.rotate`)."""
         k = self.heads(self.k(memory))
         if positions is not None:
             k = rotate(k, positions)

@@ -47,6 +47,7 @@ from sparse_jax.models.layers import (
     FixedAttention,
     Gate,
 )
+from sparse_jax.models.positions import rotate
 from sparse_jax.validation import check_choice, check_int, check_token_batch
 
 __all__ = [
@@ -75,6 +76,7 @@ PRESETS = {
 
 # Initial smear logit: each key starts as the mean of its own and the previous position's.
 SMEAR_INIT = 0.0
+POSITIONS = ("learned", "rotary")  # GPT2Config.positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,7 @@ class GPT2Config:
     """
 
     vocab_size: int = 50257  # tokens
-    n_positions: int = 1024  # longest sequence (learned position embeddings)
+    n_positions: int = 1024  # longest sequence (the learned position embeddings' rows)
     n_embd: int = 768  # model width D
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block (before pruning)
@@ -105,6 +107,11 @@ class GPT2Config:
     inner_per_layer: tuple[int, ...] | None = None  # per-block FFN width after pruning
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (parameters stay float32)
     smear_keys: bool = False  # each key mixed with the previous position's (a weight per head)
+    # How positions enter: "learned" embeddings added to the tokens' (GPT-2's ``wpe``), or
+    # "rotary": no ``wpe``, every attention rotates its queries and keys by their positions
+    # (sparse_jax.models.positions.rotate), so scores see only distances and a model trained
+    # on short sequences still has a meaning for later positions.
+    positions: Literal["learned", "rotary"] = "learned"
 
     def __post_init__(self):
         # Counts may be numpy integers (sizes read from arrays or files): stored as python ints.
@@ -140,6 +147,12 @@ class GPT2Config:
                 f"{caller}: `smear_keys` must be True or False; got {self.smear_keys!r}"
             )
         object.__setattr__(self, "smear_keys", bool(self.smear_keys))
+        check_choice(self.positions, "positions", POSITIONS, caller)
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(
+                f"{caller}: `positions`='rotary' turns pairs of features: the head size "
+                f"n_embd // n_head = {self.head_dim} must be even"
+            )
         for name in ("heads_per_layer", "inner_per_layer"):
             value = getattr(self, name)
             if value is not None:
@@ -308,6 +321,7 @@ class SelfAttention(nnx.Module):
         self.head_gate = (
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
         )
+        self.rotary = config.positions == "rotary"
         # Smeared keys: a learned weight per head on the previous position's key (see smear()).
         self.smear_logit = (
             nnx.Param(jnp.full((n,), SMEAR_INIT, jnp.float32)) if n and config.smear_keys else None
@@ -326,9 +340,13 @@ class SelfAttention(nnx.Module):
             return d
         return d * gate.hard_values()
 
-    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(
+        self, x: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values ``[B, T, N, H]`` of the block's normalized input ``x [B, T,
-        D]`` (before any score-scaling gate); needs ``num_heads > 0``.
+        D]`` as the scores see them (keys smeared, and with rotary positions queries and keys
+        turned by ``positions [T]``, None: ``0 .. T-1``), before any score-scaling gate; needs
+        ``num_heads > 0``.
 
         Example:
           >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
@@ -338,7 +356,11 @@ class SelfAttention(nnx.Module):
         """
         b, t, _ = x.shape
         qkv = self.c_attn(x).reshape(b, t, 3, self.num_heads, self.head_dim)
-        return qkv[:, :, 0], self.smear(qkv[:, :, 1]), qkv[:, :, 2]
+        q, k = qkv[:, :, 0], self.smear(qkv[:, :, 1])
+        if self.rotary:
+            positions = jnp.arange(t) if positions is None else positions
+            q, k = rotate(q, positions), rotate(k, positions)
+        return q, k, qkv[:, :, 2]
 
     def smear(self, k: jax.Array, previous: jax.Array | None = None) -> jax.Array:
         """Keys ``[B, T, N, H]`` as the scores see them: with ``GPT2Config.smear_keys``, each
@@ -364,7 +386,8 @@ class SelfAttention(nnx.Module):
         w = jax.nn.sigmoid(self.smear_logit[...]).astype(k.dtype)[None, None, :, None]
         return k + w * (before - k)
 
-    def __call__(self, x, *, cache=None, rngs=None):
+    def __call__(self, x, positions, *, cache=None, rngs=None):
+        """``x [B, T, D]`` at ``positions [T]`` (used by rotary positions only)."""
         b, t, _ = x.shape
         if not self.num_heads:
             return jnp.broadcast_to(self.c_proj_bias[...].astype(x.dtype), x.shape), {}, cache
@@ -378,6 +401,8 @@ class SelfAttention(nnx.Module):
             index = cache["index"]
             raw_last = k[:, -1]
             k = self.smear(k, cache.get("k_last"))
+            if self.rotary:  # the cache holds keys already turned by their own positions
+                q, k = rotate(q, positions), rotate(k, positions)
             k_all = jax.lax.dynamic_update_slice(
                 cache["k"], k.astype(cache["k"].dtype), (0, index, 0, 0)
             )
@@ -389,7 +414,10 @@ class SelfAttention(nnx.Module):
                 cache["k_last"] = raw_last.astype(k_all.dtype)
             out, aux = self.core(q, k_all, v_all, q_offset=index, rngs=rngs)
         else:
-            out, aux = self.core(q, self.smear(k), v, rngs=rngs)
+            k = self.smear(k)
+            if self.rotary:
+                q, k = rotate(q, positions), rotate(k, positions)
+            out, aux = self.core(q, k, v, rngs=rngs)
         aux = {f"mask_{key}": val for key, val in aux.items()}
         if gate is not None and gate.kind != "score_scaling":
             out = gate(out.swapaxes(-1, -2), rngs=rngs).swapaxes(-1, -2)
@@ -433,8 +461,8 @@ class Block(nnx.Module):
         self.ln_2 = nnx.LayerNorm(d, epsilon=eps, rngs=rngs)
         self.mlp = MLP(config, layer, spec, rngs)
 
-    def __call__(self, x, *, cache=None, rngs=None):
-        a, aux, cache = self.attn(self.ln_1(x), cache=cache, rngs=rngs)
+    def __call__(self, x, positions, *, cache=None, rngs=None):
+        a, aux, cache = self.attn(self.ln_1(x), positions, cache=cache, rngs=rngs)
         x = x + a
         m, aux_mlp = self.mlp(self.ln_2(x), rngs=rngs)
         return x + m, {**aux, **aux_mlp}, cache
@@ -488,8 +516,12 @@ class GPT2(nnx.Module):
         self.wte = nnx.Embed(
             config.vocab_size, d, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
         )
-        self.wpe = nnx.Embed(
-            config.n_positions, d, embedding_init=nnx.initializers.normal(0.01), rngs=rngs
+        self.wpe = (
+            nnx.Embed(
+                config.n_positions, d, embedding_init=nnx.initializers.normal(0.01), rngs=rngs
+            )
+            if config.positions == "learned"
+            else None  # rotary: positions enter the attentions
         )
         self.h = nnx.List([Block(config, i, specs[i], rngs) for i in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(d, epsilon=config.layer_norm_epsilon, rngs=rngs)
@@ -509,8 +541,8 @@ class GPT2(nnx.Module):
 
     def embed(self, ids: jax.Array, positions: jax.Array) -> jax.Array:
         """The first block's input ``[B, T, D]`` in the model's dtype: token embeddings of ids
-        ``[B, T]`` plus position embeddings of ``positions [T]``; an id outside
-        ``[0, vocab_size)`` embeds as NaN (see :meth:`__call__`).
+        ``[B, T]`` plus, with learned positions, the embeddings of ``positions [T]``; an id
+        outside ``[0, vocab_size)`` embeds as NaN (see :meth:`__call__`).
 
         Example:
           >>> model = GPT2(GPT2Config.preset("tiny"), rngs=nnx.Rngs(0))
@@ -524,7 +556,9 @@ class GPT2(nnx.Module):
         # its output), so that in-range ids compute exactly what they did without the guard.
         outside = (ids < 0) | (ids >= self.config.vocab_size)
         tokens = jnp.where(outside[..., None], jnp.nan, self.wte(ids))
-        return (tokens + self.wpe(positions)[None]).astype(jnp.dtype(self.config.dtype))
+        if self.wpe is not None:
+            tokens = tokens + self.wpe(positions)[None]
+        return tokens.astype(jnp.dtype(self.config.dtype))
 
     def _forward(self, ids, positions, caches, rngs):
         dtype = jnp.dtype(self.config.dtype)
@@ -532,7 +566,8 @@ class GPT2(nnx.Module):
         totals: dict[str, jax.Array] = {}
         new_caches = []
         for i, block in enumerate(self.h):
-            x, aux, cache = block(x, cache=None if caches is None else caches[i], rngs=rngs)
+            cache = None if caches is None else caches[i]
+            x, aux, cache = block(x, positions, cache=cache, rngs=rngs)
             new_caches.append(cache)
             for key, val in aux.items():
                 totals[key] = totals.get(key, 0.0) + val

@@ -392,7 +392,8 @@ def _copy_weights(src: GPT2, dst: GPT2, plan: HardenReport) -> None:
     cfg = src.config
     h = cfg.head_dim
     dst.wte.embedding[...] = src.wte.embedding[...]
-    dst.wpe.embedding[...] = src.wpe.embedding[...]
+    if src.wpe is not None:  # (rotary positions have no table)
+        dst.wpe.embedding[...] = src.wpe.embedding[...]
     for name in ("scale", "bias"):
         getattr(dst.ln_f, name)[...] = getattr(src.ln_f, name)[...]
     for i, (sb, db) in enumerate(zip(src.h, dst.h, strict=True)):

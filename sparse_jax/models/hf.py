@@ -114,6 +114,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPT2Config:
         "layer_norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
         "activation_function": hf.get("activation_function", "gelu_new"),
         "smear_keys": hf.get("smear_keys", False),
+        "positions": hf.get("positions", "learned"),
     }
     return GPT2Config(**{**fields, **overrides})
 
@@ -294,6 +295,8 @@ def _read_weights(weights_file: pathlib.Path) -> dict[str, np.ndarray]:
 def _expected(config) -> dict[str, tuple[int, ...]]:
     d, v, p = config.n_embd, config.vocab_size, config.n_positions
     shapes = {"wte.weight": (v, d), "wpe.weight": (p, d), "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    if config.positions == "rotary":  # no table: the attentions turn queries and keys
+        del shapes["wpe.weight"]
     for i in range(config.n_layer):
         n, u = config.heads(i) * config.head_dim, config.inner(i)
         pre = f"h.{i}."
@@ -401,7 +404,8 @@ def save_pretrained(
     (``GPT2Config.smear_keys``) is written with ``"smear_keys": true`` in ``config.json`` and a
     tensor ``h.<i>.attn.smear_logit`` ``[N]`` per block: :func:`from_pretrained` reads it back,
     but Hugging Face's own ``GPT2LMHeadModel`` does not know smeared keys and would compute
-    another function from those files.
+    another function from those files. Rotary positions (``GPT2Config.positions``) are written
+    the same way, ``"positions": "rotary"`` and no ``wpe`` tensor, and are read back only here.
 
     Example (a round trip with :func:`from_pretrained`):
       >>> import tempfile
@@ -468,6 +472,8 @@ def save_pretrained(
     }
     if config.smear_keys:
         hf["smear_keys"] = True
+    if config.positions != "learned":
+        hf["positions"] = config.positions
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_partials(folder)
     # Everything is written into a fresh sibling folder first: a new `folder` appears whole (one
