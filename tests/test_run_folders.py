@@ -1,14 +1,20 @@
 """The run folders of the three programs (the main job, the cascade, the chain of thought),
 handled alike by experiments.common.run_folder: a resumption refuses a missing, empty or foreign
 folder, a fresh start refuses a folder holding a run, a run or cache folder that cannot be
-written is refused by its flag, all before any data is prepared; a resumed chain-of-thought run
-falls back from a corrupt checkpoint and logs each update once. And the messages that pointed
+written is refused by its flag, all before any data is prepared (also on a read-only file system,
+which the tests simulate: they may run as root, whom a read-only folder does not stop); a
+checkpoint save that fails so midway keeps the checkpoint before it, and the run resumes from
+it; a resumed chain-of-thought run falls back from a corrupt checkpoint and logs each update
+once. And the messages that pointed
 elsewhere: capacity_for's arguments, the cascade's --model.l1-weight, the chain of thought's
 flag groups."""
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import errno
+import io
 import json
 import os
 import re
@@ -16,20 +22,25 @@ import shutil
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from experiments import cascade as cascade_experiment
 from experiments import cot as cot_experiment
 from experiments import distill
-from experiments.common import run_folder
+from experiments.common import phase, run_folder
+from experiments.distill.run_folder import Run
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot, text
 from sparse_jax.models.cascade import capacity_for
-from sparse_jax.training.checkpoint import CorruptCheckpointWarning
+from sparse_jax.training.checkpoint import Checkpointer, CorruptCheckpointWarning
+from sparse_jax.training.loop import TrainConfig
 from tests.test_cascade import TINY_RUN as CASCADE_FLAGS
 from tests.test_cot import RUN_FLAGS as COT_FLAGS
 from tests.test_distill import TINY as DISTILL_FLAGS
+from tests.test_reliability_files import _args as distill_args
+from tests.test_reliability_files import _Bag, _bag_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +215,123 @@ def test_a_run_or_cache_folder_that_cannot_be_written_is_refused_by_its_flag(
         above.chmod(0o755)
     assert f"{flag} '{above / 'inside'}' cannot be created or written {why}" in said, said
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+class ReadOnlyFileSystem:
+    """Makes ``mount`` behave as a file system mounted read-only while ``on``: creating,
+    writing, renaming or removing anything in it fails with EROFS, as the kernel says it (for
+    root too). The calls Python's files go through are patched (``os.mkdir``, which
+    ``os.makedirs`` and ``Path.mkdir`` use, ``open`` and ``os.open`` for writing, ``os.rename``,
+    ``os.replace``, ``os.unlink``, ``os.rmdir``); ``refused`` lists the paths refused."""
+
+    def __init__(self, monkeypatch, mount, *, on: bool = True):
+        self.mount, self.on, self.refused = os.path.abspath(mount), on, []
+        for name in ("mkdir", "unlink", "remove", "rmdir", "rename", "replace"):
+            monkeypatch.setattr(os, name, self._guard(getattr(os, name), name))
+        monkeypatch.setattr(os, "open", self._guard(os.open, "os.open"))
+        opened = self._guard(io.open, "open")
+        monkeypatch.setattr(io, "open", opened)  # pathlib's reads and writes
+        monkeypatch.setattr(builtins, "open", opened)
+
+    def _inside(self, path, dir_fd=None) -> bool:
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return False  # a file descriptor
+        path = os.fsdecode(path)
+        if dir_fd is not None:
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        path = os.path.abspath(path)
+        return path == self.mount or path.startswith(self.mount + os.sep)
+
+    def _guard(self, call, name):
+        def guarded(path, *args, **kwargs):
+            writes = True
+            if name == "open":
+                writes = any(c in (args[0] if args else kwargs.get("mode", "r")) for c in "wax+")
+            elif name == "os.open":
+                flags = args[0] if args else kwargs["flags"]
+                writes = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+            paths = [path, args[0]] if name in ("rename", "replace") else [path]
+            dir_fd = kwargs.get("dir_fd", kwargs.get("src_dir_fd"))
+            if self.on and writes and any(self._inside(p, dir_fd) for p in paths):
+                self.refused.append(os.fsdecode(path))
+                raise OSError(errno.EROFS, "Read-only file system", os.fsdecode(path))
+            return call(path, *args, **kwargs)
+
+        return guarded
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "flag, exists",
+    # (A data cache that exists is taken untried: one shared read-only may hold it all.)
+    [("--run.dir", False), ("--run.cache-dir", False), ("--run.dir", True)],
+    ids=["new run folder", "new cache folder", "existing run folder"],
+)
+def test_a_run_or_cache_folder_on_a_read_only_file_system_is_refused_by_its_flag(
+    name, flag, exists, tmp_path, no_data, capsys, monkeypatch
+):
+    # What the read-only-folder case above checks, where a chmod does not stop this user.
+    program = PROGRAMS[name]
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    folders = {"--run.dir": tmp_path / "run", "--run.cache-dir": tmp_path / "cache"}
+    folders[flag] = mount if exists else mount / "inside"
+    read_only = ReadOnlyFileSystem(monkeypatch, mount)
+    said = _refusal(program, program.argv(*folders.values()), capsys)
+    refused = f"{flag} '{folders[flag]}' cannot be created or written (Read-only file system)"
+    assert refused in said, said
+    assert read_only.refused and all(p.startswith(str(mount)) for p in read_only.refused)
+    assert os.listdir(mount) == []
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def _bag_phase(name: str, tmp_path, *, resume: bool, steps: int = 5):
+    """A bag-of-embeddings phase of ``steps`` updates with a checkpoint every 2, through the
+    phase code of the main job (``"distill"``) or the one the cascade and the chain of thought
+    share (``"shared"``); returns its checkpoint folder."""
+    config = TrainConfig(steps=steps, batch_size=4, warmup_steps=0)
+    if name == "distill":
+        args = distill_args(tmp_path, "run", "--run.checkpoint-every", "2")
+        run = Run(distill.parse([*args, "--resume"] if resume else args))
+        run.train_phase("bag", _Bag(), _bag_loss, config)
+    else:
+        rows = np.arange(64, dtype=np.int32).reshape(16, 4)
+        phase.train_phase(
+            _Bag(), _bag_loss, config, rows, folder=tmp_path / "run", name="bag",
+            checkpoint_every=2, resume=resume, log=print,
+        )  # fmt: skip
+    return tmp_path / "run" / "checkpoints" / "bag"
+
+
+@pytest.mark.parametrize("name", ["distill", "shared"])
+def test_a_save_failing_on_a_read_only_file_system_keeps_the_checkpoint_before_it(
+    name, tmp_path, monkeypatch
+):
+    # The checkpoints' disk turns read-only as the step-4 save starts: the run stops with the
+    # error, step 2 stays whole, and once the disk is writable again the run resumes from it.
+    read_only = ReadOnlyFileSystem(monkeypatch, tmp_path / "run" / "checkpoints", on=False)
+    save = ocp.CheckpointManager.save
+
+    def save_on_a_read_only_disk(self, step, *args, **kwargs):
+        read_only.on = step >= 4
+        return save(self, step, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(ocp.CheckpointManager, "save", save_on_a_read_only_disk)
+        with pytest.raises(OSError) as err:
+            _bag_phase(name, tmp_path, resume=False)
+    assert err.value.errno == errno.EROFS, err.value
+    ckpts = tmp_path / "run" / "checkpoints" / "bag"
+    assert read_only.refused and read_only.refused[0].startswith(str(ckpts / "4"))
+    read_only.on = False
+    assert sorted(os.listdir(ckpts)) == ["2"]
+    with Checkpointer(ckpts, save_every=2) as ckpt:
+        assert ckpt.all_steps() == [2] and ckpt.verify(2)[0], ckpt.verify(2)
+    _bag_phase(name, tmp_path, resume=True)
+    with Checkpointer(ckpts, save_every=2) as ckpt:
+        assert ckpt.latest_step() == 5
+    log = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in log] == [1, 2, 3, 4, 5]  # each update once
 
 
 def test_a_resumed_cot_run_falls_back_from_a_corrupt_checkpoint_and_logs_each_update_once(

@@ -441,7 +441,10 @@ class Solver:
             that training runs: opening its checkpoints removes unfinished writes);
             :data:`RECORD` cannot be read (naming the file and what is wrong), names a path
             outside the folder, or describes a model whose parameter shapes differ from the
-            checkpoint's (naming the field and both shapes).
+            checkpoint's (naming the field and both shapes); the checkpoint restored holds NaN
+            or infinite weights
+            (:class:`~sparse_jax.training.checkpoint.NonFiniteCheckpointError`, naming its
+            path, step and the first such parameter), which would answer with junk.
         """
         partial = check_bool(partial, "partial", "Solver.load")
         folder = Path(run_folder)

@@ -17,7 +17,15 @@ __all__ = ["rotate", "sinusoid"]
 
 
 def sinusoid(positions: jax.Array, d_model: int) -> jax.Array:
-    """Sinusoidal position encodings ``[..., D]`` of integer ``positions [...]``."""
+    """Sinusoidal position encodings ``[..., D]`` of integer ``positions [...]``: sines of
+    ``position · 10000^(-i/(D/2))`` in the first half of the features, their cosines in the
+    second (an odd ``D`` ends with a zero).
+
+    Example:
+      >>> enc = sinusoid(jnp.arange(3), 4)  # [L, D]
+      >>> enc.shape, enc[0].tolist()  # position 0: sines 0, cosines 1
+      ((3, 4), [0.0, 0.0, 1.0, 1.0])
+    """
     half = d_model // 2
     freq = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / max(half, 1))
     angle = positions.astype(jnp.float32)[..., None] * freq

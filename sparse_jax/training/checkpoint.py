@@ -35,6 +35,14 @@ Reliability:
 * Nothing is overwritten: saving a step that already exists is skipped with a log message,
   and saving a step older than the latest checkpoint raises.
 * :func:`check_finite` stops a run on a NaN/inf loss with the step and the last good checkpoint.
+* :meth:`Checkpointer.restore` refuses a checkpoint whose model arrays hold NaN or inf
+  (:class:`NonFiniteCheckpointError`, a ``ValueError`` naming the checkpoint's path, its step,
+  the first such array and how many of its entries are non-finite) before anything trains on
+  them or answers with them (such a checkpoint was damaged after it was written, or the
+  update before it diverged from a finite loss, which the loss check cannot see). The
+  optimizer state (the ``"opt"`` entry of :meth:`~sparse_jax.training.loop.Trainer.state`) is
+  not checked: optax states may hold ``inf`` by design (``reduce_on_plateau``'s best value and
+  the backtracking line search's last value start at ``inf``).
 
 Example:
 
@@ -63,6 +71,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -75,6 +84,7 @@ __all__ = [
     "Checkpointer",
     "CorruptCheckpointWarning",
     "NoReadableCheckpointError",
+    "NonFiniteCheckpointError",
     "NonFiniteLossError",
     "abstract_like",
     "check_finite",
@@ -101,6 +111,35 @@ class NoReadableCheckpointError(CheckpointError):
         super().__init__(message)
         self.steps = list(steps)
         self.details = details
+
+
+class NonFiniteCheckpointError(CheckpointError, ValueError):
+    """A checkpoint reads fine but its model arrays hold NaN or infinite values.
+
+    Attributes:
+      path: the checkpoint's directory (``<directory>/<step>``).
+      step: its step.
+      name: the '/'-joined path of the first array (in the state's order) holding some, such as
+        ``params/decoder/0/self_attn/q/kernel``.
+      count: how many entries of that array are NaN or infinite; ``size``: how many it has.
+      others: the paths of the other arrays holding some.
+    """
+
+    def __init__(
+        self, path: Any, step: int, name: str, count: int, size: int, others: Sequence[str] = ()
+    ):
+        self.path, self.step, self.name = path, step, name
+        self.count, self.size, self.others = count, size, list(others)
+        more = ""
+        if self.others:
+            listed = ", ".join(self.others[:3]) + (", ..." if len(self.others) > 3 else "")
+            more = f"; {len(self.others)} more arrays hold some ({listed})"
+        super().__init__(
+            f"checkpoint {path} (step {step}) holds non-finite values: {name} has {count} NaN "
+            f"or infinite entries of {size}{more}. Nothing can be trained from it or answered "
+            "with it (it was damaged after it was written, or the update before it diverged): "
+            "move it aside (rename its folder) to use the one before it, or train again"
+        )
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -206,6 +245,19 @@ def abstract_like(tree: Any) -> Any:
         return x
 
     return jax.tree.map(leaf, tree)
+
+
+def _leaf_name(path: Sequence[Any]) -> str:
+    """``params/encoder/0/kernel``: a leaf's tree path, '/'-joined (the ``value`` that an
+    ``nnx.Variable`` flattens to is dropped)."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/").removesuffix("/value")
+
+
+@jax.jit
+def _count_nonfinite(x: Any) -> jax.Array:
+    """The number of NaN/inf entries of ``x`` (one fused pass, on the array's devices; compiled
+    once per shape, which costs less than one program over a whole state)."""
+    return jnp.count_nonzero(~jnp.isfinite(x))
 
 
 def _is_key_array(x: Any) -> bool:
@@ -505,7 +557,12 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def restore(
-        self, step: int | None = None, *, target: Any = None, quarantine: bool = True
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        quarantine: bool = True,
+        unchecked: Sequence[str] = ("opt",),
     ) -> tuple[Any, dict[str, Any], Any, int]:
         """Restores a checkpoint; returns ``(state, data_state, rng, step)``.
 
@@ -520,6 +577,10 @@ class Checkpointer:
           quarantine: move unreadable checkpoints aside (a run that will write their steps
             again); False leaves the folder as it is (a reader, such as a run folder loaded for
             inference, which may be read-only or someone else's).
+          unchecked: the top-level entries of the state whose values may be NaN or infinite
+            by design (default: ``"opt"``, the optimizer state of
+            :meth:`~sparse_jax.training.loop.Trainer.state`); every other floating-point array
+            must be finite.
 
         Raises:
           FileNotFoundError: there is no complete checkpoint (or none for ``step``).
@@ -527,8 +588,18 @@ class Checkpointer:
             does not fit ``target``.
           NoReadableCheckpointError: (a ``CheckpointError``) no checkpoint at all can be read;
             they are left in place (:meth:`quarantine` moves them aside).
+          NonFiniteCheckpointError: (a ``CheckpointError`` and a ``ValueError``) the restored
+            checkpoint holds NaN or infinite values outside ``unchecked`` (naming its path, step
+            and the first such array); nothing is moved, and no earlier checkpoint is taken
+            instead (as for an unreadable one): the message says what to do.
         """
         quarantine = check_bool(quarantine, "quarantine", "Checkpointer.restore")
+        keys = unchecked if isinstance(unchecked, Sequence) else None
+        if keys is None or isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise TypeError(
+                "Checkpointer.restore: `unchecked` must be a sequence of the state's top-level "
+                f"keys (str), such as ('opt',); got {unchecked!r}"
+            )
         self._check_open()
         self.wait()
         steps = self.all_steps()
@@ -539,11 +610,13 @@ class Checkpointer:
                     f"available steps: {steps}"
                 )
             try:
-                return self._restore_step(int(step), target)
+                result = self._restore_step(int(step), target)
             except Exception as e:
                 raise CheckpointError(
                     f"cannot restore checkpoint {self.step_path(step)}: {type(e).__name__}: {e}"
                 ) from e
+            self._check_values(result[0], int(step), unchecked)
+            return result
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self._directory}")
         unreadable: list[tuple[int, str]] = []
@@ -565,6 +638,7 @@ class Checkpointer:
                 )
                 unreadable.append((candidate, message))
                 continue
+            self._check_values(result[0], candidate, unchecked)
             if quarantine:
                 self._quarantine([s for s, _ in unreadable])
             return result
@@ -588,6 +662,23 @@ class Checkpointer:
         extra = restored[_EXTRA]
         self._check_extra(extra, step)
         return restored[_STATE], dict(extra["data_state"]), _rng_from_json(extra["rng"]), step
+
+    def _check_values(self, state: Any, step: int, unchecked: Sequence[str]) -> None:
+        """Raises :class:`NonFiniteCheckpointError` when a floating-point array of ``state``
+        outside its top-level entries ``unchecked`` holds NaN or inf."""
+        named = [
+            (_leaf_name(path), leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+            if not (path and _leaf_name(path[:1]) in unchecked)
+            and jax.dtypes.issubdtype(getattr(leaf, "dtype", np.int32), np.inexact)
+        ]
+        if not named:
+            return
+        counts = jax.device_get([_count_nonfinite(leaf) for _, leaf in named])
+        bad = [(name, int(n), x.size) for (name, x), n in zip(named, counts, strict=True) if n]
+        if bad:
+            (name, count, size), others = bad[0], [b[0] for b in bad[1:]]
+            raise NonFiniteCheckpointError(self.step_path(step), step, name, count, size, others)
 
     def _check_extra(self, extra: Any, step: int) -> None:
         if not isinstance(extra, Mapping) or extra.get("format") != _FORMAT:
