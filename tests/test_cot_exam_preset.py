@@ -216,10 +216,19 @@ def test_a_solver_trained_on_a_descriptive_kind_reads_it():
     model = EncoderDecoder(cfg, rngs=nnx.Rngs(0))
     reads = cot.Solver(model, fmt, kinds=("subspaces",), chunk=8).answer(question)
     assert reads.kind == "subspaces" and reads.error is None and reads.tokens > 0
-    # A model not trained on it refuses it with parse_question's reason, undecoded.
+    # A model not trained on it refuses it, undecoded, naming the kind it read (not the
+    # computable parser's "could not find a matrix").
     refuses = cot.Solver(model, fmt, kinds=("rref",), chunk=8).answer(question)
-    assert refuses.error is not None and "could not parse" in refuses.error
-    assert refuses.tokens == 0
+    assert refuses.error == (
+        "this model was trained on rref questions only; this is a subspaces question"
+    )
+    assert refuses.tokens == 0 and refuses.kind == "subspaces"
+    anything = cot.Solver(model, fmt, chunk=8).answer(question)  # no kinds recorded
+    assert "was not trained on questions answered in words" in anything.error
+    assert anything.tokens == 0
+    # Neither parser reads it: the computable parser's reason.
+    why = cot.Solver(model, fmt, kinds=("rref",), chunk=8).answer("What is 2 + 2?").error
+    assert why.startswith("could not parse the question")
     # The article follows the word.
     elimination = lc.generate("elimination", 0).question
     why = cot.Solver(model, fmt, kinds=("rref",), chunk=8).answer(elimination).error

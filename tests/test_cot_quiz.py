@@ -299,7 +299,10 @@ def test_questions_in_words_are_asked_of_a_model_trained_on_their_kind(words_qui
     assert not first["dense"]["correct"] and first["dense"]["parts"] == {
         "rank": False, "C(A) dimension": True, "C(A) space": True, "basis": True}  # fmt: skip
     assert second["dense"]["correct"] and all(second["dense"]["parts"].values())
-    assert second["sparse"]["error"].startswith("could not parse the question")  # not its kind
+    assert second["sparse"]["error"] == (  # not its kind
+        "this model was trained on rref, column_space_basis questions only; this is a "
+        "subspaces question"
+    )
     assert not second["sparse"]["correct"] and second["sparse"]["tokens"] == 0
     assert "explanation in words" in rows[2]["not_asked"] and rows[2]["answers"] == {}
     assert rows[3]["answers"]["sparse"]["correct"] and rows[3]["answers"]["sparse"]["parts"] is None

@@ -513,20 +513,21 @@ class Solver:
         try:
             parsed = linalg_cot.parse_question(text)
         except ValueError as err:
-            # A question answered in words is read only by a model trained on its kind.
-            words = set(self.kinds or ()) & set(linalg_cot.DESCRIPTIVE_KINDS)
+            # A question answered in words: read only by a model trained on its kind (the
+            # refusal below names it); neither reading: the computable parser's reason.
             try:
-                parsed = linalg_cot.parse_descriptive(text) if words else None
+                parsed = linalg_cot.parse_descriptive(text)
             except ValueError:
-                parsed = None
-            if parsed is None or parsed.kind not in words:
                 return None, _refusal(str(err))
         kind = parsed.kind
-        if self.kinds is not None and kind not in self.kinds:
-            why = (
-                f"this model was trained on {', '.join(self.kinds)} questions only; this is "
-                f"{_article(kind)} {kind} question"
+        words = kind in linalg_cot.DESCRIPTIVE_KINDS  # read only by a model trained on it
+        if (self.kinds is not None or words) and kind not in (self.kinds or ()):
+            trained = (
+                f"was trained on {', '.join(self.kinds)} questions only"
+                if self.kinds
+                else "was not trained on questions answered in words"
             )
+            why = f"this model {trained}; this is {_article(kind)} {kind} question"
             return None, _refusal(why, kind)
         why = None if self.generator is None else _beyond(parsed, self.generator)
         if why is not None:
