@@ -380,14 +380,17 @@ def test_the_solver_answers_a_refused_question_with_the_reason(quiz):
     cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)
     solver = Solver(EncoderDecoder(cfg, rngs=nnx.Rngs(0)), CotFormat(48, 64), name="tiny")
     for question, reason in [
-        (quiz[8]["text"], REFUSED[8]),
-        (quiz[4]["text"], REFUSED[4]),
-        ("", "empty"),
-        ("y" * 10_000, "more than the 4000 allowed"),
+        (quiz[8]["text"], "could not parse the question: the question " + REFUSED[8]),
+        # A descriptive kind is read, then refused: this model was trained on none.
+        (quiz[4]["text"], "this model was not trained on questions answered in words; "
+                          "this is a column_space_basis question"),
+        ("", "could not parse the question: it is empty"),
+        ("y" * 10_000, "could not parse the question"),
     ]:
         answer = solver.answer(question)
         assert answer.final is None and answer.tokens == 0
-        assert answer.error.startswith("could not parse the question") and reason in answer.error
+        assert answer.error.startswith(reason), answer.error
+    assert "more than the 4000 allowed" in solver.answer("y" * 10_000).error
 
 
 # ------------------------------------------------------------------------------------------
