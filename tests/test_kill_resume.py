@@ -11,9 +11,9 @@ in its second phase, once that has a checkpoint of step 2 or later and has logge
 after it: the kill lands while that update's checkpoint is being written (the log line of an
 update with no checkpoint must go, the partial checkpoint must be ignored), and the resumption
 restores a finished phase and continues one from the middle. (Killed at other moments, before
-the first checkpoint, between the phases, in the measurements, the same checks hold, but for
-the hidden temporary file a kill inside experiments.common.files.write_text_atomically leaves:
-that is not tested here.)
+the first checkpoint, between the phases, in the measurements, the same checks hold; a kill
+inside a file's write leaves a hidden temporary file that the next write of that file removes,
+tests/test_files.py.)
 """
 
 from __future__ import annotations

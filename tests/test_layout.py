@@ -27,6 +27,7 @@ PACKAGES = ("sparse_jax", "experiments")
 LEVELS = {
     "sparse_jax.normalizers": 0,
     "sparse_jax.validation": 1,
+    "sparse_jax.files": 1,  # files written whole (run folders, caches, saved models)
     "sparse_jax.masks": 2,
     "sparse_jax.gates": 2,
     "sparse_jax.blocksparse": 3,

@@ -38,11 +38,11 @@ from experiments import distill
 from experiments.distill import phases as distill_phases
 from experiments.distill.run_folder import Run
 from sparse_jax.models import from_pretrained, save_pretrained
-from sparse_jax.models import hf as hf_lib
 from sparse_jax.models.gpt2 import GPT2, GPT2Config
 from sparse_jax.models.hf import PretrainedFileError
 from sparse_jax.training import loop
 from sparse_jax.training.checkpoint import Checkpointer, CheckpointError
+from tests import script_env
 from tests.test_distill import ROOT, TINY
 
 
@@ -157,6 +157,14 @@ def _killed_after_the_weights(*args, **kwargs):
     raise KeyboardInterrupt
 
 
+def _in_a_process_that_ends(expression: str) -> str:
+    """``expression`` (on ``sparse_jax.files``' names) evaluated in a child process, which has
+    ended when this returns: what it names belongs to a dead process."""
+    code = f"from sparse_jax.files import *; print({expression})"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=script_env()).stdout.strip()  # fmt: skip
+
+
 def test_save_pretrained_is_all_or_nothing(tmp_path, monkeypatch):
     model = _teacher()
 
@@ -166,9 +174,9 @@ def test_save_pretrained_is_all_or_nothing(tmp_path, monkeypatch):
             save_pretrained(model, tmp_path / "model")
     assert os.listdir(tmp_path) == []  # no folder that looks saved, no leftover
     # A SIGKILL leaves the hidden partial folder: a later save removes it (its process is gone).
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    leftover = tmp_path / f".model.partial-{hf_lib.socket.gethostname()}-{dead}-0123abcd"
+    leftover = pathlib.Path(
+        _in_a_process_that_ends(f"sibling({str(tmp_path / 'model')!r}, 'partial')")
+    )
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"half")
     save_pretrained(model, tmp_path / "model")
@@ -426,7 +434,7 @@ def test_run_folder_files_are_written_atomically(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "run") == ["config.json"]  # no temporary file beside it
     saved = (tmp_path / "run" / "config.json").read_text()
     # A write that fails before its rename leaves the old file whole, and no temporary file.
-    from experiments.common import files
+    from sparse_jax import files
 
     def fail(*args):
         raise OSError("disk full")

@@ -34,7 +34,11 @@ from experiments.distill.run_folder import Run
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot, text
 from sparse_jax.models.cascade import capacity_for
-from sparse_jax.training.checkpoint import Checkpointer, CorruptCheckpointWarning
+from sparse_jax.training.checkpoint import (
+    Checkpointer,
+    CheckpointSaveError,
+    CorruptCheckpointWarning,
+)
 from sparse_jax.training.loop import TrainConfig
 from tests.test_cascade import TINY_RUN as CASCADE_FLAGS
 from tests.test_cot import RUN_FLAGS as COT_FLAGS
@@ -322,6 +326,11 @@ def test_a_save_failing_on_a_read_only_file_system_keeps_the_checkpoint_before_i
             _bag_phase(name, tmp_path, resume=False)
     assert err.value.errno == errno.EROFS, err.value
     ckpts = tmp_path / "run" / "checkpoints" / "bag"
+    # One line naming the checkpoint and what is kept (the programs print it and exit 1).
+    assert isinstance(err.value, CheckpointSaveError), type(err.value)
+    assert str(err.value).startswith(f"could not write checkpoint {ckpts / '4'} (step 4): ")
+    assert "the checkpoint of step 2 is kept: resume from it" in str(err.value)
+    assert "\n" not in str(err.value) and (err.value.step, err.value.kept) == (4, 2)
     assert read_only.refused and read_only.refused[0].startswith(str(ckpts / "4"))
     read_only.on = False
     assert sorted(os.listdir(ckpts)) == ["2"]

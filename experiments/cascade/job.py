@@ -34,7 +34,6 @@ from flax import nnx
 from experiments.cascade.config import CascadeExperiment, linear_schedule, parse
 from experiments.cascade.report import write_report
 from experiments.common import measure
-from experiments.common.files import write_text_atomically
 from experiments.common.phase import main_of, stop_request, train_phase
 from experiments.common.run_folder import (
     CASCADE,
@@ -46,6 +45,7 @@ from experiments.common.run_folder import (
     with_program,
 )
 from sparse_jax.data import text
+from sparse_jax.files import write_text_atomically
 from sparse_jax.models import GPT2, GPT2Config
 from sparse_jax.models.cascade import CascadeLM, cascade_flops
 from sparse_jax.training.loop import TrainConfig

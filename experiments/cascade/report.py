@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from experiments.common.files import write_text_atomically
+from sparse_jax.files import replace_atomically, write_text_atomically
 
 __all__ = ["write_report"]
 
@@ -36,7 +36,7 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
         ax.set_yticks(range(blocks), [str(i) for i in range(1, blocks + 1)])
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(folder / "gates.png", dpi=90)
+    replace_atomically(folder / "gates.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
     plt.close(fig)
     if s["sweep"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -46,7 +46,9 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
         ax.set(xlabel="FLOPs per token", ylabel="perplexity")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(folder / "pareto.png", dpi=90)
+        replace_atomically(
+            folder / "pareto.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png")
+        )
         plt.close(fig)
     d, p = s["dense"], s["pruned"]
     mflops = lambda x: f"{x / 1e6:.2f} M"

@@ -1,4 +1,4 @@
 """What the experiments share: their flags' checks and resume checks (:mod:`.flags`), one
-checkpointed training phase of a run folder (:mod:`.phase`), atomic writes of a run's files
-(:mod:`.files`), the language-model measurements (:mod:`.measure`), timing and markdown tables
-for benchmarks (:mod:`.timing`) and the statistics of a comparison (:mod:`.stats`)."""
+checkpointed training phase of a run folder (:mod:`.phase`), the language-model measurements
+(:mod:`.measure`), timing and markdown tables for benchmarks (:mod:`.timing`) and the statistics
+of a comparison (:mod:`.stats`). A run's files are written whole by :mod:`sparse_jax.files`."""

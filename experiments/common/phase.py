@@ -147,8 +147,8 @@ def main_of(module: str, run: Callable, parse: Callable, argv, log: Callable[[st
     stopped early (:class:`RunStopped`) prints the command that continues it (``python -m
     module`` with these arguments and ``--run.resume``) and exits with :data:`EXIT_STOPPED`. A
     run or cache folder it cannot use (:class:`~experiments.common.run_folder.RunFolderError`)
-    is one line and exit status 2, as a bad flag is; checkpoints it cannot read, one line and
-    status 1."""
+    is one line and exit status 2, as a bad flag is; checkpoints it cannot read or write
+    (:class:`~sparse_jax.training.checkpoint.CheckpointError`), one line and status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return run(parse(argv))

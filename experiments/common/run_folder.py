@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from experiments.common.flags import CHECKPOINT_FLAGS, check_resume
+from sparse_jax.files import write_text_atomically
 from sparse_jax.training.checkpoint import CheckpointError, NoReadableCheckpointError
 
 __all__ = [
@@ -404,9 +405,7 @@ def forget_metrics_after(path: pathlib.Path, phase: str, step: int) -> None:
         if record.get("phase") == phase and record.get("step", -1) > step:
             continue
         kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
+    write_text_atomically(path, "".join(f"{line}\n" for line in kept))
 
 
 def restore_phase(trainer, phase: str, command: str | None = None) -> dict | None:

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from experiments.common.files import write_text_atomically
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
+from sparse_jax.files import write_text_atomically
 
 __all__ = [
     "ANSWERS",

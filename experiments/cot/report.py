@@ -11,10 +11,10 @@ import pathlib
 
 import numpy as np
 
-from experiments.common.files import write_text_atomically
 from experiments.cot.config import MODELS
 from experiments.cot.exam import quiz_lines, read_answers
 from sparse_jax.data import linalg_cot
+from sparse_jax.files import replace_atomically, write_text_atomically
 from sparse_jax.models.encdec import EncDecConfig
 
 __all__ = [
@@ -217,7 +217,7 @@ def _plots(folder: pathlib.Path, s: dict, kinds: list[str]) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(folder / "figure3.png", dpi=90)
+    replace_atomically(folder / "figure3.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
     metrics = folder / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -230,7 +230,7 @@ def _plots(folder: pathlib.Path, s: dict, kinds: list[str]) -> None:
         ax.set(xlabel="update", ylabel="training loss per token", yscale="log")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(folder / "loss.png", dpi=90)
+        replace_atomically(folder / "loss.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
 
 
 # Every kind a run may train: the computed ones and those answered in words.

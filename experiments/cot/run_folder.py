@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from experiments.common import stats
-from experiments.common.files import write_text_atomically
 from experiments.common.phase import train_phase
 from experiments.common.run_folder import (
     COT,
@@ -37,6 +36,7 @@ from experiments.cot.exam import DEFAULT_QUIZ, ask_quiz, quiz_path, read_quiz, w
 from experiments.cot.report import kind_figures, write_report
 from sparse_jax import cot
 from sparse_jax.data import linalg_cot
+from sparse_jax.files import write_text_atomically
 from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
 from sparse_jax.training.loop import TrainConfig
 from sparse_jax.training.stopping import StopRequest

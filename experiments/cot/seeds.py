@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from experiments.common import stats
-from experiments.common.files import write_text_atomically
 from experiments.common.phase import RunStopped
 from experiments.common.run_folder import RunFolderError
 from experiments.cot.config import MODELS, AllCommand, SeedsCommand, TrainCommand
@@ -32,6 +31,7 @@ from experiments.cot.report import (
 )
 from experiments.cot.run_folder import decode_test, log, prepare_data, recorded_quiz, train
 from sparse_jax import cot
+from sparse_jax.files import write_text_atomically
 from sparse_jax.models.encdec import describe
 from sparse_jax.training.stopping import StopRequest
 

@@ -45,7 +45,6 @@ import jax
 import numpy as np
 
 from experiments.common import measure
-from experiments.common.files import write_text_atomically
 from experiments.common.phase import EXIT_STOPPED, RunStopped, stop_request
 from experiments.common.run_folder import RunFolderError
 from experiments.distill import phases as distill_phases
@@ -53,6 +52,7 @@ from experiments.distill.cli import command, parse
 from experiments.distill.config import DistillConfig
 from experiments.distill.report import write_report
 from experiments.distill.run_folder import Run, log
+from sparse_jax.files import write_text_atomically
 from sparse_jax.training.checkpoint import CheckpointError
 
 __all__ = ["DistillConfig", "Run", "main", "parse", "run"]

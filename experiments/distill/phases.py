@@ -41,6 +41,7 @@ from experiments.distill.run_folder import Run, log
 from sparse_jax import masks
 from sparse_jax.data import recall, text
 from sparse_jax.dynamic import BlockSelection
+from sparse_jax.files import replace_atomically
 from sparse_jax.models import (
     GPT2,
     AttentionSpec,
@@ -138,9 +139,12 @@ def planted_swaps(run: Run, teacher: GPT2, student: GPT2) -> np.ndarray:
         return np.load(path)
     swaps = measure.planted_swaps(teacher, student, planted_pattern(c), run.eval_windows)
     if run.primary and folder.is_dir():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.npy")
-        np.save(tmp, swaps)
-        os.replace(tmp, path)
+
+        def save(tmp: pathlib.Path) -> None:
+            with open(tmp, "wb") as file:
+                np.save(file, swaps)
+
+        replace_atomically(path, save)
     return swaps
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import pathlib
 import re
 import sys
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
 from matplotlib.patches import Rectangle
+
+from sparse_jax.files import replace_atomically
 
 __all__ = ["write_report"]
 
@@ -71,7 +72,7 @@ def _plot_curves(phases, out: pathlib.Path) -> bool:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    replace_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return drawn
 
 
@@ -96,7 +97,7 @@ def _plot_weights(phases, candidates, out: pathlib.Path) -> bool:
     axes[0][0].set_ylabel("candidate weight, mean over heads")
     axes[0][-1].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
-    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    replace_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -144,7 +145,7 @@ def _plot_head_weights(summary, out: pathlib.Path) -> bool:
     ax.tick_params(axis="x", labelrotation=30)
     fig.colorbar(image, ax=ax, label="weight")
     fig.tight_layout()
-    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    replace_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -175,7 +176,7 @@ def _plot_block_maps(summary, out: pathlib.Path) -> bool:
         f"kept blocks per head at n = {maps['seq_len']} (grey: partial, black: full)", fontsize=8
     )
     fig.tight_layout()
-    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    replace_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -293,7 +294,7 @@ def _plot_density(summary, out: pathlib.Path) -> bool:
     ax.set_xticks(list(x))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    replace_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -319,7 +320,7 @@ def _plot_recall(summary, out: pathlib.Path) -> bool:
         ax.set_xlabel("depth", fontsize=8)
     axes[0].set_ylabel("length (tokens)", fontsize=8)
     fig.colorbar(image, ax=list(axes), fraction=0.05)
-    _replace(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    replace_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     return True
 
 
@@ -434,19 +435,8 @@ def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:
                 )
             lines.append("")
     path = run_dir / "report.md"
-    _replace(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     return path
-
-
-def _replace(path: pathlib.Path, write) -> None:
-    """``write(tmp)`` to a temporary file beside ``path``, then a rename onto ``path``: a
-    reader sees the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments.common import run_folder
-from experiments.common.files import write_text_atomically
 from experiments.common.flags import changed_flags
 from experiments.common.phase import fit_to_the_end
 from experiments.common.run_folder import (
@@ -40,6 +39,7 @@ from experiments.distill.cli import command, command_line
 from experiments.distill.config import OLD_FLAGS, DistillConfig, TrainConfig
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
+from sparse_jax.files import write_text_atomically
 from sparse_jax.training import sharding
 from sparse_jax.training.checkpoint import Checkpointer
 from sparse_jax.training.loop import Trainer, append_jsonl

@@ -18,6 +18,7 @@ from typing import Any
 
 from sparse_jax.cot.format import BOS_ID, EOS_ID, PAD_ID, CotFormat
 from sparse_jax.data.linalg_cot import DESCRIPTIVE_KINDS, KINDS, GeneratorConfig
+from sparse_jax.files import write_text_atomically
 from sparse_jax.models.encdec import EncDecConfig
 
 __all__ = ["RECORD", "generator_of", "inside", "read_record", "write_record"]
@@ -79,13 +80,7 @@ def write_record(
     }
     path = Path(folder) / RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_text_atomically(path, json.dumps(record, indent=2) + "\n")
 
 
 def read_record(folder: str | os.PathLike) -> dict[str, Any]:

@@ -57,6 +57,8 @@ from typing import ClassVar, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import tiktoken
 
+from sparse_jax.files import replace_atomically
+
 __all__ = [
     "GPT2_FILE_URLS",
     "ByteTokenizer",
@@ -416,9 +418,7 @@ def _download_gpt2(folder: Path, timeout: float) -> None:
         data = _with_time_limit(fetch, timeout, f"downloading {url}")
         if hashlib.sha256(data).hexdigest() != sha:
             raise ValueError(f"the download of {url} is corrupt (its SHA-256 is not {sha})")
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(folder / name)
+        replace_atomically(folder / name, lambda tmp, data=data: tmp.write_bytes(data))
 
 
 def _as_path(value: object, arg: str) -> Path:

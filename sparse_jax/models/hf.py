@@ -26,13 +26,12 @@ import os
 import pathlib
 import re
 import shutil
-import socket
-import uuid
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
+from sparse_jax.files import remove_dead_leftovers, sibling
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec, GPT2Config
 
 __all__ = [
@@ -475,11 +474,10 @@ def save_pretrained(
     if config.positions != "learned":
         hf["positions"] = config.positions
     folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_partials(folder)
+    remove_dead_leftovers(folder, "partial")
     # Everything is written into a fresh sibling folder first: a new `folder` appears whole (one
     # rename) or not at all, so a save killed midway never leaves a folder that looks saved.
-    tmp = folder.parent / f".{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-"
-    tmp = tmp.with_name(tmp.name + uuid.uuid4().hex[:8])
+    tmp = sibling(folder, "partial")
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -497,20 +495,3 @@ def save_pretrained(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-def _remove_dead_partials(folder: pathlib.Path) -> None:
-    """Removes what saves of ``folder`` killed midway left (``.<name>.partial-<host>-<pid>-*``
-    of a process of this host that no longer runs); a live writer's folder is left alone."""
-    host = socket.gethostname()
-    for leftover in folder.parent.glob(f".{folder.name}.partial-*"):
-        parts = leftover.name.removeprefix(f".{folder.name}.partial-").rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-            continue
-        pid = parts[1]
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:  # the process exists (owned by another user)
-            pass

@@ -81,6 +81,7 @@ from sparse_jax.validation import check_bool, check_int
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "Checkpointer",
     "CorruptCheckpointWarning",
     "NoReadableCheckpointError",
@@ -140,6 +141,37 @@ class NonFiniteCheckpointError(CheckpointError, ValueError):
             "with it (it was damaged after it was written, or the update before it diverged): "
             "move it aside (rename its folder) to use the one before it, or train again"
         )
+
+
+class CheckpointSaveError(CheckpointError, OSError):
+    """A checkpoint could not be written (a full or read-only disk, a folder made unwritable):
+    the checkpoints before it are untouched, so the run resumes from the newest of them once the
+    folder can be written again. Also an ``OSError`` with the failure's ``errno``, ``strerror``
+    and ``filename``.
+
+    Attributes:
+      path: the checkpoint's directory (``<directory>/<step>``); ``step``: its step.
+      kept: the step of the newest checkpoint before it, or None.
+    """
+
+    def __init__(self, path: Any, step: int, kept: int | None, cause: BaseException):
+        self.path, self.step, self.kept = path, step, kept
+        self.errno = getattr(cause, "errno", None)
+        self.strerror = getattr(cause, "strerror", None)
+        self.filename = getattr(cause, "filename", None)
+        before = (
+            f"the checkpoint of step {kept} is kept: resume from it"
+            if kept is not None
+            else "no checkpoint was written before it: start again"
+        )
+        super().__init__(
+            f"could not write checkpoint {path} (step {step}): {self.strerror or cause}"
+            f"{f' ({self.filename})' if self.filename else ''}; {before} once its folder can be "
+            "written"
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -507,14 +539,17 @@ class Checkpointer:
             json.dumps(extra, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise TypeError(f"data_state must be JSON-serialisable: {e}; got {data_state!r}") from e
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardSave(state), _EXTRA: ocp.args.JsonSave(extra)}
-            ),
-            metrics=_json_metrics(metrics),
-            force=True,
-        )
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardSave(state), _EXTRA: ocp.args.JsonSave(extra)}
+                ),
+                metrics=_json_metrics(metrics),
+                force=True,
+            )
+        except OSError as failed:
+            raise CheckpointSaveError(self.step_path(step), step, latest, failed) from failed
         if saved:
             logger.info("saved checkpoint %s", self.step_path(step))
         return bool(saved)
