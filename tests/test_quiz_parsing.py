@@ -382,8 +382,11 @@ def test_the_solver_answers_a_refused_question_with_the_reason(quiz):
     for question, reason in [
         (quiz[8]["text"], "could not parse the question: the question " + REFUSED[8]),
         # A descriptive kind is read, then refused: this model was trained on none.
-        (quiz[4]["text"], "this model was not trained on questions answered in words; "
-                          "this is a column_space_basis question"),
+        (
+            quiz[4]["text"],
+            "this model was not trained on questions answered in words; "
+            "this is a column_space_basis question",
+        ),
         ("", "could not parse the question: it is empty"),
         ("y" * 10_000, "could not parse the question"),
     ]:
