@@ -636,6 +636,7 @@ class BlockSparseCost(NamedTuple):
 
     Example (causal, 4 x 4 blocks of 2 x 2: 10 kept; the row groups of :func:`row_groups`
     compute 1, 2, 4 and 4 key blocks for the 4 query blocks, 11 blocks of 4 scores):
+
       >>> from sparse_jax.masks import causal
       >>> layout = causal().blocks(8, 8, 2, 2)
       >>> blocksparse_cost(layout, batch=1, num_heads=1, head_dim=4)  # q, k, v [1, 8, 1, 4]

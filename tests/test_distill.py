@@ -474,53 +474,6 @@ def test_default_config_is_the_flags_defaults():
     assert distill.parse([]) == distill_config.DistillConfig()
 
 
-def _documented_commands():
-    """Every ``python -m experiments.distill ...`` command of README.md and docs/*.md: the lines
-    of code blocks (backslash continuations joined, comments dropped) and inline code spans
-    (which may wrap), with the docs' shell variables expanded."""
-    out = []
-    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
-        text = doc.read_text()
-        variables = dict(re.findall(r'(?:^|`)(\w+)="([^"]*)"', text, flags=re.M))
-        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
-        lines = [
-            line.split("#", 1)[0]
-            for block in blocks
-            for line in block.replace("\\\n", " ").splitlines()
-        ]
-        prose = re.sub(r"```.*?```", "", text, flags=re.S)
-        lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]*)`", prose)]
-        for line in lines:
-            for command in re.findall(r"python -m experiments\.distill\b.*", line):
-                # Longest names first: $OLD must not replace the start of $OLD2.
-                for key, value in sorted(variables.items(), key=lambda kv: -len(kv[0])):
-                    command = command.replace(f"${key}", value)
-                out.append((doc.name, command.strip()))
-    return out
-
-
-@pytest.mark.parametrize(("doc", "command"), _documented_commands())
-def test_documented_commands_parse(doc, command, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    args = shlex.split(command)[3:]
-    if any(a.startswith("<") or a.endswith(">") for a in args) or "..." in args:
-        pytest.skip(f"{doc}: a pattern, not a command: {command}")
-    data = next((a for a in args if "shared/data" in a), None)
-    if data is not None and not (ROOT / data).exists():
-        pytest.skip(f"{doc}: {data} is absent")
-    if "--help" in args:
-        with pytest.raises(SystemExit) as info:
-            distill.parse(args)
-        assert info.value.code == 0
-        return
-    try:
-        distill.parse(args)
-    except ValueError as err:  # a named config's data (e.g. --config wikitext2_study)
-        if "shared/data" in str(err) and not (ROOT.parent / "shared" / "data").exists():
-            pytest.skip(f"{doc}: the shared data beside the checkout is absent: {err}")
-        raise
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -337,7 +337,8 @@ def masked_score_excess(teacher, windows: np.ndarray) -> np.ndarray:
     nats above the attended ones. A student that combines candidate masks through a log-bias
     on the scores (``soft_union``) then cannot silence those keys with a small weight: the bias
     ``log w`` must fall below minus the excess, i.e. the weight must be exactly 0, so the KL
-    is flat in the weights until they reach 0 (measured: docs/results.md, "Planted masks").
+    is flat in the weights until they reach 0 (measured: docs/archive/results-history.md,
+    "Planted masks").
 
     Example::
 

@@ -30,9 +30,9 @@ several seeds (the same data) and prints each one's exact match beside their mea
 then, when the quiz file is there, the study's table pooled over the seeds (per question and
 model: how many seeds answered it right, mean reasoning time, steps and tokens; each seed's
 ``quiz-answers.json`` kept in its folder). At the default's size a kind's exact match moves by
-many points between seeds (docs/results.md, "The window through the block-sparse kernel, and
-how much the default moves between seeds"), so a difference between two single runs says
-little. ``quiz`` asks the trained models the study's
+many points between seeds (docs/archive/results-history.md, "The window through the
+block-sparse kernel, and how much the default moves between seeds"), so a difference between
+two single runs says little. ``quiz`` asks the trained models the study's
 own exam (the nine questions of its Table 1 as it entered them, read from ``--eval.quiz``,
 default ``../shared/data/giantrabbit-quiz/quiz.json`` beside the repository): per question right
 or not against the study's answer, reasoning time, chain steps and tokens, sparse beside dense;

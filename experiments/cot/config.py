@@ -186,7 +186,8 @@ class Model:
     """The sparse model's attention normalizer (the dense one's: softmax)."""
     logit_scale: float | None = 0.125
     """The sparse model's attention: a learned per-head factor on QKᵀ/√d, starting at this value
-    (None: none; docs/results.md compares starts)."""
+    (None: none; docs/archive/results-history.md, "A learned temperature for sparsemax",
+    compares starts)."""
     learn_alpha: bool = False
     """The sparse model's attention: α-entmax with one α learned per head, starting at
     --model.normalizer's (sparsemax 2, entmax15 1.5; EncDecConfig.learn_alpha)."""
@@ -197,8 +198,9 @@ class Model:
     embed_mask: Literal["random", "magnitude"] = "magnitude"
     """SparseEmbed: which dimensions it keeps, each token's largest by magnitude (the default:
     over seeds 0-2 the sparse model then reads the question as a fixed random set does not, more
-    first steps right at the same exact match; docs/results.md, "What the models write") or a
-    fixed random set (``random``: the embedding table shrinks; EncDecConfig's default)."""
+    first steps right at the same exact match; docs/archive/results-history.md, "What the models
+    write") or a fixed random set (``random``: the embedding table shrinks; EncDecConfig's
+    default)."""
     cot_keep: float = EncDecConfig.cot_keep
     """Kept fraction of features at each chain-of-thought step, (0, 1]."""
     decoder_keep: float = EncDecConfig.decoder_keep
@@ -212,22 +214,26 @@ class Model:
     """With --model.decoder-window: the first tokens every query also sees."""
     decoder_block: int = 16
     """With --model.decoder-window: the block size of the decoder self-attention's mask, with
-    which `impl="auto"` chooses the block-sparse kernel or the dense one (docs/results.md)."""
+    which `impl="auto"` chooses the block-sparse kernel or the dense one
+    (docs/archive/results-history.md, "The window through the block-sparse kernel")."""
     cross_queries: Literal["input", "self"] = "self"
     """Both models' decoder cross-attention queries: what the self-attention found ('self', the
     default: EncDecConfig.cross_queries) or the layer's input, in parallel with its
     self-attention ('input', the study's form). With rotary positions over seeds 0-2, 'self'
     read the question right in the first step more often, both models, at the same exact match:
-    docs/results.md, "Rotary positions and cross-attention queries from the self-attention"."""
+    docs/archive/results-history.md, "Rotary positions and cross-attention queries from the
+    self-attention"."""
     positions: Literal["sinusoid", "rotary"] = "rotary"
     """Both models' positions: rotary (RoPE) in every self-attention (the default: over seeds
-    0-2 it took several times more chains of thought right, both models; docs/results.md,
-    "Rotary positions and cross-attention queries from the self-attention") or sinusoids added
+    0-2 it took several times more chains of thought right, both models;
+    docs/archive/results-history.md, "Rotary positions and cross-attention queries from the
+    self-attention") or sinusoids added
     to the embeddings (EncDecConfig.positions)."""
     literals: bool = True
     """Both models: learned embeddings of where each token sits in a matrix or vector
     literal (depth, row, column: EncDecConfig.literal_tokens), in the question and the
-    solution (--model.no-literals: none; docs/results.md compares)."""
+    solution (--model.no-literals: none; docs/archive/results-history.md, "What the models
+    write", compares)."""
     numbers: int = 0
     """Both models: each integer n with |n| < this many one token, its minus sign included
     unless the minus subtracts (sparse_jax.cot.CotFormat.numbers); 0: every byte a token."""
@@ -253,11 +259,12 @@ class Model:
 @dataclasses.dataclass(frozen=True)
 class Train:
     steps: int = 3600
-    """Updates of each model (docs/results.md compares the default's 3,600 with 2,400 over
-    seeds 0-2, and times the default on 2-core CPUs of different speeds)."""
+    """Updates of each model (docs/archive/results-history.md, "3,600 updates by default",
+    compares the default's 3,600 with 2,400 over seeds 0-2, and times the default on 2-core CPUs
+    of different speeds)."""
     batch_size: int = 12
     """Problems per update (the default's 12 is sized to the issue's time budget on a 2-core
-    CPU: docs/results.md)."""
+    CPU: docs/archive/results-history.md, "The default trains on batches of 12")."""
     lr: float = 3e-3
     """Peak learning rate (linear warm-up, cosine decay to 10%)."""
     warmup: int = 50
@@ -267,7 +274,8 @@ class Train:
     their solution lengths at that many, each batch drawn from one cell of that grid (cells of
     under 5% of the problems merged into larger ones) and padded only to its longest
     (sparse_jax.cot.length_buckets; each cell compiles once). ``1 1``: every batch padded to
-    the longest problem of all. docs/results.md compares them."""
+    the longest problem of all. docs/archive/results-history.md, "Batches from length buckets",
+    compares them."""
 
     def __post_init__(self):
         set_ints_at_least(self, "train", steps=1, batch_size=1, warmup=0)
@@ -466,7 +474,8 @@ def study() -> AllCommand:
     each, for each model: hours per model on one H200 (its update time is in docs/results.md),
     days on a 2-core CPU. The problems are many so that each is seen ~13 times: at the
     default's size the dense model overfit 3,000 problems seen ~38 times, and ten times the
-    problems gave both models more after 9,600 updates (docs/results.md).
+    problems gave both models more after 9,600 updates (docs/archive/results-history.md,
+    "Longer training with ten times the problems").
 
     It should reach the issue's claim: at least 90% exact match on every kind, the sparse model
     within 2 points of the dense one on each, and a lower decoding time per question. It has
@@ -477,11 +486,12 @@ def study() -> AllCommand:
         data=Data(kinds=linalg_cot.KINDS, sizes="default", train=100_000, validation=600, test=600),
         # A window of 256 keeps a step line and the one before it (up to 261 tokens at these
         # sizes). Unmeasured; at the default's small sizes 64 measured better than 128 and than
-        # causal (docs/results.md). The sparse model's logit scale starts at the default's 0.125,
+        # causal (docs/archive/results-history.md, "What costs the sparse model its points, and a
+        # decoder window"). The sparse model's logit scale starts at the default's 0.125,
         # also measured at the default's sizes only. Blocks of 64 (the default's 16 suit the
         # CPU's block-sparse kernel at its window of 64): on a GPU the window goes to the fused
         # Triton kernels, which run on tiles of at most the blocks, and tiles of 64 measured the
-        # fastest there, 32 slower (docs/benchmarks.md, third GPU pass).
+        # fastest there, 32 slower (docs/archive/benchmarks-history.md, third GPU pass).
         model=Model(
             d_model=256,
             num_heads=8,

@@ -368,7 +368,8 @@ class LossConfig(_Group):
     first update). Off at first, the KL alone decides which candidates a head needs; the price
     then chooses among those it is indifferent to (at full weight from the start, its steady
     gradient pushes needed candidates out of the sparsemax support before the KL's gradient,
-    small near uniform weights, can keep them: docs/results.md)."""
+    small near uniform weights, can keep them: docs/archive/results-history.md, "Planted
+    masks")."""
 
     def __post_init__(self):
         self.number("temperature", positive=True)

@@ -220,6 +220,7 @@ class Batch(NamedTuple):
 
     Example (:func:`split_rows` of rows ``[B, S + T + 1]`` gives ``source [B, S]``,
     ``source_lengths [B]`` and ``target_in``, ``target_out``, ``where`` each ``[B, T]``):
+
       >>> p = linalg_cot.Problem("rref", "rref of A = [[2]]?", ("R1 = (1/2)*R1 -> [[1]]",), "[[1]]")
       >>> batch = split_rows(jnp.asarray(pack([p, p], CotFormat(24, 40))), 24)
       >>> [tuple(x.shape) for x in batch]
@@ -270,6 +271,7 @@ def loss_fn(
     Example (2 problems packed as ``rows [2, 24 + 40 + 1]`` and a tiny model; ``jax.eval_shape``
     traces the loss without compiling it, ``jax.jit`` of the same partial, as the trainer runs
     it, computes it):
+
       >>> import functools
       >>> from flax import nnx
       >>> from sparse_jax.cot import VOCAB_SIZE

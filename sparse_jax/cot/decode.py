@@ -360,6 +360,7 @@ class Solver:
     Example (an untrained tiny model; a question that fits ``fmt`` is decoded, compiling the
     decoder once per batch shape, as in the module's example; this one is refused before any
     decoding, being longer than ``fmt.source_len``):
+
       >>> from sparse_jax.cot import VOCAB_SIZE
       >>> from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder
       >>> cfg = EncDecConfig(vocab_size=VOCAB_SIZE, d_model=8, num_heads=2, d_ff=16, cot_steps=0)

@@ -69,7 +69,8 @@ def _check_tuning(num_warps, num_stages, caller: str) -> None:
 
 
 # The Triton kernels' default tiles in both passes: the fastest in the GPU sweeps of tiles, for
-# softmax and sparsemax, causal and windowed (docs/benchmarks.md, "Second GPU pass").
+# softmax and sparsemax, causal and windowed (docs/archive/benchmarks-history.md,
+# "Second GPU pass").
 TRITON_TILE = 64
 
 

@@ -133,7 +133,7 @@ def threshold(plan: Plan, row_max, n_valid, eps, sigma, row_sums, expm1=jnp.expm
 # per block; a value more in the start can save a search pass (a pass over every kept block)
 # for a merge of [rows, 1] values, and 1.5-entmax's supports are wider than sparsemax's. The
 # passes counted (`python -m experiments.bench search_passes`) and the forwards timed
-# (`bench forward_passes --start-values`): docs/benchmarks.md, "Fourth GPU pass".
+# (`bench forward_passes --start-values`): docs/archive/benchmarks-history.md, "Fourth GPU pass".
 START_TOP = {"sparsemax": 16, "entmax15": 32}
 BLOCK_TOP = 2
 

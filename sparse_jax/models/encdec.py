@@ -245,7 +245,8 @@ class EncDecConfig:
         object with blocks of ``decoder_block`` x ``decoder_block``, so that ``impl="auto"``
         can take the block-sparse kernel, which skips the blocks the window leaves empty; a
         plain causal mask goes as a dense array (half its blocks are kept, and at a few hundred
-        positions the block-sparse kernel measured no faster there: docs/results.md).
+        positions the block-sparse kernel measured no faster there:
+        docs/archive/results-history.md, "The window through the block-sparse kernel").
         """
         if self.decoder_window is None:
             return masks_lib.causal()

@@ -158,8 +158,8 @@ def from_pretrained(
     Args:
       path_or_name: a folder with ``config.json`` and ``model.safetensors``, or a hub
         repository name (fetched with ``huggingface_hub`` when a network is available).
-      attention: :class:`~sparse_jax.models.gpt2.AttentionSpec`(s) (default: causal softmax,
-        the teacher).
+      attention: an :class:`~sparse_jax.models.gpt2.AttentionSpec` or one per block
+        (default: causal softmax, the teacher).
       rngs: for parameters the checkpoint does not hold (gates, candidate weights).
 
     Raises:

@@ -18,7 +18,7 @@ and f(τ) = Σ_i [z_i - τ]_+^(1/(α-1)) - 1 is decreasing. Each iteration is *o
 row that gathers a few sums over the current support S(τ) = {i : z_i > τ} in fused variadic
 reductions; all rows iterate together until the last one is finished. On CPU each row is summed
 in two stages, as a short column of vectors and then across them, which XLA:CPU vectorises
-(``search.row_sums``; docs/benchmarks.md, "Two-stage row sums on CPU").
+(``search.row_sums``; docs/archive/benchmarks-history.md, "Two-stage row sums on CPU").
 
 * ``sparsemax``: Michelot's fixed point τ ← (Σ_S z - 1) / |S| from τ = -1, which is Newton's
   method on the piecewise linear f started left of the root. The iterates increase, the

@@ -258,10 +258,10 @@ def _entmax_rows(x, eps, sigma):
     if sigma is None:
         # A per-row choice makes every pass select between the two forms, which on XLA:CPU can
         # keep a pass from fusing into its row sums, several times slower than one static form
-        # (docs/benchmarks.md, "α as an array"). So the rows are held as τ, in the static form,
-        # when no row's α is close enough to 1 to need σ (what each row would get alone), and
-        # the per-row choice runs only otherwise. (A static σ form for rows that all need it
-        # measured no faster than the per-row choice.)
+        # (docs/archive/benchmarks-history.md, "α as an array"). So the rows are held as τ, in the
+        # static form, when no row's α is close enough to 1 to need σ (what each row would get
+        # alone), and the per-row choice runs only otherwise. (A static σ form for rows that all
+        # need it measured no faster than the per-row choice.)
         near_one = eps <= SIGMA_MAX_EPS
         p = jax.lax.cond(jnp.any(near_one), lambda: solve(near_one), lambda: solve(False))
     else:

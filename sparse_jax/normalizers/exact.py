@@ -71,7 +71,7 @@ def sparsemax_search(tau0, done0, row_length: int, *, smallest: bool = False) ->
     so τ' is exact and the row is done in that pass, one pass before the size shows it (a start
     at the threshold takes one pass). The fused kernels take it, where a pass recomputes a
     tile's scores over every kept block; XLA's whole-row passes do not: on CPU the minimum
-    costs more than the pass it saves (docs/benchmarks.md).
+    costs more than the pass it saves (docs/archive/benchmarks-history.md, "Second GPU pass").
     """
 
     def terms(z, state):

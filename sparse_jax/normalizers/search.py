@@ -125,7 +125,7 @@ def _cpu_sum_width(n: int) -> tuple[int, int] | None:
     a short a (up to about 37 with sparsemax's two terms, less with 1.5-entmax's four) and w a
     multiple of 8, timed over a = 2-68 and w = 8-2048 on a 2-core CPU. So: the shortest padding,
     then the a of 6-32 closest to 20. Whole normalizers: ``python -m experiments.bench
-    normalizers`` (docs/benchmarks.md, "Two-stage row sums on CPU").
+    normalizers`` (docs/archive/benchmarks-history.md, "Two-stage row sums on CPU").
     """
     for padded in range(n, n + 8):
         for rows in sorted(range(6, 33), key=lambda a: abs(a - 20)):

@@ -2,8 +2,9 @@
 
 The embedded default as it was before the candidate weights became a distribution: independent
 sigmoid weights, 0.02 x their L1, harden(budget=0.3). Kept to compare with the default; its
-weights collapse (every head's candidates nearly equal). What it reached: docs/results.md,
-"The embedded default".
+weights collapse (every head's candidates nearly equal). Compared with: docs/results.md,
+"The embedded default"; what it reached: docs/archive/results-history.md, "Before: independent
+sigmoid weights, L1, a density budget".
 """
 
 from experiments.distill.config import (

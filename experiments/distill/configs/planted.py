@@ -8,7 +8,9 @@ the KL alone (no block price) and with no fine-tune, under the soft union of spa
 hardened by support (the candidate choice before the reviving mixture). The default objective
 on the same teacher is `--teacher.source planted` alone. The first run also trains the planted
 teacher and its swap table, later runs take both from the cache. What it reached (the heads
-whose planted candidate won, and hardened to it): docs/results.md, "Planted masks".
+whose planted candidate won, and hardened to it): docs/results.md, "Planted masks" (the runs
+of this config: docs/archive/results-history.md, "Before `7034391`: the KL alone on fixed
+weights, and the old default objective").
 """
 
 from experiments.distill.config import (

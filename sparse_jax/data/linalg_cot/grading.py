@@ -84,7 +84,7 @@ _WORKED_ROW_OP = re.compile(r"((?:undo [^:]*: )?[Rs]\d+ = [^:>]*?): (.*) -> (.*)
 
 def step_parts(step: str) -> tuple[str, str, str]:
     """A step's operation, its arithmetic (``""`` unless a row operation writes it) and the
-    state or deduction after it: split at its last `` -> ``, else at its first ``: ``
+    state or deduction after it: split at its last ``->``, else at its first colon
     (``r = 1 < n = 8: 7 free variables, ...``), else all result.
 
     Example:
@@ -116,7 +116,7 @@ def first_divergence(written: Sequence[str], reference: Sequence[str]) -> str | 
     row operation, another comparison), ``"<step type>: arithmetic"`` when it does the same
     but computes the changed row's entries wrong (:attr:`GeneratorConfig.arithmetic`),
     ``"<step type>: result"`` when it gets the state or deduction after it wrong (the text
-    after `` -> `` or ``: ``), ``"<step type>: missing"`` when the chain stops before the
+    after ``->`` or a colon), ``"<step type>: missing"`` when the chain stops before the
     reference's step, and ``"extra steps"`` when it goes on after the reference's last; the
     step type (:func:`step_type`) is the reference's. Steps are compared whitespace aside at
     both ends.
@@ -217,7 +217,7 @@ def solution_roles(solution: str) -> tuple[str, ...]:
     be told apart by the part of a step it writes:
 
     * ``operation``: what a step does (``R2 = R2 - 2*R1``, ``r = 1 < n = 8``), the text
-      before its `` -> `` or, without one, its first ``: `` (:func:`first_divergence`'s
+      before its ``->`` or, without one, its first colon (:func:`first_divergence`'s
       operation);
     * with :attr:`GeneratorConfig.arithmetic`, each term of :func:`row_arithmetic`: its
       ``operand`` entries (read from the matrix before; with :attr:`GeneratorConfig.products`

@@ -76,6 +76,7 @@ class RandomAccess(Protocol):
 
     Example (a :class:`~sparse_jax.data.text.storage.WindowSource`, an array
     ``[n, seq_len + 1]``, or any object like this):
+
       >>> class Squares:
       ...     def __len__(self):
       ...         return 4
