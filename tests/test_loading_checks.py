@@ -10,6 +10,7 @@ checkpoints of an untrained tiny model): nothing is trained or decoded beyond on
 
 from __future__ import annotations
 
+import copy as copy_module
 import functools
 import json
 import os
@@ -267,3 +268,29 @@ def test_tensors_of_a_type_numpy_cannot_read_are_a_value_error_naming_the_file(h
     with pytest.raises(hf.PretrainedFileError) as info:
         hf.from_pretrained(folder)
     assert str(weights) in str(info.value) and "float8" in str(info.value)
+
+
+def test_the_cot_command_line_refuses_a_model_it_cannot_load_in_one_line(copy, capsys):
+    from experiments.cot.job import main
+
+    folder, record = copy
+    ask = ["ask", RREF, "--run.dir", str(folder), "--model", "sparse"]
+    changed = copy_module.deepcopy(record)
+    changed["models"]["sparse"]["model"]["d_model"] = 32
+    _write(folder, changed)
+    with pytest.raises(SystemExit) as info:
+        main(ask)
+    assert info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[cot]")]
+    assert len(lines) == 1 and lines[0].startswith(f"[cot] error: --run.dir {str(folder)!r}: its")
+    assert "`models.sparse.model.d_model`=32 does not match the checkpoint" in lines[0]
+    # No checkpoint readable: one line giving each step's reason in brief, and status 1.
+    _write(folder, record)
+    for data in (folder / "checkpoints" / "sparse").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.warns(CorruptCheckpointWarning), pytest.raises(SystemExit) as info:
+        main(ask)
+    assert info.value.code == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[cot]")]
+    assert len(lines) == 1 and lines[0].startswith("[cot] error: no readable checkpoint in ")
+    assert "step 2: " in lines[0] and "step 1: " in lines[0] and len(lines[0]) < 1500, lines[0]

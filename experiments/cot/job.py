@@ -27,6 +27,7 @@ from experiments.cot.exam import ask_quiz, quiz_lines, quiz_path, write_answers
 from experiments.cot.report import write_report
 from experiments.cot.run_folder import (
     evaluate_run,
+    load_solver,
     log,
     prepare_data,
     read_config,
@@ -44,7 +45,7 @@ def ask(cmd: AskCommand) -> dict[str, cot.Answer]:
     names = MODELS if cmd.model == "both" else (cmd.model,)
     answers = {}
     for name in names:
-        solver = cot.Solver.load(cmd.run.dir, name, batch_size=1)
+        solver = load_solver(cmd.run.dir, name, batch_size=1)
         answer = solver.answer(cmd.question)
         answers[name] = answer
         print(f"== {name} model (trained {solver.step} updates) ==")
@@ -69,7 +70,7 @@ def quiz(cmd: QuizCommand) -> dict:
     if path.is_file():
         for name in MODELS:
             try:
-                solvers[name] = cot.Solver.load(folder, name, batch_size=1)
+                solvers[name] = load_solver(folder, name, batch_size=1)
             except FileNotFoundError:
                 log(f"{folder}: no trained {name} model")
         if not solvers:
@@ -100,7 +101,7 @@ def roles(cmd: RolesCommand) -> dict[str, dict[str, dict[str, int]]]:
     out = {}
     for name in MODELS:
         try:
-            solver = cot.Solver.load(folder, name)
+            solver = load_solver(folder, name)
         except FileNotFoundError:
             log(f"{folder}: no trained {name} model")
             continue

@@ -44,6 +44,7 @@ from sparse_jax.training.stopping import StopRequest
 __all__ = [
     "decode_test",
     "evaluate_run",
+    "load_solver",
     "log",
     "prepare_data",
     "quiz_questions",
@@ -307,13 +308,29 @@ def evaluate_run(folder: pathlib.Path, ev: Eval, cache_dir: pathlib.Path, starte
     return summary
 
 
+def load_solver(folder: str | pathlib.Path, name: str, **options) -> cot.Solver:
+    """``cot.Solver.load(folder, name, **options)`` for a command of this program: a model the
+    folder holds but that cannot be loaded (a damaged ``cot.json``, a record that does not
+    match its checkpoint) is a :class:`RunFolderError` naming ``--run.dir`` (one line and exit
+    status 2); a folder without the model raises ``FileNotFoundError`` as ``Solver.load`` does,
+    and checkpoints none of which can be read a ``CheckpointError`` (one line, status 1)."""
+    try:
+        return cot.Solver.load(folder, name, **options)
+    except FileNotFoundError:
+        raise
+    except ValueError as err:
+        raise RunFolderError(
+            f"--run.dir {str(folder)!r}: its {name} model cannot be loaded: {err}"
+        ) from err
+
+
 def decode_test(
     folder: pathlib.Path, name: str, test: list, ev: Eval
 ) -> tuple[cot.Solver, dict, list[dict]]:
     """Decodes ``test`` with the trained model ``name`` of ``folder`` (``cot.evaluate``) and
     writes its ``answers-<name>.jsonl``; the solver, the result without its records, and the
     records (one per test question, in order)."""
-    solver = cot.Solver.load(folder, name, batch_size=ev.batch_size, chunk=ev.chunk)
+    solver = load_solver(folder, name, batch_size=ev.batch_size, chunk=ev.chunk)
     log(f"{folder.name}, {name}: decoding {len(test)} test questions")
     result = cot.evaluate(solver, test, repeats=ev.repeats)
     records = result.pop("records")

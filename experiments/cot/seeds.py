@@ -29,7 +29,14 @@ from experiments.cot.report import (
     pct,
     roles_table,
 )
-from experiments.cot.run_folder import decode_test, log, prepare_data, recorded_quiz, train
+from experiments.cot.run_folder import (
+    decode_test,
+    load_solver,
+    log,
+    prepare_data,
+    recorded_quiz,
+    train,
+)
 from sparse_jax import cot
 from sparse_jax.files import write_text_atomically
 from sparse_jax.models.encdec import describe
@@ -136,7 +143,7 @@ def _quiz(
     if quiz.is_file():
         for name in models:
             if name not in solvers:
-                solvers[name] = cot.Solver.load(folder, name, batch_size=1)
+                solvers[name] = load_solver(folder, name, batch_size=1)
     log(f"{folder.name}: the study's exam ({quiz})")
     record = ask_quiz({name: solvers[name] for name in models if name in solvers}, quiz)
     write_answers(folder, record)

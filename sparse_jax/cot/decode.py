@@ -432,7 +432,9 @@ class Solver:
         (symbolic links included), and what it holds is checked before it is used. A
         checkpoint that cannot be read is skipped for the newest readable earlier one, with a
         :class:`~sparse_jax.training.checkpoint.CorruptCheckpointWarning` naming it (the
-        training's own mechanism, except that nothing in the folder is moved or written).
+        training's own mechanism, except that nothing in the folder is moved or written); that
+        one may be from before the end of training (``partial`` is not asked then: the final
+        checkpoint exists, it is damaged), and ``Solver.step`` says which step answers.
 
         Raises:
           FileNotFoundError: the folder has no :data:`RECORD` (not a run folder) or no
@@ -446,6 +448,8 @@ class Solver:
             or infinite weights
             (:class:`~sparse_jax.training.checkpoint.NonFiniteCheckpointError`, naming its
             path, step and the first such parameter), which would answer with junk.
+          NoReadableCheckpointError: no checkpoint of the model can be read (a
+            :class:`~sparse_jax.training.checkpoint.CheckpointError`, naming each step and why).
         """
         partial = check_bool(partial, "partial", "Solver.load")
         folder = Path(run_folder)

@@ -174,6 +174,13 @@ class CheckpointSaveError(CheckpointError, OSError):
         return str(self.args[0])
 
 
+def _brief(error: BaseException, limit: int = 300) -> str:
+    """The first line of ``error``'s message, at most ``limit`` characters: what a reader of a
+    one-line refusal needs (TensorStore's errors go on with the whole JSON spec of the array)."""
+    text = str(error).strip().split("\n", 1)[0]
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
 class CorruptCheckpointWarning(UserWarning):
     """A checkpoint could not be read and was skipped (its path is in the message)."""
 
@@ -752,7 +759,7 @@ class Checkpointer:
             self._check_extra(restored[_EXTRA], int(step))
             leaves = jax.tree.leaves(restored[_STATE])
         except Exception as e:  # any failure to read means the checkpoint is unusable
-            return False, f"{path}: {type(e).__name__}: {e}"
+            return False, f"{path}: {type(e).__name__}: {_brief(e)}"
         nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves)
         return True, f"{path}: ok ({len(leaves)} leaves, {nbytes} bytes)"
 
