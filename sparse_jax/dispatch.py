@@ -409,10 +409,9 @@ def _check_all(
 
 
 # impl="auto" takes the block-sparse kernel when it forms at most this fraction of the dense
-# score entries (its gathers cost extra work per entry). On a 2-core CPU causal masks, where it
-# forms 56-63% of the entries, ran fwd+bwd faster than the dense reference for n = 1024 ...
-# 16384 (docs/benchmarks.md, "Attention under masks: block-sparse kernel vs the dense
-# reference").
+# score entries (its gathers cost extra work per entry), so that causal masks (56-63% of the
+# entries) take it; how it compares with the dense reference at each length is measured in
+# docs/benchmarks.md, "Attention under masks: block-sparse kernel vs the dense reference".
 BLOCKSPARSE_MAX_FRACTION = 0.75
 
 
