@@ -188,7 +188,7 @@ class CascadeConfig:
         check_choice(self.gate, "gate", GATES, caller)
         check_choice(self.penalty, "penalty", PENALTIES, caller)
         for name, ok, allowed in (
-            ("l1_weight", lambda v: v >= 0, "a number >= 0"),
+            ("l1_weight", lambda v: v >= 0, "a finite number >= 0"),
             ("gate_init", lambda v: True, "a finite number"),
         ):
             value = getattr(self, name)
