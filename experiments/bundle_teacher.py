@@ -24,9 +24,8 @@ import tempfile
 import jax
 
 from experiments import distill
-from experiments.common import measure
+from experiments.common import measure, teachers
 from experiments.distill import phases as distill_phases
-from experiments.distill import teachers
 from experiments.distill.run_folder import Run, log
 from sparse_jax.files import write_text_atomically
 from sparse_jax.models import from_pretrained, save_pretrained

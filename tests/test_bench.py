@@ -402,7 +402,7 @@ def test_the_configs_adasplash_autotuned_are_recorded_beside_its_timings(monkeyp
 def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     import numpy as np
 
-    from experiments.bench.kernels import count_passes
+    from experiments.bench.passes import count_passes
     from sparse_jax import normalizers as nz
 
     bench.main(["search_passes", "--lengths", "256", "--scales", "1.0", "--rows", "16",
@@ -429,6 +429,95 @@ def test_the_search_passes_count_is_recomputed_from_the_searches(capsys):
     with pytest.raises(SystemExit):
         bench.main(["search_passes", "--lengths", "100", "--block", "64"])
     assert "must be multiples of block 64" in capsys.readouterr().err
+
+
+def test_the_teacher_search_passes_are_counted_on_its_own_causal_scores(capsys):
+    import numpy as np
+
+    from experiments.bench import passes
+    from experiments.bench.passes import count_passes
+    from experiments.common import teachers
+    from sparse_jax import normalizers as nz
+    from sparse_jax.models import from_pretrained
+
+    bench.main(["search_passes", "--scores", "teacher", "--lengths", "128", "--rows", "16",
+                "--block", "32", "--windows", "2", "--normalizers", "sparsemax"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "the bundled teacher's" in printed and "first 2 windows" in printed
+    lines = [line for line in printed.splitlines() if line.startswith("| sparsemax")]
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines]
+    assert [(c[2], c[6]) for c in cells] == [
+        (layer, start) for layer in ["all", "0", "1", "2", "3"] for start in ["-1", "kernels' (16)"]
+    ]
+    # The scores are the teacher's own: softmax of layer 0's rows is its attention's output
+    ids = passes.evaluation_windows(128, 2)
+    scores = passes.teacher_scores(ids)  # [L, W, N, q, k]
+    assert scores.shape == (4, 2, 4, 128, 128)
+    future = ~np.tri(128, dtype=bool)
+    assert np.isneginf(scores[..., future]).all() and np.isfinite(scores[..., ~future]).all()
+    model = from_pretrained(teachers.BUNDLED)
+    block = model.h[0]
+    x = block.ln_1(model.embed(jnp.asarray(ids), jnp.arange(128)))
+    v = block.attn.c_attn(x).reshape(2, 128, 3, 4, 64)[:, :, 2]
+    mixed = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(jnp.asarray(scores[0]), -1), v)
+    expected = block.attn(x, jnp.arange(128))[0]
+    np.testing.assert_allclose(block.attn.c_proj(mixed.reshape(2, 128, 256)), expected,
+                               atol=2e-5)  # fmt: skip
+    # Each layer's row of the table, from the benchmark's per-tile counts
+    per_layer = [passes.tile_passes("sparsemax", s.reshape(-1, 128), 16, 16, 2, 32)
+                 for s in scores]  # fmt: skip
+    for layer in range(4):
+        for i in range(2):
+            tiles = per_layer[layer][i].tiles
+            assert tiles.shape == (2 * 4 * 8,)
+            row = cells[2 + 2 * layer + i]
+            assert row[3] == "64" and row[-4:-1] == [
+                f"{tiles.mean():.2f}",
+                str(tiles.max()),
+                f"{per_layer[layer][i].rows.mean():.2f}",
+            ]
+            assert row[7] == f"{100 * np.mean(tiles == 1):.0f}%"
+
+    # Layer 1's tiles counted again one by one, without the benchmark's batching: a tile's
+    # rows over its kept blocks only, the start values by numpy (each 32-key block's 2
+    # largest, the 16 largest of those)
+    def count(tile):
+        z = np.float32(tile - tile.max(-1, keepdims=True))
+        blocks = -np.sort(-z.reshape(16, -1, 32), axis=-1)[..., :2].reshape(16, -1)
+        top = -np.sort(-blocks, axis=-1)[:, :16]
+        top = np.concatenate([top, np.full((16, 16 - top.shape[1]), -np.inf, np.float32)], -1)
+        start = nz.sparsemax_start([jnp.asarray(top[:, i : i + 1]) for i in range(16)])
+        z, done = jnp.asarray(z), jnp.zeros((16, 1), bool)
+        minus_one = jnp.full((16, 1), -1.0)
+        n = z.shape[-1]
+        base = count_passes(nz.sparsemax_search(minus_one, done, n, smallest=True), z)[0]
+        ours = count_passes(nz.sparsemax_search(start, done, n, smallest=True), z)[0]
+        return base, ours
+
+    recounted = []
+    for w, h, q in np.ndindex(2, 4, 8):  # the tiles' order: window, head, query tile
+        kept = -(-(q + 1) * 16 // 32) * 32  # keys of the blocks up to the diagonal
+        tile = np.float64(scores[1, w, h, q * 16 : (q + 1) * 16, :kept])
+        assert np.isneginf(tile[0]).any() and np.isfinite(tile[:, 0]).all()
+        recounted.append(count(tile))
+    base, ours = np.asarray(recounted).T
+    assert base.tolist() == per_layer[1][0].tiles.tolist()
+    assert ours.tolist() == per_layer[1][1].tiles.tolist()
+    assert base.max() >= 3 and (ours < base).any()  # not tiles every count gets right
+    # Bad flags are refused by name, before anything is loaded
+    with pytest.raises(SystemExit):
+        bench.main(["search_passes", "--scores", "teacher", "--lengths", "1024"])
+    err = capsys.readouterr().err
+    assert "lengths [1024] with --scores teacher" in err and "at most the teacher's 512" in err
+    with pytest.raises(ValueError, match=r"lengths \[96\] .* multiple of block 64"):
+        passes.SearchPassesConfig(scores="teacher", lengths=(96,))
+    with pytest.raises(ValueError, match=r"lengths \[128\] .* multiple of rows 48"):
+        passes.SearchPassesConfig(scores="teacher", lengths=(128,), rows=48, block=32)
+    with pytest.raises(ValueError, match="windows must be a positive integer, got 0"):
+        passes.SearchPassesConfig(scores="teacher", lengths=(128,), windows=0)
+    with pytest.raises(SystemExit):
+        bench.main(["search_passes", "--scores", "bert"])
+    assert "--scores" in capsys.readouterr().err
 
 
 def test_the_forward_passes_benchmark_times_each_cap_and_derives_the_cost_per_pass(capsys):

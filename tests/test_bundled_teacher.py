@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from experiments import bundle_teacher, distill
-from experiments.common import measure
+from experiments.common import measure, teachers
 from experiments.distill import config as distill_config
 from experiments.distill import phases as distill_phases
-from experiments.distill import teachers
 from sparse_jax.data import text
 from sparse_jax.models import from_pretrained
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import tyro
 
-from experiments.bench import attention, hardening, kernels, normalizers
+from experiments.bench import attention, hardening, kernels, normalizers, passes
 from experiments.common import timing
 
 __all__ = ["BENCHMARKS", "main", "parse"]
@@ -44,7 +44,7 @@ BENCHMARKS: dict[str, tuple[type, Callable[[Any, str], str]]] = {
     "hardening": (hardening.HardeningConfig, hardening.run_hardening),
     "kernels": (kernels.KernelsConfig, kernels.run_kernels),
     "pallas_tuning": (kernels.TuningConfig, kernels.run_tuning),
-    "search_passes": (kernels.SearchPassesConfig, kernels.run_search_passes),
+    "search_passes": (passes.SearchPassesConfig, passes.run_search_passes),
     "forward_passes": (kernels.ForwardPassesConfig, kernels.run_forward_passes),
 }
 

@@ -9,7 +9,6 @@ import importlib.util
 import itertools
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from experiments.common import timing
 from sparse_jax import masks
@@ -595,168 +593,6 @@ def run_tuning(config: TuningConfig, command: str) -> str:
     if stopped:
         raise Interrupted(markdown)
     return markdown
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchPassesConfig:
-    """How many passes over a row's blocks the fused kernels' threshold searches take (as they
-    run them: ``smallest=True``, done in the pass that reaches the threshold), from -1 and
-    from the kernels' start (``normalizers.sparsemax_start``, ``entmax15_start`` on the
-    values the first pass keeps: each block's ``block_top`` largest of a row, the ``top``
-    largest of those, merged by the kernel's own code), on query tiles of random scores: each
-    pass recomputes the tile's scores over every kept block, so the count is the sparse
-    forward's cost in units of a pass. Hardware-independent (counted, not timed): runs
-    anywhere."""
-
-    lengths: tuple[int, ...] = (640, 4096, 16384)
-    """Row lengths (keys a query row keeps: 640 is causal & local(512, 0) at blocks of 128),
-    multiples of ``block``."""
-    scales: tuple[float, ...] = (1.0, 2.0, 4.0)
-    """Standard deviations of the scores (1: q·k/√d of unit-variance q and k)."""
-    normalizers: tuple[Literal["sparsemax", "entmax15"], ...] = ("sparsemax", "entmax15")
-    rows: int = 64
-    """Rows of a query tile (the kernels' default tiles): the tile's search runs until its
-    last row is done."""
-    block: int = 64
-    """Keys per block (the kernels' default tiles)."""
-    top: int | None = None
-    """Values per row the start uses; default the kernels' for each normalizer
-    (``kernels.tilemath.START_TOP``)."""
-    block_top: int | None = None
-    """Largest values of each block the first pass keeps; default the kernels'
-    (``kernels.tilemath.BLOCK_TOP``); 0: the row's own ``top`` largest."""
-    seed: int = 0
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
-
-    def __post_init__(self) -> None:
-        timing.check_counts(self, "rows", "block")
-        timing.check_count_tuples(self, "lengths")
-        if self.top is not None:
-            timing.check_counts(self, "top")
-        if self.block_top is not None and (isinstance(self.block_top, bool) or self.block_top < 0):
-            raise ValueError(f"block_top must be an int >= 0, got {self.block_top!r}")
-        if any(n % self.block for n in self.lengths):
-            raise ValueError(f"lengths {self.lengths} must be multiples of block {self.block}")
-        if not self.scales or any(not (s > 0 and s < float("inf")) for s in self.scales):
-            raise ValueError(f"scales must be finite and > 0, got {self.scales!r}")
-
-
-def start_values(z, top: int, block_top: int, block: int) -> list:
-    """The values the kernels' first pass keeps of rows ``z [rows, n]``: each ``block``-key
-    block's ``block_top`` largest, the ``top`` largest of those (``[rows, 1]`` each,
-    decreasing; -inf where fewer), by the kernels' own ``tile_top`` and ``insert_top``;
-    ``block_top`` 0: the rows' own ``top`` largest."""
-    from sparse_jax.kernels import tilemath
-
-    if block_top == 0:
-        ordered = -jnp.sort(-z, axis=-1)
-        return [ordered[:, i : i + 1] for i in range(min(top, z.shape[-1]))]
-    kept = (jnp.full((z.shape[0], 1), -jnp.inf, z.dtype),) * top
-    for start in range(0, z.shape[-1], block):
-        for value in tilemath.tile_top(z[:, start : start + block], block_top):
-            kept = tilemath.insert_top(kept, value)
-    return list(kept)
-
-
-def sorted_threshold(normalizer: str, z) -> np.ndarray:
-    """Each row's threshold τ ``[rows, 1]`` by sorting, in float64: of sparsemax (``z = x -
-    max``: the closed form on the largest support that fits) or 1.5-entmax (``z = (x - max) /
-    2``: the root of ``Σ [z - τ]_+² = 1`` on the largest k whose root stays below its k-th
-    value). The reference the searches are checked and counted against."""
-    s = -np.sort(-np.asarray(z, np.float64), axis=-1)
-    k = np.arange(1, s.shape[-1] + 1)
-    with np.errstate(invalid="ignore"):
-        s1 = np.cumsum(s, axis=-1)
-        if normalizer == "sparsemax":
-            support = (1.0 + k * s > s1).sum(-1, keepdims=True)
-            return (np.take_along_axis(s1, support - 1, axis=-1) - 1.0) / support
-        disc = s1 * s1 - k * (np.cumsum(s * s, axis=-1) - 1.0)
-        roots = (s1 - np.sqrt(np.maximum(disc, 0.0))) / k
-        fits = (disc >= 0) & (roots <= s)
-    last = np.where(fits, k, 0).max(-1, keepdims=True)
-    return np.take_along_axis(roots, last - 1, axis=-1)
-
-
-def count_passes(search, z) -> tuple[int, np.ndarray, jax.Array]:
-    """Runs a ``normalizers.RowSearch`` on whole rows ``z [rows, n]``: (passes until every row
-    is done, each row's passes ``[rows]``, the final τ ``[rows, 1]``)."""
-    state, passes = search.init, 0
-    per_row = np.zeros(z.shape[0], int)
-    while not bool(jnp.all(state[-1])) and passes < search.max_iter:
-        terms = search.terms(z, state)
-        sums = tuple(
-            (jnp.min if i >= len(terms) - search.minima else jnp.sum)(t, axis=-1, keepdims=True)
-            for i, t in enumerate(terms)
-        )
-        state, passes = search.update(state, sums), passes + 1
-        per_row += ~np.asarray(state[-1])[:, 0]
-    return passes, per_row + 1, state[0]
-
-
-def run_search_passes(config: SearchPassesConfig, command: str) -> str:
-    """Returns the markdown of the search-passes count (see SearchPassesConfig)."""
-    from sparse_jax import normalizers as nz
-    from sparse_jax.kernels import tilemath
-
-    block_top = tilemath.BLOCK_TOP if config.block_top is None else config.block_top
-    start = time.perf_counter()
-    header = timing.environment_line(command)
-    rng = np.random.default_rng(config.seed)
-    rows = []
-    for norm in config.normalizers:
-        for n in config.lengths:
-            for scale in config.scales:
-                x = rng.standard_normal((config.rows, n)) * scale
-                z = x - x.max(-1, keepdims=True)
-                z = jnp.asarray(z if norm == "sparsemax" else z / 2, jnp.float32)
-                top = config.top or tilemath.START_TOP[norm]
-                kept = start_values(z, top, block_top, config.block)
-                done, minus_one = (
-                    jnp.zeros((config.rows, 1), bool),
-                    jnp.full((config.rows, 1), -1.0),
-                )
-                if norm == "sparsemax":
-                    starts = (minus_one, nz.sparsemax_start(kept))
-                    searches = [
-                        nz.sparsemax_search(tau0, done, n, smallest=True) for tau0 in starts
-                    ]
-                else:
-                    starts = (minus_one, nz.entmax15_start(kept))
-                    searches = [nz.entmax15_search(tau0, done, smallest=True) for tau0 in starts]
-                (base, base_rows, tau), (ours, our_rows, tau_ours) = (
-                    count_passes(search, z) for search in searches
-                )
-                gap = float(jnp.max(jnp.abs(tau - tau_ours)))
-                ulps = np.abs(np.asarray(tau_ours, np.float64) - sorted_threshold(norm, z))
-                ulps = float(ulps.max()) / float(np.finfo(np.float32).eps)
-                rows.append(
-                    [norm, str(n), f"{scale:g}", str(top), str(base), str(ours),
-                     f"{base_rows.mean():.1f}", f"{our_rows.mean():.1f}", f"{gap:.1e}",
-                     f"{ulps:.2f}"]
-                )  # fmt: skip
-    headers = ["normalizer", "n", "score std", "start values", "tile passes from -1",
-               "from the start", "row mean from -1", "from the start", "max |Δτ|",
-               "ulps from sorting"]  # fmt: skip
-    table = timing.markdown_table(headers, rows, align="lrrrrrrrrr")
-    notes = [
-        f"{config.rows}-row tiles of N(0, std²) scores; the start uses "
-        + (
-            "each row's largest values (start values: how many)"
-            if block_top == 0
-            else f"the largest (start values: how many) of each {config.block}-key block's "
-            f"{block_top} largest values of a row, as the kernels' first pass keeps them"
-        )
-        + ". Passes: threshold-search passes until the tile's last row (or the "
-        "row) is done, the confirming pass included (and 1.5-entmax's polishing pass where a "
-        "root was formed far from it); the kernels add a first pass (the maximum and the "
-        "largest values) and an output pass. max |Δτ|: "
-        "the two starts' thresholds (the same τ, to rounding); ulps from sorting: the largest "
-        "difference of the threshold from the start to sorting's in float64, in float32 ulps "
-        "(eps) of the rows' scale (their maximum is 0).",
-        f"Total wall time {time.perf_counter() - start:.0f} s.",
-    ]
-    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,9 @@ import pathlib
 import re
 from typing import Any, ClassVar, Literal
 
+from experiments.common import teachers
 from experiments.common.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
-from experiments.distill import configs, teachers
+from experiments.distill import configs
 from sparse_jax.models.gpt2 import POSITIONS, PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,

@@ -1,7 +1,7 @@
 """The three phases of the distillation job, each checkpointed and resumable through
 :class:`~experiments.distill.run_folder.Run`:
 
-1. ``teacher``: the bundled teacher (:mod:`experiments.distill.teachers`), a Hugging Face GPT-2
+1. ``teacher``: the bundled teacher (:mod:`experiments.common.teachers`), a Hugging Face GPT-2
    loaded from a folder or the hub, or a GPT-2 of a preset size trained here with cross-entropy and
    cached (Hugging Face layout) under the cache folder, densely or with a planted candidate
    mask per head (:func:`planted_pattern`);
@@ -34,8 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.common import measure
-from experiments.distill import teachers
+from experiments.common import measure, teachers
 from experiments.distill.config import DistillConfig
 from experiments.distill.run_folder import Run, log
 from sparse_jax import masks
