@@ -17,13 +17,13 @@ from sparse_jax.models import (
     AttentionSpec,
     GPT2Config,
     from_pretrained,
-    generate,
     harden,
     save_pretrained,
     student_from_teacher,
 )
 from sparse_jax.models.cascade import CascadeConfig
 from sparse_jax.models.positions import rotate
+from tests.decoding import check_cached_decoding
 
 
 def _rotary(spec: AttentionSpec | None = None, **overrides) -> GPT2:
@@ -65,19 +65,7 @@ def test_a_rotary_model_has_no_position_table_and_its_scores_see_only_distances(
     ids=["causal-softmax", "window-entmax15-smeared"],
 )
 def test_cached_decoding_in_chunks_equals_the_full_pass(spec, smear):
-    model = _rotary(spec, smear_keys=smear)
-    ids = _ids(2, 12)
-    full = model(ids)
-    caches = model.init_cache(2, 12)
-    pieces = []
-    for lo, hi in ((0, 5), (5, 6), (6, 12)):  # a prompt, one token, then a chunk
-        logits, caches = model.decode(ids[:, lo:hi], caches)
-        pieces.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(pieces, 1), full, atol=1e-5)
-    greedy = generate(model, ids[:, :4], 3, temperature=0.0)
-    prefixes = model(greedy[:, :6])
-    for t in range(4, 7):
-        np.testing.assert_array_equal(greedy[:, t], jnp.argmax(prefixes[:, t - 1], -1))
+    check_cached_decoding(_rotary(spec, smear_keys=smear), _ids(2, 12))
 
 
 def test_files_round_trip_rotary_positions(tmp_path):

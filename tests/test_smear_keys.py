@@ -16,12 +16,12 @@ from sparse_jax.models import (
     AttentionSpec,
     GPT2Config,
     from_pretrained,
-    generate,
     harden,
     save_pretrained,
     student_from_teacher,
 )
 from sparse_jax.models.cascade import CascadeConfig
+from tests.decoding import check_cached_decoding
 
 SMEAR_LOGITS = ([-1.5, 0.0, 2.0], [1.0, -3.0, 0.5])  # per block, per head: w = sigmoid(logit)
 
@@ -77,22 +77,8 @@ def test_a_fully_smeared_head_attends_with_the_previous_positions_keys():
 )
 def test_cached_decoding_in_chunks_equals_the_full_pass(spec):
     model = _smeared(spec)
-    ids = _ids(2, 12)
-    full = model(ids)
-    caches = model.init_cache(2, 12)
-    assert caches[0]["k_last"].shape == (2, 3, 16)
-    pieces = []
-    # a prompt, one token on the cache, then a chunk of several on it
-    for lo, hi in ((0, 5), (5, 6), (6, 12)):
-        logits, caches = model.decode(ids[:, lo:hi], caches)
-        pieces.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(pieces, 1), full, atol=1e-5)
-    greedy = generate(model, ids[:, :4], 3, temperature=0.0)
-    # each greedy token is the argmax of the full pass over its prefix: the model is causal, so
-    # one full pass gives every prefix's last logits (position t - 1's)
-    prefixes = model(greedy[:, :6])
-    for t in range(4, 7):
-        np.testing.assert_array_equal(greedy[:, t], jnp.argmax(prefixes[:, t - 1], -1))
+    assert model.init_cache(2, 12)[0]["k_last"].shape == (2, 3, 16)  # each head's last raw key
+    check_cached_decoding(model, _ids(2, 12))
 
 
 def test_files_round_trip_the_smear_and_plain_files_stay_gpt2(tmp_path):
