@@ -20,7 +20,7 @@ import pytest
 from jax.test_util import check_grads
 
 import sparse_jax as sj
-from experiments.bench.kernels import sorted_threshold
+from experiments.bench.passes import sorted_threshold
 from tests.reference import entmax15_ref, entmax_ref, sparsemax_ref
 
 # Jitted once per (function, shape, dtype): hypothesis varies lengths, so rows are padded to a
@@ -449,7 +449,7 @@ def test_two_stage_row_sums_run_on_cpu_only_and_match_plain_sums(name, n, monkey
 
 def _passes(search, z):
     """(passes until every row is done, final τ) of a RowSearch run on whole rows."""
-    from experiments.bench.kernels import count_passes
+    from experiments.bench.passes import count_passes
 
     passes, _, tau = count_passes(search, z)
     return passes, tau
