@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,16 @@ def script_env(**variables: str) -> dict[str, str]:
     ``variables`` on top."""
     path = os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path, **variables}
+
+
+def dead_sibling(path: Path, tag: str) -> Path:
+    """``sparse_jax.files.sibling(path, tag)`` as a child process names it, the child having
+    ended when this returns: the name a writer killed midway leaves behind."""
+    code = f"from sparse_jax import files; print(files.sibling({str(path)!r}, {tag!r}))"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), check=True
+    )
+    return Path(child.stdout.strip())
 
 
 def start_logged(cmd: list[str], log: Path, **kwargs) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from sparse_jax import files
-from tests import script_env
+from tests import dead_sibling, script_env
 
 
 def _killed_midway(path: pathlib.Path) -> pathlib.Path:
@@ -48,24 +48,15 @@ def test_a_killed_writers_leftover_is_removed_by_the_next_write(tmp_path):
     assert os.listdir(tmp_path) == ["summary.json"]
 
 
-def _dead_sibling(path: pathlib.Path, tag: str) -> pathlib.Path:
-    """``files.sibling(path, tag)`` of a child process that has ended."""
-    code = f"from sparse_jax import files; print(files.sibling({str(path)!r}, {tag!r}))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), check=True
-    )
-    return pathlib.Path(proc.stdout.strip())
-
-
 def test_leftovers_of_live_writers_other_hosts_and_other_files_are_kept(tmp_path):
     path = tmp_path / "summary.json"
     live = files.sibling(path)  # this process still runs
     live.write_text("being written")
-    dead_pid = _dead_sibling(path, "tmp").name.split("-")[2]
+    dead_pid = dead_sibling(path, "tmp").name.split("-")[2]
     other_host = tmp_path / f".summary.json.tmp-elsewhere-{dead_pid}-0123abcd"
     other_host.write_text("another host's write")
     other_file = _killed_midway(tmp_path / "report.md")
-    other_tag = _dead_sibling(path, "partial")
+    other_tag = dead_sibling(path, "partial")
     other_tag.mkdir()
     (other_tag / "model.safetensors").write_text("half")
     files.write_text_atomically(path, "new")

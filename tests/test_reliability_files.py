@@ -42,7 +42,7 @@ from sparse_jax.models.gpt2 import GPT2, GPT2Config
 from sparse_jax.models.hf import PretrainedFileError
 from sparse_jax.training import loop
 from sparse_jax.training.checkpoint import Checkpointer, CheckpointError
-from tests import script_env
+from tests import dead_sibling
 from tests.test_distill import ROOT, TINY
 
 
@@ -157,14 +157,6 @@ def _killed_after_the_weights(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-def _in_a_process_that_ends(expression: str) -> str:
-    """``expression`` (on ``sparse_jax.files``' names) evaluated in a child process, which has
-    ended when this returns: what it names belongs to a dead process."""
-    code = f"from sparse_jax.files import *; print({expression})"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, env=script_env()).stdout.strip()  # fmt: skip
-
-
 def test_save_pretrained_is_all_or_nothing(tmp_path, monkeypatch):
     model = _teacher()
 
@@ -174,9 +166,7 @@ def test_save_pretrained_is_all_or_nothing(tmp_path, monkeypatch):
             save_pretrained(model, tmp_path / "model")
     assert os.listdir(tmp_path) == []  # no folder that looks saved, no leftover
     # A SIGKILL leaves the hidden partial folder: a later save removes it (its process is gone).
-    leftover = pathlib.Path(
-        _in_a_process_that_ends(f"sibling({str(tmp_path / 'model')!r}, 'partial')")
-    )
+    leftover = dead_sibling(tmp_path / "model", "partial")
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"half")
     save_pretrained(model, tmp_path / "model")

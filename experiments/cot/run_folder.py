@@ -38,6 +38,7 @@ from sparse_jax import cot
 from sparse_jax.data import linalg_cot
 from sparse_jax.files import write_text_atomically
 from sparse_jax.models.encdec import EncDecConfig, EncoderDecoder, describe
+from sparse_jax.training.checkpoint import CheckpointError
 from sparse_jax.training.loop import TrainConfig
 from sparse_jax.training.stopping import StopRequest
 
@@ -313,11 +314,12 @@ def load_solver(folder: str | pathlib.Path, name: str, **options) -> cot.Solver:
     folder holds but that cannot be loaded (a damaged ``cot.json``, a record that does not
     match its checkpoint) is a :class:`RunFolderError` naming ``--run.dir`` (one line and exit
     status 2); a folder without the model raises ``FileNotFoundError`` as ``Solver.load`` does,
-    and checkpoints none of which can be read a ``CheckpointError`` (one line, status 1)."""
+    and a checkpoint that cannot be used (none readable, non-finite weights) a
+    ``CheckpointError`` (one line, status 1, as the training commands' checkpoints)."""
     try:
         return cot.Solver.load(folder, name, **options)
-    except FileNotFoundError:
-        raise
+    except CheckpointError:
+        raise  # NonFiniteCheckpointError is a ValueError too: it stays a checkpoint's error
     except ValueError as err:
         raise RunFolderError(
             f"--run.dir {str(folder)!r}: its {name} model cannot be loaded: {err}"
