@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import pathlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -87,6 +88,14 @@ def _self_density(r: dict) -> float:
 def kind_figures(result: dict, kind: str) -> dict:
     """One kind's figures of a ``cot.evaluate`` result, or the whole split's (``"overall"``)."""
     return result["overall"] if kind == "overall" else result["kinds"][kind]
+
+
+def _per_kind(s: dict, kinds: list[str]) -> Iterator[tuple[str, dict, dict]]:
+    """Each kind, then ``"overall"``, with the sparse and the dense model's figures for it: the
+    rows of the report's tables."""
+    sp, dn = s["evaluation"]["sparse"], s["evaluation"]["dense"]
+    for k in [*kinds, "overall"]:
+        yield k, kind_figures(sp, k), kind_figures(dn, k)
 
 
 def pct(x: float) -> str:
@@ -281,7 +290,6 @@ def _data_lines(s: dict, kinds: list[str]) -> list[str]:
 def _correctness_table(s: dict, kinds: list[str]) -> list[str]:
     """What the correctness figures mean, and per kind both models' exact match beside the most
     frequent answer's, chains right, first steps right and steps matched."""
-    sp, dn = s["evaluation"]["sparse"], s["evaluation"]["dense"]
     lines = [
         "Correctness. Exact match: the decoded final answer equals the reference "
         "(linalg_cot.grade). Most frequent answer: the exact match of answering every question "
@@ -297,9 +305,7 @@ def _correctness_table(s: dict, kinds: list[str]) -> list[str]:
         "|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     prior = s["most_frequent_answer"]
-    for k in [*kinds, "overall"]:
-        a = kind_figures(sp, k)
-        b = kind_figures(dn, k)
+    for k, a, b in _per_kind(s, kinds):
         lines.append(
             f"| {k} | {pct(a['exact_match'])} | {pct(b['exact_match'])} | "
             f"{pct(prior[k]['exact_match'])} | "
@@ -316,7 +322,6 @@ def _correctness_table(s: dict, kinds: list[str]) -> list[str]:
 def _cost_table(s: dict, kinds: list[str]) -> list[str]:
     """What the cost figures mean, and per kind both models' chain-of-thought steps and tokens
     beside the reference's, decoding time and FLOPs per question."""
-    sp, dn = s["evaluation"]["sparse"], s["evaluation"]["dense"]
     lines = [
         "Cost. Steps: the chain of thought's step lines (the answer line not counted). "
         "Decoding: greedy with the key/value cache on one batch per kind, stopping when every "
@@ -327,9 +332,7 @@ def _cost_table(s: dict, kinds: list[str]) -> list[str]:
         "sparse | dense | GFLOPs/question sparse | dense |",
         "|:--|--:|--:|--:|--:|--:|--:|",
     ]
-    for k in [*kinds, "overall"]:
-        a = kind_figures(sp, k)
-        b = kind_figures(dn, k)
+    for k, a, b in _per_kind(s, kinds):
         lines.append(
             f"| {k} | "
             f"{a['steps']:.1f} / {b['steps']:.1f} / {a['reference_steps']:.1f} | "
@@ -343,7 +346,6 @@ def _cost_table(s: dict, kinds: list[str]) -> list[str]:
 def _density_table(s: dict, kinds: list[str]) -> list[str]:
     """Per kind, both models' fraction of allowed keys with a non-zero weight in each kind of
     attention."""
-    sp, dn = s["evaluation"]["sparse"], s["evaluation"]["dense"]
     lines = [
         "Attention density: the fraction of keys with a non-zero weight (of those the masks "
         "allow) in the decoded chains of thought, teacher-forced:",
@@ -351,9 +353,7 @@ def _density_table(s: dict, kinds: list[str]) -> list[str]:
         "| kind | encoder sparse | dense | decoder self sparse | dense | cross sparse | dense |",
         "|:--|--:|--:|--:|--:|--:|--:|",
     ]
-    for k in [*kinds, "overall"]:
-        a = kind_figures(sp, k)
-        b = kind_figures(dn, k)
+    for k, a, b in _per_kind(s, kinds):
         cells = [
             f"{_density(r, part):.3f}"
             for part in ("encoder", "decoder_self", "decoder_cross")
