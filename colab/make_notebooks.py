@@ -141,12 +141,42 @@ COLAB_RUNTIME = (
     "the notebook also runs on a CPU, with smaller sizes."
 )
 
+
+def opening(title: str, setup: str) -> list[tuple[str, str]]:
+    """The cells every notebook opens with: its ``title`` (markdown, then :data:`COLAB_RUNTIME`),
+    :data:`INSTALL_NOTE` and :data:`INSTALL`, ``setup`` (a line of markdown) and :data:`SETUP`."""
+    return [
+        ("md", title + COLAB_RUNTIME),
+        ("md", INSTALL_NOTE),
+        ("code", INSTALL),
+        ("md", setup),
+        ("code", SETUP),
+    ]
+
+
+def summary_cell(run: str, then: str) -> str:
+    """The cell that trains and measures: a finished run's summary is read back (not run again),
+    else ``summary = <run>`` (the program's ``run``); then ``then``, which prints from it."""
+    return (
+        r"""
+import json
+
+if FINISHED:
+    print(f"{RUN_DIR} holds a finished run: its report follows")
+    summary = json.loads((RUN_DIR / "summary.json").read_text())
+else:
+    summary = """
+        + run
+        + "\n"
+        + then
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # quickstart.ipynb
 
 QUICKSTART = [
-    (
-        "md",
+    *opening(
         """# sparse_jax quickstart: sparse normalizers, masks and attention engines
 
 The functional API in a few cells: **sparsemax** and **1.5-entmax** against softmax on one row of
@@ -154,16 +184,9 @@ scores, a mask built with the **mask algebra** and the **block layout** it compi
 `sparse_jax.attention` under each normalizer with each **engine** that applies on this runtime,
 timed against dense attention.
 
-"""
-        + COLAB_RUNTIME,
-    ),
-    ("md", INSTALL_NOTE),
-    ("code", INSTALL),
-    (
-        "md",
+""",
         "Set-up: the accelerator this kernel found, and sizes that fit it (`SMALL`: a smoke run).",
     ),
-    ("code", SETUP),
     (
         "code",
         r"""
@@ -398,8 +421,7 @@ trains a sparse encoder–decoder that reasons step by step.""",
 # distill_gpt2.ipynb
 
 DISTILL = [
-    (
-        "md",
+    *opening(
         """# Distil GPT-2 into a sparse-attention student
 
 The project's main job, `python -m experiments.distill`, called through its Python API: a dense
@@ -415,13 +437,9 @@ Offline or with `SMALL`, it falls back to what the job embeds: a small byte-leve
 with the package and CPython's documentation as the corpus. Checkpoints go to `RUN_DIR`; after a
 runtime restart, run the notebook again with the same settings and the run resumes.
 
-"""
-        + COLAB_RUNTIME,
+""",
+        "Set-up and settings.",
     ),
-    ("md", INSTALL_NOTE),
-    ("code", INSTALL),
-    ("md", "Set-up and settings."),
-    ("code", SETUP),
     (
         "code",
         r'''
@@ -588,20 +606,15 @@ cells again to continue from there.""",
     ),
     (
         "code",
-        r"""
-import json
-
-if FINISHED:
-    print(f"{RUN_DIR} holds a finished run: its report follows")
-    summary = json.loads((RUN_DIR / "summary.json").read_text())
-else:
-    summary = distill.run(config)
-print(
+        summary_cell(
+            "distill.run(config)",
+            r"""print(
     f"perplexity: teacher {summary['teacher_ppl']:.3f}, student {summary['student_ppl']:.3f}, "
     f"hardened {summary['hardened_ppl']:.3f}; KL(teacher || hardened) "
     f"{summary['hardened_kl']:.4f} nats/token; {summary['wall_time_s']:.0f} s on "
     f"{summary['device']}"
 )""",
+        ),
     ),
     (
         "md",
@@ -618,8 +631,7 @@ by the teacher and the hardened student.""",
 # cascade.ipynb
 
 CASCADE = [
-    (
-        "md",
+    *opening(
         """# CANDS: a cascade that prunes heads, FFN units and tokens
 
 `python -m experiments.cascade` through its Python API: a dense GPT-2 and a cascade of the same
@@ -629,13 +641,9 @@ same data, steps and seed; then perplexity, FLOPs per token and tokens/s of the 
 (closed heads and units cut out, kept tokens gathered) against the dense one. With a sweep of
 final keep ratios, a Pareto plot of perplexity against FLOPs.
 
-"""
-        + COLAB_RUNTIME,
+""",
+        "Set-up.",
     ),
-    ("md", INSTALL_NOTE),
-    ("code", INSTALL),
-    ("md", "Set-up."),
-    ("code", SETUP),
     (
         "md",
         """## The configuration
@@ -681,20 +689,15 @@ says where); run the cells again to continue from there.""",
     ),
     (
         "code",
-        r"""
-import json
-
-if FINISHED:
-    print(f"{RUN_DIR} holds a finished run: its report follows")
-    summary = json.loads((RUN_DIR / "summary.json").read_text())
-else:
-    summary = cascade.run(cfg)
-dense, pruned = summary["dense"], summary["pruned"]
+        summary_cell(
+            "cascade.run(cfg)",
+            r"""dense, pruned = summary["dense"], summary["pruned"]
 print(
     f"perplexity {dense['ppl']:.3f} -> {pruned['ppl']:.3f}; FLOPs per token "
     f"{dense['flops_per_token'] / 1e6:.2f} M -> {pruned['flops_per_token'] / 1e6:.2f} M; "
     f"kept fraction of tokens per block {[round(r, 3) for r in summary['keep_ratio']]}"
 )""",
+        ),
     ),
     (
         "md",
@@ -711,8 +714,7 @@ against FLOPs (`pareto.png`).""",
 # cot.ipynb
 
 COT = [
-    (
-        "md",
+    *opening(
         """# Chain-of-thought linear algebra with a sparse encoder–decoder
 
 `python -m experiments.cot` through its Python API: questions of an 18.06 quiz (reduced row
@@ -724,13 +726,9 @@ the final answer, the length of the chain of thought, the decoding time per ques
 attention density and FLOPs, sparse against dense. Last, `ask(...)`: a question of your own,
 answered by the trained models (never by the symbolic solver, which only makes data and grades).
 
-"""
-        + COLAB_RUNTIME,
+""",
+        "Set-up.",
     ),
-    ("md", INSTALL_NOTE),
-    ("code", INSTALL),
-    ("md", "Set-up."),
-    ("code", SETUP),
     (
         "md",
         """## The configuration
@@ -780,20 +778,15 @@ run the cells again to continue from there.""",
     ),
     (
         "code",
-        r"""
-import json
-
-if FINISHED:
-    print(f"{RUN_DIR} holds a finished run: its report follows")
-    summary = json.loads((RUN_DIR / "summary.json").read_text())
-else:
-    summary = experiment.run(cmd)
-for name in ("sparse", "dense"):
+        summary_cell(
+            "experiment.run(cmd)",
+            r"""for name in ("sparse", "dense"):
     overall = summary["evaluation"][name]["overall"]
     print(
         f"{name}: exact match {overall['exact_match']:.1%}, {overall['tokens']:.0f} tokens and "
         f"{1e3 * overall['seconds_per_question']:.2f} ms per question"
     )""",
+        ),
     ),
     (
         "md",
