@@ -8,19 +8,14 @@ quality, no speed-up".
 
 import dataclasses
 
-from experiments.distill.config import RAMP_BEFORE_SEARCH, DistillConfig, LossConfig
+from experiments.distill.config import DistillConfig
 from experiments.distill.configs import wikitext2_study
 
 
 def get_config() -> DistillConfig:
+    study = wikitext2_study.get_config()
     return dataclasses.replace(
-        wikitext2_study.get_config(),
+        study,
         config="wikitext2_expected",
-        loss=LossConfig(
-            mask_l1=0.0,
-            mask_density=0.0,
-            mask_expected_density=0.02,
-            mask_expected_cost=0.0,
-            penalty_ramp=RAMP_BEFORE_SEARCH,
-        ),
+        loss=dataclasses.replace(study.loss, mask_density=0.0, mask_expected_density=0.02),
     )
