@@ -630,6 +630,14 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     return out
 
 
+def _check_public(q, k, v, mask, bias, options, jax_nn, abstract) -> tuple[_Args, bool]:
+    """The checks :func:`attention` and :func:`attention_impl` share: rank-3 ``q``, ``k``, ``v``
+    get a batch axis (the bool says so), then :func:`_check_all` under the name ``attention``;
+    ``options``: ``normalizer, scale, impl, block_size, query_chunk, return_weights``."""
+    q, k, v, unbatched = _add_batch(q, k, v)
+    return _check_all(q, k, v, mask, bias, *options, _NAME, abstract, jax_nn), unbatched
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API.
 
@@ -665,24 +673,9 @@ def attention_impl(
       >>> attention_impl(q, q, q, normalizer="sparsemax").impl
       'xla'
     """
-    q, k, v, _ = _add_batch(q, k, v)
     jax_nn = (is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
-    args = _check_all(
-        q,
-        k,
-        v,
-        mask,
-        bias,
-        normalizer,
-        None,
-        impl,
-        block_size,
-        None,
-        return_weights,
-        _NAME,
-        True,
-        (*jax_nn, return_residual),
-    )
+    options = (normalizer, None, impl, block_size, None, return_weights)
+    args, _ = _check_public(q, k, v, mask, bias, options, (*jax_nn, return_residual), True)
     return _resolve_impl(args)
 
 
@@ -778,24 +771,9 @@ def attention(
       >>> out.shape, lse.shape  # jax.nn's keywords; rank-3 inputs: no batch axis
       ((3, 2, 4), (3, 2))
     """
-    q, k, v, unbatched = _add_batch(q, k, v)
     jax_nn = (is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
-    args = _check_all(
-        q,
-        k,
-        v,
-        mask,
-        bias,
-        normalizer,
-        scale,
-        impl,
-        block_size,
-        query_chunk,
-        return_weights,
-        _NAME,
-        False,
-        (*jax_nn, return_residual),
-    )
+    options = (normalizer, scale, impl, block_size, query_chunk, return_weights)
+    args, unbatched = _check_public(q, k, v, mask, bias, options, (*jax_nn, return_residual), False)
     result = _run(args, _resolve_impl(args), precision)
     if not unbatched:
         return result
@@ -817,8 +795,14 @@ def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
             )
         if choice.impl == "cudnn":
             return cudnn_attention(args.q, args.k, args.v, mask=args.mask_obj, scale=args.scale)
-        if choice.impl == "pallas":
-            return pallas_attention(
+        if choice.impl in ("pallas", "blocksparse"):
+            # The two block-layout engines take the same arguments; only the XLA one can
+            # return the weights.
+            if choice.impl == "pallas":
+                engine, extra = pallas_attention, {}
+            else:
+                engine, extra = blocksparse_attention, {"return_weights": args.return_weights}
+            return engine(
                 args.q,
                 args.k,
                 args.v,
@@ -828,19 +812,7 @@ def _run(args: _Args, choice: ImplChoice, precision: Any) -> Any:
                 scale=args.scale,
                 bias=args.bias,
                 precision=precision,
-            )
-        if choice.impl == "blocksparse":
-            return blocksparse_attention(
-                args.q,
-                args.k,
-                args.v,
-                _layout(args),
-                mask=args.mask_obj,
-                normalizer=args.normalizer,
-                scale=args.scale,
-                bias=args.bias,
-                return_weights=args.return_weights,
-                precision=precision,
+                **extra,
             )
         return _xla_attention(args, return_weights=args.return_weights, precision=precision)
 
