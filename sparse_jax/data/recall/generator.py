@@ -365,6 +365,29 @@ def check_filler(filler: object, tok: Tokenizer, caller: str) -> None:
         )
 
 
+def check_request(
+    task: object,
+    tokenizer: object,
+    filler: object,
+    length: object,
+    count: object,
+    depths: object,
+    seed: object,
+    caller: str,
+) -> tuple[PasskeyTask | MQARTask, int, int, int, tuple[float, ...], Tokenizer]:
+    """The checks :func:`make_examples` and ``prepare`` share, in ``caller``'s name: ``(task,
+    length, count, seed, depths, tokenizer)`` as the task spec, ints, a tuple of depths and a
+    :class:`Tokenizer`; ``filler`` is refused if it cannot serve (package-internal)."""
+    spec = as_task(task, caller)
+    length = check_int(length, "length", caller)
+    count = check_int(count, "count", caller)
+    seed = check_int(seed, "seed", caller, low=0)
+    requested = check_depths(depths, spec, caller)
+    tok = as_tokenizer(tokenizer, caller)
+    check_filler(filler, tok, caller)
+    return spec, length, count, seed, requested, tok
+
+
 def as_filler(filler: Filler | str | TextSource | None, tok: Tokenizer) -> Filler:
     """The :class:`Filler` that ``filler`` names, made for ``tok`` (package-internal)."""
     if filler is None:
@@ -538,13 +561,9 @@ def make_examples(
 answer of example 0 take 80 tokens of tokenizer 'byte'); got 40
     """
     caller = "make_examples"
-    spec = as_task(task, caller)
-    length = check_int(length, "length", caller)
-    count = check_int(count, "count", caller)
-    seed = check_int(seed, "seed", caller, low=0)
-    requested = check_depths(depths, spec, caller)
-    tok = as_tokenizer(tokenizer, caller)
-    check_filler(filler, tok, caller)
+    spec, length, count, seed, requested, tok = check_request(
+        task, tokenizer, filler, length, count, depths, seed, caller
+    )
     _check_answer_seams(tok, caller)
 
     plans = []

@@ -24,16 +24,14 @@ from sparse_jax.data.recall.generator import (
     PasskeyTask,
     RecallBatch,
     as_filler,
-    as_task,
-    check_depths,
-    check_filler,
+    check_request,
     make_examples,
 )
-from sparse_jax.data.recall.sources import Filler, as_tokenizer, tokenizer_fingerprint
+from sparse_jax.data.recall.sources import Filler, tokenizer_fingerprint
 from sparse_jax.data.text.corpora import TextSource
 from sparse_jax.data.tfds_store import default_data_dir, prepare_once, quiet_tfds
 from sparse_jax.data.tokenizers import Tokenizer
-from sparse_jax.validation import check_bool, check_int
+from sparse_jax.validation import check_bool
 
 __all__ = [
     "BUILDER_NAME",
@@ -244,18 +242,14 @@ def prepare(
     import tensorflow_datasets as tfds
 
     caller = "prepare"
-    spec = as_task(task, caller)
-    length = check_int(length, "length", caller)
-    count = check_int(count, "count", caller)
-    seed = check_int(seed, "seed", caller, low=0)
-    requested = check_depths(depths, spec, caller)
+    spec, length, count, seed, requested, tok = check_request(
+        task, tokenizer, filler, length, count, depths, seed, caller
+    )
     verbose = check_bool(verbose, "verbose", caller)
     if data_dir is not None and not isinstance(data_dir, (str, os.PathLike)):
         raise TypeError(
             f"{caller}: `data_dir` must be a str or os.PathLike; got {type(data_dir).__name__}"
         )
-    tok = as_tokenizer(tokenizer, caller)
-    check_filler(filler, tok, caller)
     root = (Path(data_dir).expanduser() if data_dir is not None else default_data_dir()).absolute()
     source = as_filler(filler, tok)
 
