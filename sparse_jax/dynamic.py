@@ -76,6 +76,7 @@ from sparse_jax.normalizers import normalize
 from sparse_jax.validation import (
     check_block_size,
     check_bool,
+    check_float_array,
     check_int,
     check_normalizer,
     check_qkv,
@@ -197,13 +198,7 @@ def topk_mask(scores: jax.Array, k: int, *, where: jax.Array | None = None) -> j
       [[1, 0, 1, 0], [1, 0, 1, 0]]
     """
     caller = "topk_mask"
-    if not isinstance(scores, (jax.Array, np.ndarray)):
-        raise TypeError(
-            f"{caller}: `scores` must be a jax or numpy float array [..., q_len, kv_len]; got "
-            f"{type(scores).__name__}"
-        )
-    if not jnp.issubdtype(scores.dtype, jnp.floating):
-        raise TypeError(f"{caller}: `scores` must have a floating dtype; got dtype {scores.dtype}")
+    check_float_array(scores, "scores", caller, "a jax or numpy float array [..., q_len, kv_len]")
     if scores.ndim < 1 or scores.shape[-1] == 0:
         raise ValueError(
             f"{caller}: `scores` must have rank >= 1 and a non-empty last (key) axis; got shape "

@@ -305,6 +305,23 @@ def as_4d_broadcastable(x: Any, name: str, target: tuple[int, ...], caller: str)
     return jnp.reshape(jnp.asarray(x), (1,) * (4 - len(shape)) + shape)
 
 
+def check_float_array(x: Any, name: str, caller: str, expected: str) -> None:
+    """Refuses ``x`` unless it is a jax or numpy array of a floating dtype; ``expected``: what
+    ``name`` must be, in the error for a value that is not an array.
+
+    Example:
+      >>> check_float_array(np.zeros(3, np.float32), "scores", "my_kernel", "a float array")
+      >>> check_float_array(np.zeros(3, np.int32), "scores", "my_kernel", "a float array")
+      Traceback (most recent call last):
+      ...
+      TypeError: my_kernel: `scores` must have a floating dtype; got dtype int32
+    """
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise TypeError(f"{caller}: `{name}` must be {expected}; got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{caller}: `{name}` must have a floating dtype; got dtype {x.dtype}")
+
+
 def check_bias(bias: Any, target: tuple[int, int, int, int], caller: str) -> Any:
     """None, or a float array broadcastable to ``target``, returned with rank 4.
 
@@ -321,13 +338,10 @@ def check_bias(bias: Any, target: tuple[int, int, int, int], caller: str) -> Any
     """
     if bias is None:
         return None
-    if not isinstance(bias, (jax.Array, np.ndarray)):
-        raise TypeError(
-            f"{caller}: `bias` must be None or a float array broadcastable to [batch, heads, "
-            f"q_len, kv_len] = {list(target)}; got {type(bias).__name__}"
-        )
-    if not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise TypeError(f"{caller}: `bias` must have a floating dtype; got dtype {bias.dtype}")
+    expected = (
+        f"None or a float array broadcastable to [batch, heads, q_len, kv_len] = {list(target)}"
+    )
+    check_float_array(bias, "bias", caller, expected)
     return as_4d_broadcastable(bias, "bias", target, caller)
 
 
