@@ -3,6 +3,9 @@ it is, and the main job's default uses it only with the flags it was trained wit
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -33,10 +36,34 @@ def test_bundled_teacher_reproduces_its_recorded_evaluation_loss(tmp_path):
     assert distill_phases.teacher_key(config, data) == record["teacher_key"]
 
 
+def test_bundled_teacher_reproduces_its_recorded_recall(tmp_path, monkeypatch):
+    """``bundle_teacher --remeasure`` on a copy of the shipped teacher writes the record it
+    ships with: the recall is recomputed from the weights, not copied."""
+    record = teachers.record()
+    copy = tmp_path / "default"
+    shutil.copytree(teachers.BUNDLED, copy)
+    (copy / "teacher.json").write_text(
+        json.dumps({key: v for key, v in record.items() if key != "recall"})
+    )
+    monkeypatch.setattr(teachers, "BUNDLED", copy)
+    try:
+        remade = bundle_teacher.main(["--remeasure", "--run.cache-dir", str(tmp_path / "cache")])
+    except ValueError as err:
+        if "teacher's dataset is" not in str(err):
+            raise
+        pytest.skip(f"this Python's embedded corpus is not {record['dataset']}")
+    assert remade["recall"]["lengths"] == [128, 256, 512]  # 1x, 2x and 4x the training length
+    assert remade == record == json.loads((copy / "teacher.json").read_text())
+
+
 def test_bundled_teacher_is_the_default_with_the_default_teacher_flags():
     assert distill_config.DistillConfig().teacher.source == "bundled"
     trained = distill.parse(["--teacher.source", "train"]).flags()
-    assert {key: trained[key] for key in bundle_teacher.RECORDED} == teachers.record()["flags"]
+    recorded = {key: trained[key] for key in bundle_teacher.RECORDED}
+    assert json.loads(json.dumps(recorded)) == teachers.record()["flags"]
+    # every flag a trained teacher depends on is recorded
+    training = {f"teacher.{name}" for name in distill_config.TeacherConfig.TRAINING}
+    assert training <= set(bundle_teacher.RECORDED)
     assert teachers.record()["command"] == "python -m experiments.bundle_teacher"
 
 
@@ -59,3 +86,5 @@ def test_flags_the_bundled_teacher_was_not_trained_with_are_refused(args, messag
 def test_bundle_teacher_refuses_flags_that_change_the_teacher():
     with pytest.raises(ValueError, match="would change it"):
         bundle_teacher.main(["--teacher.steps", "5"])
+    with pytest.raises(ValueError, match="takes no flags that change the teacher"):
+        bundle_teacher.main(["--remeasure", "--data.seq-len", "64"])

@@ -4,7 +4,8 @@
 plus ``teacher.json``: the command that made it (``python -m experiments.bundle_teacher``), the
 teacher flags it was trained with (those of ``--teacher.source train`` with the default
 config), the corpus it was trained and evaluated on, and its evaluation loss after the float16
-rounding, which ``tests/test_bundled_teacher.py`` reproduces.
+rounding and passkey recall at 1x, 2x and 4x its training length, which
+``tests/test_bundled_teacher.py`` reproduces.
 
 Its files stay in the distill package's data (``experiments/distill/teachers/default``); this
 module, shared by the experiments (the main job loads it, ``bench search_passes`` reads its

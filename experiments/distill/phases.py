@@ -484,13 +484,14 @@ def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
     return hard
 
 
-def recall_table(run: Run, models: dict[str, GPT2]) -> dict:
-    """Passkey recall of each model (--measure.recall-sequences per length, depths 0.1, 0.5,
-    0.9 of the corpus's held-out text) at 1x, 2x and 4x --data.seq-len, those within the
-    teacher's positions that hold a passkey: ``{"lengths": [...], "models": {name: {"T@depth":
-    accuracy}}}``; ``lengths`` empty when none fits or the table is off."""
+def recall_table(run: Run, models: dict[str, GPT2], count: int | None = None) -> dict:
+    """Passkey recall of each model (``count`` sequences per length, None:
+    --measure.recall-sequences; depths 0.1, 0.5, 0.9 of the corpus's held-out text) at 1x, 2x and
+    4x --data.seq-len, those within the teacher's positions that hold a passkey: ``{"lengths":
+    [...], "models": {name: {"T@depth": accuracy}}}``; ``lengths`` empty when none fits or the
+    table is off."""
     c = run.config
-    count = c.measure.recall_sequences
+    count = c.measure.recall_sequences if count is None else count
     positions = min(m.config.n_positions for m in models.values())
     shortest = recall.shortest_length("passkey", c.data.tokenizer)
     n = c.data.seq_len
