@@ -31,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TINY = [
     "--teacher.source", "train", "--teacher.size", "tiny", "--teacher.steps", "6",
+    "--teacher.recall-steps", "0",
     "--data.seq-len", "16",
     "--data.batch-size", "4", "--train.steps", "8", "--harden.finetune-steps", "3",
     "--measure.eval-batches", "1", "--run.checkpoint-every", "2", "--student.windows", "4", "8",

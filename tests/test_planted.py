@@ -26,6 +26,7 @@ from sparse_jax.models.flops import mask_block_cost
 # cannot change them.
 PLANTED = [
     "--teacher.source", "planted", "--teacher.size", "tiny", "--teacher.steps", "150",
+    "--teacher.recall-steps", "0", "--teacher.positions", "learned", "--teacher.no-smear-keys",
     "--data.seq-len", "16", "--data.batch-size", "8", "--student.windows", "4", "8",
     "--student.block-size", "4", "--train.steps", "150", "--harden.finetune-steps", "0",
     "--measure.eval-batches", "2", "--measure.report-prompts", "1",
@@ -191,7 +192,8 @@ def test_masked_score_excess_of_equal_scores():
 def test_planted_recovery_counts_heads_and_compares_hardened_masks():
     """measure.planted_recovery on a hand-made pair of models: the figures it returns are
     the fractions of its own pairs."""
-    args = ["--teacher.source", "planted", "--teacher.size", "tiny", "--data.seq-len", "16"]
+    args = ["--teacher.source", "planted", "--teacher.size", "tiny", "--data.seq-len", "16",
+            "--teacher.recall-steps", "0"]  # fmt: skip
     config = distill.parse([*args, "--student.windows", "4", "8"])
     bank = candidate_bank(config)
     spec = AttentionSpec(kind="candidates", candidates=bank, granularity="head",

@@ -79,6 +79,7 @@ def test_recall_accuracy_grades_each_length_and_depth_from_greedy_answers():
 def _config(tmp_path, *extra):
     return distill.parse([
         "--teacher.source", "train", "--teacher.steps", "1", "--teacher.smear-keys",
+        "--teacher.positions", "learned",
         "--teacher.recall-steps", "2", "--teacher.recall-lengths", "96",
         "--teacher.recall-tokens", "192", "--data.seq-len", "32",
         "--run.dir", str(tmp_path / "run"), "--run.cache-dir", str(tmp_path / "cache"), *extra,

@@ -134,7 +134,8 @@ class TeacherConfig(_Group):
     holds at later positions)."""
     recall_steps: int = 0
     """Updates of the trained teacher after its --teacher.steps on text, on a mixture of text and
-    passkey sequences (sparse_jax.data.recall.RecallMixture); 0: none."""
+    passkey sequences (sparse_jax.data.recall.RecallMixture), so that it retrieves a key stated
+    far back; 0: none (text alone)."""
     recall_fraction: float = 0.5
     """Share of passkey sequences in those updates."""
     recall_lengths: tuple[int, ...] = ()
@@ -421,6 +422,10 @@ FINETUNE_AT_FULL_RATE = {"finetune_lr": 3e-3, "finetune_warmup": 0}
 # hardened by each head's support. Pinned by the configs recorded with it.
 STUDENT_BEFORE_REVIVING = {"combine": "soft_union", "weighting": "sparsemax"}
 HARDEN_BEFORE_REVIVING = {"threshold": None}
+# The text-only trained teacher (learned positions, plain keys, no recall updates) that the
+# figures of these configs were recorded with: pinned, so that a teacher default that retrieves
+# leaves their commands meaning what they meant.
+TEACHER_TEXT_ONLY = {"smear_keys": False, "positions": "learned", "recall_steps": 0}
 
 
 @dataclasses.dataclass(frozen=True)

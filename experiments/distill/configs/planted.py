@@ -16,6 +16,7 @@ weights, and the old default objective").
 from experiments.distill.config import (
     HARDEN_BEFORE_REVIVING,
     STUDENT_BEFORE_REVIVING,
+    TEACHER_TEXT_ONLY,
     DistillConfig,
     HardenConfig,
     LossConfig,
@@ -27,7 +28,7 @@ from experiments.distill.config import (
 def get_config() -> DistillConfig:
     return DistillConfig(
         config="planted",
-        teacher=TeacherConfig(source="planted"),
+        teacher=TeacherConfig(source="planted", **TEACHER_TEXT_ONLY),
         student=StudentConfig(**STUDENT_BEFORE_REVIVING),
         loss=LossConfig(mask_expected_cost=0.0),
         harden=HardenConfig(finetune_steps=0, **HARDEN_BEFORE_REVIVING),

@@ -12,6 +12,7 @@ then 200 updates of fine-tuning.
 from experiments.distill.config import (
     FINETUNE_AT_FULL_RATE,
     RAMP_BEFORE_SEARCH,
+    TEACHER_TEXT_ONLY,
     TRAIN_BEFORE_SEARCH,
     DataConfig,
     DistillConfig,
@@ -28,7 +29,7 @@ def get_config() -> DistillConfig:
     return DistillConfig(
         config="wikitext2_study",
         data=DataConfig(source="../shared/data/wikitext-2", seq_len=512),
-        teacher=TeacherConfig(source="train", size="cpu-long", steps=1200),
+        teacher=TeacherConfig(source="train", size="cpu-long", steps=1200, **TEACHER_TEXT_ONLY),
         student=StudentConfig(windows=(16, 32, 64, 128), weighting="sigmoid", combine="soft_union"),
         loss=LossConfig(
             mask_l1=0.0,
