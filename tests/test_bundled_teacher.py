@@ -36,24 +36,53 @@ def test_bundled_teacher_reproduces_its_recorded_evaluation_loss(tmp_path):
     assert distill_phases.teacher_key(config, data) == record["teacher_key"]
 
 
-def test_bundled_teacher_reproduces_its_recorded_recall(tmp_path, monkeypatch):
-    """``bundle_teacher --remeasure`` on a copy of the shipped teacher writes the record it
-    ships with: the recall is recomputed from the weights, not copied."""
+def test_bundled_teacher_reproduces_its_recorded_recall(tmp_path):
+    """The record's recall at the training length, recomputed from the shipped weights with the
+    record's sequences (the longer lengths cost 2x and 4x as much and are measured by the same
+    call, so the test keeps to 128)."""
     record = teachers.record()
+    recall = record["recall"]
+    assert recall["lengths"] == [128, 256, 512]  # 1x, 2x and 4x the training length
+    for n in recall["lengths"]:  # the mean of a length is the mean of its depths
+        depths = [v for key, v in recall["by_depth"].items() if key.startswith(f"{n}@")]
+        assert len(depths) == 3 and recall["accuracy"][str(n)] == pytest.approx(np.mean(depths))
+    flags = record["flags"]
+    data = text.prepare(
+        flags["data.source"], flags["data.tokenizer"], flags["data.seq_len"], data_dir=tmp_path
+    )
+    if data.dataset_name != record["dataset"]:
+        pytest.skip(f"this Python's embedded corpus is not {record['dataset']}")
+    table = measure.recall_accuracy(
+        from_pretrained(teachers.BUNDLED),
+        flags["data.tokenizer"],
+        lengths=(128,),
+        count=recall["sequences"],
+    )
+    assert {f"{n}@{d}": v for (n, d), v in table.items()} == {
+        key: v for key, v in recall["by_depth"].items() if key.startswith("128@")
+    }
+
+
+def test_remeasure_rewrites_the_record_from_the_shipped_weights(tmp_path, monkeypatch):
+    """``bundle_teacher --remeasure`` on a copy of the shipped teacher (3 sequences per length
+    here): the record keeps what it said and gets the recall measured now."""
+    record, sequences = teachers.record(), bundle_teacher.RECALL_SEQUENCES
     copy = tmp_path / "default"
     shutil.copytree(teachers.BUNDLED, copy)
-    (copy / "teacher.json").write_text(
-        json.dumps({key: v for key, v in record.items() if key != "recall"})
-    )
     monkeypatch.setattr(teachers, "BUNDLED", copy)
+    monkeypatch.setattr(bundle_teacher, "RECALL_SEQUENCES", 3)
     try:
         remade = bundle_teacher.main(["--remeasure", "--run.cache-dir", str(tmp_path / "cache")])
     except ValueError as err:
         if "teacher's dataset is" not in str(err):
             raise
         pytest.skip(f"this Python's embedded corpus is not {record['dataset']}")
-    assert remade["recall"]["lengths"] == [128, 256, 512]  # 1x, 2x and 4x the training length
-    assert remade == record == json.loads((copy / "teacher.json").read_text())
+    assert remade == json.loads((copy / "teacher.json").read_text())
+    assert {k: v for k, v in remade.items() if k != "recall"} == {
+        k: v for k, v in record.items() if k != "recall"
+    }
+    assert remade["recall"]["sequences"] == 3 and remade["recall"]["lengths"] == [128, 256, 512]
+    assert record["recall"]["sequences"] == sequences != 3
 
 
 def test_bundled_teacher_is_the_default_with_the_default_teacher_flags():
