@@ -120,3 +120,74 @@ def test_bad_settings_are_refused_by_name():
         GPT2Config.preset("tiny", smear_keys="yes")
     with pytest.raises(ValueError, match=r"`gpt2.smear_keys` must be False"):
         CascadeConfig(gpt2=GPT2Config.preset("tiny", smear_keys=True))
+
+
+# smear_width 3: per block, per head, the logits of the keys 1, 2 and 3 positions back.
+WIDE_LOGITS = (
+    [[0.5, -1.0, 0.0], [-2.0, 1.5, 0.3], [1.0, 1.0, -0.5]],
+    [[0.0, 0.0, 0.0], [2.0, -2.0, 1.0], [-1.0, 0.5, 2.5]],
+)
+
+
+def _wide(spec: AttentionSpec | None = None) -> GPT2:
+    config = GPT2Config.preset("tiny", smear_keys=True, smear_width=3)
+    model = GPT2(config, spec or AttentionSpec(), rngs=nnx.Rngs(0))
+    for block, logits in zip(model.h, WIDE_LOGITS, strict=True):
+        block.attn.smear_logit[...] = jnp.array(logits)
+    return model
+
+
+def test_a_wide_smear_mixes_each_key_with_the_keys_before_it_by_a_softmax_per_head():
+    attn = _wide().h[1].attn
+    k = jax.random.normal(jax.random.key(3), (2, 7, 3, 16))
+    got = np.asarray(attn.smear(k))
+    for n, logits in enumerate(WIDE_LOGITS[1]):
+        z = np.array([0.0, *logits])
+        a = np.exp(z) / np.exp(z).sum()  # tap i weighs the key i positions back (zeros before 0)
+        kn = np.asarray(k[:, :, n])
+        want = sum(a[i] * np.pad(kn, ((0, 0), (i, 0), (0, 0)))[:, :7] for i in range(4))
+        np.testing.assert_allclose(got[:, :, n], want, rtol=1e-5, atol=1e-6)
+    # width 1 keeps its [N] weights and is the same formula: softmax([0, l]) = [1 - w, w]
+    one = _smeared().h[0].attn
+    assert one.smear_logit[...].shape == (3,)
+    w = 1 / (1 + np.exp(-np.array(SMEAR_LOGITS[0])))
+    kk = np.asarray(k)
+    before = np.pad(kk, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :7]
+    np.testing.assert_allclose(one.smear(k), (1 - w)[:, None] * kk + w[:, None] * before,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [AttentionSpec(), AttentionSpec(mask=causal() & local(3, 0), normalizer="entmax15")],
+    ids=["causal-softmax", "window-entmax15"],
+)
+def test_a_wide_smear_decodes_in_chunks_as_the_full_pass(spec):
+    model = _wide(spec)
+    assert model.init_cache(2, 12)[0]["k_last"].shape == (2, 3, 3, 16)  # each head's last 3 keys
+    check_cached_decoding(model, _ids(2, 12))
+
+
+def test_a_wide_smear_round_trips_files_students_and_hardening(tmp_path):
+    model = _wide()
+    folder = save_pretrained(model, tmp_path / "wide")
+    assert json.loads((folder / "config.json").read_text())["smear_width"] == 3
+    loaded = from_pretrained(folder)
+    assert loaded.config.smear_width == 3
+    np.testing.assert_array_equal(loaded.h[1].attn.smear_logit[...], WIDE_LOGITS[1])
+    ids = _ids()
+    np.testing.assert_array_equal(loaded(ids), model(ids))
+    spec = AttentionSpec(mask=causal() & local(4, 0), head_gate="sigmoid_ste")
+    student = student_from_teacher(model, spec)
+    student.h[0].attn.head_gate.logits[...] = jnp.array([2.0, -1.0, 0.5])  # head 1 pruned
+    hard = harden(student)
+    assert hard.config.smear_width == 3
+    np.testing.assert_array_equal(hard.h[0].attn.smear_logit[...], np.array(WIDE_LOGITS[0])[[0, 2]])
+    np.testing.assert_allclose(hard(_ids(2, 20)), student(_ids(2, 20)), atol=1e-5)
+
+
+def test_bad_smear_widths_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"`smear_width`=2 mixes keys .* needs `smear_keys`=True"):
+        GPT2Config.preset("tiny", smear_width=2)
+    with pytest.raises(ValueError, match=r"smear_width"):
+        GPT2Config.preset("tiny", smear_keys=True, smear_width=0)

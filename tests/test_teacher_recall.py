@@ -104,8 +104,9 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
     plain = _config(tmp_path, "--teacher.recall-steps", "0", "--teacher.no-smear-keys")
     other = _config(tmp_path, "--teacher.recall-fraction", "0.25")
     rotary = _config(tmp_path, "--teacher.positions", "rotary")
-    keys = {phases.teacher_key(c, data) for c in (config, plain, other, rotary)}
-    assert len(keys) == 4
+    wide = _config(tmp_path, "--teacher.smear-width", "3")
+    keys = {phases.teacher_key(c, data) for c in (config, plain, other, rotary, wide)}
+    assert len(keys) == 5
     old = [plain.teacher.size, data.dataset_name, 1, plain.teacher.lr, 8, 0, 1]
     digest = hashlib.sha256(json.dumps(old, default=str).encode()).hexdigest()[:16]
     assert phases.teacher_key(plain, data) == digest
@@ -120,6 +121,11 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
         (["--teacher.recall-tokens", "0"], r"--teacher.recall-tokens must be an int >= 1"),
         (["--teacher.recall-lr", "0"], r"--teacher.recall-lr must be a number > 0"),
         (["--teacher.answer-weight", "-1"], r"--teacher.answer-weight must be a number >= 0"),
+        (["--teacher.smear-width", "0"], r"--teacher.smear-width must be an int >= 1"),
+        (
+            ["--teacher.no-smear-keys", "--teacher.smear-width", "2"],
+            r"--teacher.smear-width 2 mixes keys .* add --teacher.smear-keys",
+        ),
     ],
 )
 def test_bad_recall_flags_are_refused_by_name(tmp_path, flags, match, capsys):

@@ -127,6 +127,10 @@ class TeacherConfig(_Group):
     smear_keys: bool = False
     """The trained teacher smears its keys (GPT2Config.smear_keys: each key mixed with the
     previous position's by a weight per head), which lets it learn to retrieve (induction)."""
+    smear_width: int = 1
+    """With --teacher.smear-keys, how many previous positions' keys each key mixes in
+    (GPT2Config.smear_width: a weight per head and position back), so that a head can match the
+    few tokens before a key, not only the last one."""
     positions: Literal["learned", "rotary"] = "learned"
     """How the trained teacher (and so its students) knows positions (GPT2Config.positions):
     'learned' embeddings, one per position, or 'rotary' (queries and keys turned by their
@@ -152,12 +156,13 @@ class TeacherConfig(_Group):
     TRAINED: ClassVar[tuple[str, ...]] = ("train", "planted")  # sources trained here
     # The flags a trained teacher depends on (besides the data's): bundled teachers record them.
     TRAINING: ClassVar[tuple[str, ...]] = (
-        "size", "steps", "lr", "smear_keys", "positions", "recall_steps", "recall_fraction",
+        "size", "steps", "lr", "smear_keys", "smear_width", "positions", "recall_steps",
+        "recall_fraction",
         "recall_lengths", "recall_tokens", "recall_lr", "answer_weight",
     )  # fmt: skip
 
     def __post_init__(self):
-        set_ints_at_least(self, self.group, steps=1, recall_steps=0, recall_tokens=1)
+        set_ints_at_least(self, self.group, steps=1, smear_width=1, recall_steps=0, recall_tokens=1)
         self.number("lr", positive=True)
         self.number("recall_lr", positive=True)
         self.number("answer_weight", positive=False)
@@ -167,6 +172,11 @@ class TeacherConfig(_Group):
         if not isinstance(self.smear_keys, bool):
             raise ValueError(f"{self.flag('smear_keys')} must be true or false; got "
                              f"{self.smear_keys!r}")  # fmt: skip
+        if self.smear_width != 1 and not self.smear_keys:
+            raise ValueError(
+                f"{self.flag('smear_width')} {self.smear_width} mixes keys over the previous "
+                "positions: add --teacher.smear-keys"
+            )
         lengths = self.recall_lengths
         if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
             raise ValueError(f"{self.flag('recall_lengths')} must be ints >= 1; got {lengths!r}")

@@ -86,6 +86,8 @@ def teacher_key(config: DistillConfig, data) -> str:
         parts += [t.smear_keys, t.recall_steps]
     if t.positions != "learned":
         parts += [t.positions]
+    if t.smear_width != 1:
+        parts += [f"smear_width={t.smear_width}"]
     if t.recall_steps:
         recall = [t.recall_fraction, config.teacher_recall_lengths(), t.recall_tokens]
         parts += [*recall, t.recall_lr, t.answer_weight]
@@ -252,7 +254,11 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
     of text and passkey sequences (phase ``teacher_recall``)."""
     c, t = run.config, run.config.teacher
     config = GPT2Config.preset(
-        t.size, vocab_size=run.data.vocab_size, smear_keys=t.smear_keys, positions=t.positions
+        t.size,
+        vocab_size=run.data.vocab_size,
+        smear_keys=t.smear_keys,
+        smear_width=t.smear_width,
+        positions=t.positions,
     )
     model = GPT2(config, attention or AttentionSpec(), rngs=nnx.Rngs(c.run.seed))
     tc = loop.TrainConfig(

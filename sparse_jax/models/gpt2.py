@@ -107,6 +107,9 @@ class GPT2Config:
     inner_per_layer: tuple[int, ...] | None = None  # per-block FFN width after pruning
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (parameters stay float32)
     smear_keys: bool = False  # each key mixed with the previous position's (a weight per head)
+    # With smear_keys, how many previous positions' keys each key mixes in (a weight per head and
+    # position back): 1 is the previous one; more let a head match the few tokens before a key.
+    smear_width: int = 1
     # How positions enter: "learned" embeddings added to the tokens' (GPT-2's ``wpe``), or
     # "rotary": no ``wpe``, every attention rotates its queries and keys by their positions
     # (sparse_jax.models.positions.rotate), so scores see only distances and a model trained
@@ -147,6 +150,12 @@ class GPT2Config:
                 f"{caller}: `smear_keys` must be True or False; got {self.smear_keys!r}"
             )
         object.__setattr__(self, "smear_keys", bool(self.smear_keys))
+        object.__setattr__(self, "smear_width", check_int(self.smear_width, "smear_width", caller))
+        if self.smear_width != 1 and not self.smear_keys:
+            raise ValueError(
+                f"{caller}: `smear_width`={self.smear_width} mixes keys over the previous "
+                "positions: it needs `smear_keys`=True (or smear_width=1)"
+            )
         check_choice(self.positions, "positions", POSITIONS, caller)
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(
@@ -322,9 +331,12 @@ class SelfAttention(nnx.Module):
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
         )
         self.rotary = config.positions == "rotary"
-        # Smeared keys: a learned weight per head on the previous position's key (see smear()).
+        # Smeared keys: learned weights per head on the previous positions' keys (see smear()):
+        # [N] for the previous position alone (smear_width 1), else [N, smear_width].
+        width = config.smear_width
+        shape = (n,) if width == 1 else (n, width)
         self.smear_logit = (
-            nnx.Param(jnp.full((n,), SMEAR_INIT, jnp.float32)) if n and config.smear_keys else None
+            nnx.Param(jnp.full(shape, SMEAR_INIT, jnp.float32)) if n and config.smear_keys else None
         )
 
     def head_densities(self, seq_len: int, *, threshold: float | None = None) -> jax.Array:
@@ -370,6 +382,11 @@ class SelfAttention(nnx.Module):
         ``previous [B, N, H]`` is the key before the first position (decoding: the cached
         one; None: zeros). Without smearing, ``k`` unchanged.
 
+        With ``GPT2Config.smear_width`` W > 1, the key at j is ``Σ_{i=0..W} a_i k_{j-i}`` with
+        ``a = softmax([0, smear_logit[n]])`` per head (``smear_logit [N, W]``; W = 1 is the
+        formula above), so a head can match the few tokens before a key; ``previous [B, W, N,
+        H]`` holds the W keys before the first position, oldest first.
+
         Example:
           >>> cfg = GPT2Config.preset("tiny", smear_keys=True)
           >>> attn = GPT2(cfg, rngs=nnx.Rngs(0)).h[0].attn
@@ -380,11 +397,37 @@ class SelfAttention(nnx.Module):
         """
         if self.smear_logit is None:
             return k
+        logits = self.smear_logit[...]
+        if logits.ndim == 1:
+            if previous is None:
+                previous = jnp.zeros_like(k[:, 0])
+            before = jnp.concatenate([previous[:, None].astype(k.dtype), k[:, :-1]], axis=1)
+            w = jax.nn.sigmoid(logits).astype(k.dtype)[None, None, :, None]
+            return k + w * (before - k)
+        b, t, n, h = k.shape
+        width = logits.shape[1]
         if previous is None:
-            previous = jnp.zeros_like(k[:, 0])
-        before = jnp.concatenate([previous[:, None].astype(k.dtype), k[:, :-1]], axis=1)
-        w = jax.nn.sigmoid(self.smear_logit[...]).astype(k.dtype)[None, None, :, None]
-        return k + w * (before - k)
+            previous = jnp.zeros((b, width, n, h), k.dtype)
+        padded = jnp.concatenate([previous.astype(k.dtype), k], axis=1)  # [B, W + T, N, H]
+        a = jax.nn.softmax(jnp.concatenate([jnp.zeros((n, 1)), logits], axis=1), axis=1)
+        a = a.astype(k.dtype)  # [N, W + 1]: tap i weighs the key i positions back
+        return sum(
+            a[None, None, :, i, None] * padded[:, width - i : width - i + t]
+            for i in range(width + 1)
+        )
+
+    def smear_history(self, k: jax.Array, previous: jax.Array | None) -> jax.Array | None:
+        """The raw keys a decoding cache keeps for the next call's :meth:`smear`: the last one
+        ``[B, N, H]`` (smear_width 1) or the last W ``[B, W, N, H]``, from this call's raw keys
+        ``k [B, T, N, H]`` after the cached ``previous``; None without smearing."""
+        if self.smear_logit is None:
+            return None
+        if self.smear_logit[...].ndim == 1:
+            return k[:, -1]
+        width = self.smear_logit[...].shape[1]
+        if previous is None:
+            previous = jnp.zeros((k.shape[0], width, *k.shape[2:]), k.dtype)
+        return jnp.concatenate([previous.astype(k.dtype), k], axis=1)[:, -width:]
 
     def __call__(self, x, positions, *, cache=None, rngs=None):
         """``x [B, T, D]`` at ``positions [T]`` (used by rotary positions only)."""
@@ -399,7 +442,7 @@ class SelfAttention(nnx.Module):
             q = q * gate.values().astype(q.dtype)[None, None, :, None]
         if cache is not None:  # decoding: write k, v at the cache index, attend to the prefix
             index = cache["index"]
-            raw_last = k[:, -1]
+            history = self.smear_history(k, cache.get("k_last"))
             k = self.smear(k, cache.get("k_last"))
             if self.rotary:  # the cache holds keys already turned by their own positions
                 q, k = rotate(q, positions), rotate(k, positions)
@@ -410,8 +453,8 @@ class SelfAttention(nnx.Module):
                 cache["v"], v.astype(cache["v"].dtype), (0, index, 0, 0)
             )
             cache = {"k": k_all, "v": v_all, "index": index + t}
-            if self.smear_logit is not None:
-                cache["k_last"] = raw_last.astype(k_all.dtype)
+            if history is not None:
+                cache["k_last"] = history.astype(k_all.dtype)
             out, aux = self.core(q, k_all, v_all, q_offset=index, rngs=rngs)
         else:
             k = self.smear(k)
@@ -577,7 +620,8 @@ class GPT2(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> list[dict[str, jax.Array]]:
         """Empty key/value caches ``[B, max_len, N, H]`` per block, and the write index (and,
-        with smeared keys, the last raw key ``k_last [B, N, H]``)."""
+        with smeared keys, the last raw key ``k_last [B, N, H]``, or the last ``smear_width``
+        ones ``[B, W, N, H]``)."""
         if max_len > self.config.n_positions:
             raise ValueError(
                 f"GPT2.init_cache: `max_len`={max_len} exceeds n_positions="
@@ -587,8 +631,10 @@ class GPT2(nnx.Module):
         for block in self.h:
             shape = (batch, max_len, block.attn.num_heads, block.attn.head_dim)
             cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-            if block.attn.smear_logit is not None:  # the raw key before the next position
-                cache["k_last"] = jnp.zeros((batch, *shape[2:]), dtype)
+            if block.attn.smear_logit is not None:  # the raw keys before the next position
+                width = self.config.smear_width
+                history = (batch, *shape[2:]) if width == 1 else (batch, width, *shape[2:])
+                cache["k_last"] = jnp.zeros(history, dtype)
             caches.append({**cache, "index": jnp.int32(0)})
         return caches
 

@@ -113,6 +113,7 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> GPT2Config:
         "layer_norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
         "activation_function": hf.get("activation_function", "gelu_new"),
         "smear_keys": hf.get("smear_keys", False),
+        "smear_width": hf.get("smear_width", 1),
         "positions": hf.get("positions", "learned"),
     }
     return GPT2Config(**{**fields, **overrides})
@@ -314,7 +315,9 @@ def _expected(config) -> dict[str, tuple[int, ...]]:
             pre + "mlp.c_proj.bias": (d,),
         }
         if config.smear_keys and n:
-            shapes[pre + "attn.smear_logit"] = (config.heads(i),)
+            width = config.smear_width
+            heads = config.heads(i)
+            shapes[pre + "attn.smear_logit"] = (heads,) if width == 1 else (heads, width)
     return shapes
 
 
@@ -471,6 +474,8 @@ def save_pretrained(
     }
     if config.smear_keys:
         hf["smear_keys"] = True
+    if config.smear_width != 1:
+        hf["smear_width"] = config.smear_width
     if config.positions != "learned":
         hf["positions"] = config.positions
     folder.parent.mkdir(parents=True, exist_ok=True)
