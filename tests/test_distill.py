@@ -403,7 +403,8 @@ def test_a_run_from_before_the_finetune_rate_resumes_with_its_rate():
 # Fields added after the flags were grouped: no flat name ever existed (a run folder that lacks
 # them ran at their defaults, which check_same_config assumes).
 SINCE_GROUPING = {
-    *(f"teacher.{name}" for name in ("smear_keys", "positions", "recall_steps", "recall_fraction",
+    *(f"teacher.{name}" for name in ("smear_keys", "smear_width", "positions", "recall_steps",
+                                     "recall_fraction",
                                      "recall_lengths", "recall_tokens", "recall_lr",
                                      "answer_weight")),
     "train.recall_fraction",
