@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--remeasure" in argv:
         return remeasure([a for a in argv if a != "--remeasure"])
-    changed = [a for a in argv if a.startswith(("--teacher.", "--data.", "--run.seed", "--config"))]
+    changed = _teacher_flags(argv)
     if changed:
         raise ValueError(
             f"bundle_teacher makes the default config's teacher; {changed} would change it"
@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     return record
 
 
+def _teacher_flags(argv: list[str]) -> list[str]:
+    """The flags of ``argv`` that would make another teacher than the default config's."""
+    return [a for a in argv if a.startswith(("--teacher.", "--data.", "--run.seed", "--config"))]
+
+
 def _described(config, run: Run) -> dict:
     """What teacher.json says the teacher is: the command, the recorded flags, the cache key
     and the evaluation data."""
@@ -108,7 +113,7 @@ def remeasure(argv: list[str]) -> dict:
     this code records (training-time fields kept: the float32 loss, Python and jax). Refused
     (ValueError) when the shipped weights are not the default config's teacher (another cache
     key or corpus) or their evaluation loss is no longer the recorded one."""
-    changed = [a for a in argv if a.startswith(("--teacher.", "--data.", "--run.seed", "--config"))]
+    changed = _teacher_flags(argv)
     if changed:
         raise ValueError(f"bundle_teacher --remeasure takes no flags that change the teacher; "
                          f"got {changed}")  # fmt: skip
