@@ -23,6 +23,11 @@ from sparse_jax.models import (
 from sparse_jax.models.cascade import CascadeConfig
 from tests.decoding import check_cached_decoding
 
+# The attentions cached decoding is checked under: dense softmax, and a window under entmax15.
+DECODING_SPECS = [
+    AttentionSpec(),
+    AttentionSpec(mask=causal() & local(3, 0), normalizer="entmax15"),
+]
 SMEAR_LOGITS = ([-1.5, 0.0, 2.0], [1.0, -3.0, 0.5])  # per block, per head: w = sigmoid(logit)
 
 
@@ -70,11 +75,7 @@ def test_a_fully_smeared_head_attends_with_the_previous_positions_keys():
     np.testing.assert_allclose(k[:, 0], 0.0, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [AttentionSpec(), AttentionSpec(mask=causal() & local(3, 0), normalizer="entmax15")],
-    ids=["causal-softmax", "window-entmax15"],
-)
+@pytest.mark.parametrize("spec", DECODING_SPECS, ids=["causal-softmax", "window-entmax15"])
 def test_cached_decoding_in_chunks_equals_the_full_pass(spec):
     model = _smeared(spec)
     assert model.init_cache(2, 12)[0]["k_last"].shape == (2, 3, 16)  # each head's last raw key
@@ -157,11 +158,7 @@ def test_a_wide_smear_mixes_each_key_with_the_keys_before_it_by_a_softmax_per_he
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [AttentionSpec(), AttentionSpec(mask=causal() & local(3, 0), normalizer="entmax15")],
-    ids=["causal-softmax", "window-entmax15"],
-)
+@pytest.mark.parametrize("spec", DECODING_SPECS, ids=["causal-softmax", "window-entmax15"])
 def test_a_wide_smear_decodes_in_chunks_as_the_full_pass(spec):
     model = _wide(spec)
     assert model.init_cache(2, 12)[0]["k_last"].shape == (2, 3, 3, 16)  # each head's last 3 keys
