@@ -274,13 +274,17 @@ def _static_selection(p: _Plan):
     return np.where(local_valid, local, 0).astype(np.int32), local_valid, candidate, top_valid
 
 
-def _select_blocks(q, k, p: _Plan, scale, compute):
-    """Selected key blocks ``[B, N, nq, L + T]`` (int32, invalid slots 0) and their validity."""
+def _select_blocks(q, k, p: _Plan, scale, compute, block_scores=None):
+    """Selected key blocks ``[B, N, nq, L + T]`` (int32, invalid slots 0) and their validity;
+    the top slots ranked by ``block_scores [B, N, nq, nk]`` when given, else by the pooled
+    mean score."""
     g = p.n // p.kh
     local, local_valid, candidate, top_valid = _static_selection(p)
     idx = jnp.broadcast_to(jnp.asarray(local), (p.b, p.n, p.nq, p.local))
     valid = np.broadcast_to(local_valid, (p.b, p.n, p.nq, p.local))
-    if p.top:
+    if p.top and block_scores is not None:
+        scores = jax.lax.stop_gradient(block_scores).astype(compute)
+    elif p.top:
         q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
 
         def pooled(x, t, blocks, size):  # [B, T, H, D] -> mean per block [B, H, blocks, D]
@@ -293,6 +297,7 @@ def _select_blocks(q, k, p: _Plan, scale, compute):
         pk = pooled(k, p.tk, p.nk, p.bkv)
         scores = jnp.einsum("bhgrd,bhcd->bhgrc", pq, pk).reshape(p.b, p.n, p.nq, p.nk)
         scores = scores * jnp.asarray(scale, compute)  # = mean score of each block pair
+    if p.top:
         big = jnp.finfo(compute).max
         scores = jnp.nan_to_num(scores, nan=-big, posinf=big, neginf=-big)
         scores = jnp.where(jnp.asarray(candidate), scores, -jnp.inf)
@@ -306,7 +311,18 @@ def _select_blocks(q, k, p: _Plan, scale, compute):
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "normalizer_static", "scale_static"))
-def _run(q, k, v, normalizer_array, scale_array, *, plan: _Plan, normalizer_static, scale_static):
+def _run(
+    q,
+    k,
+    v,
+    normalizer_array,
+    scale_array,
+    block_scores,
+    *,
+    plan: _Plan,
+    normalizer_static,
+    scale_static,
+):
     p = plan
     compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     normalizer = normalizer_static if normalizer_array is None else normalizer_array
@@ -314,7 +330,7 @@ def _run(q, k, v, normalizer_array, scale_array, *, plan: _Plan, normalizer_stat
     g = p.n // p.kh
     d, dv = q.shape[-1], v.shape[-1]
 
-    idx, valid = _select_blocks(q, k, p, scale, compute)  # [B, N, nq, K]
+    idx, valid = _select_blocks(q, k, p, scale, compute, block_scores)  # [B, N, nq, K]
     width = idx.shape[-1]
 
     # Blocks: queries [B, N, nq, bq, D]; keys/values [B, Kh, nk, bkv, D].
@@ -387,6 +403,7 @@ def topk_block_attention(
     scale: float | jax.Array | None = None,
     return_weights: bool = False,
     return_indices: bool = False,
+    block_scores: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
     """Attention over the key blocks each query block selects from the data (block top-k).
 
@@ -425,6 +442,10 @@ def topk_block_attention(
       return_indices: also return the selected key blocks, int32 ``[B, N, nq, K]``: slots
         ``0 .. local_blocks - 1`` hold the local blocks (most recent first), the next ones the
         selected blocks by decreasing score; invalid slots hold ``SENTINEL`` (-1).
+      block_scores: optional float ``[B, N, nq, nk]``: the scores that rank the candidate key
+        blocks of each query block in place of the pooled mean score (a learned selector's,
+        :class:`sparse_jax.block_gate.BlockGate`); entries of blocks that are not candidates
+        are ignored, and NaN ranks last. Not differentiated, like the pooled score.
 
     Returns:
       ``out [B, Tq, N, Dv]`` in ``q``'s dtype; with ``return_weights`` and/or
@@ -458,6 +479,13 @@ def topk_block_attention(
     return_weights = check_bool(return_weights, "return_weights", caller)
     return_indices = check_bool(return_indices, "return_indices", caller)
     nq, nk = -(-tq // bq), -(-tk // bkv)
+    if block_scores is not None:
+        check_float_array(block_scores, "block_scores", caller, "a float array")
+        if tuple(block_scores.shape) != (b, n, nq, nk):
+            raise ValueError(
+                f"{caller}: `block_scores` must have shape [B, N, nq, nk] = {[b, n, nq, nk]}; "
+                f"got {list(block_scores.shape)}"
+            )
     plan = _Plan(
         b=b,
         tq=tq,
@@ -483,6 +511,7 @@ def topk_block_attention(
         jnp.asarray(v),
         None if static_norm else normalizer,
         None if static_scale else scale,
+        None if block_scores is None else jnp.asarray(block_scores),
         plan=plan,
         normalizer_static=normalizer if static_norm else None,
         scale_static=scale if static_scale else None,
@@ -565,12 +594,23 @@ class BlockSelection:
         local, kept = self.blocks_per_query(np.arange(seq_len))
         return int(np.sum(local + kept) * self.block)
 
-    def dense(self, q: jax.Array, k: jax.Array, *, scale: Any = None, q_offset: Any = None):
+    def dense(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        *,
+        scale: Any = None,
+        q_offset: Any = None,
+        block_scores: jax.Array | None = None,
+    ):
         """bool ``[B, N, Tq, Tk]``: the selected entries for ``q [B, Tq, N, D]`` against
         ``k [B, Tk, Kh, D]`` (``Kh`` divides ``N``). Query ``i`` sits at absolute position
         ``Tk - Tq + i``, or ``q_offset + i`` when ``q_offset`` (an int or a traced int) is
         given: decoding into a cache of ``Tk`` slots, where keys from ``q_offset + Tq`` on are
-        not yet written. Traceable; ``scale`` defaults to ``D ** -0.5``."""
+        not yet written. Traceable; ``scale`` defaults to ``D ** -0.5``. ``block_scores``
+        (float ``[B, N, Tq, ceil(Tk / block)]``, a learned selector's,
+        :class:`sparse_jax.block_gate.BlockGate`) rank the earlier blocks in place of the
+        pooled score ``scale · q · mean(k_block)``."""
         b, tq, n, d = q.shape
         tk, kh = k.shape[1], k.shape[2]
         scale = d**-0.5 if scale is None else scale
@@ -581,7 +621,15 @@ class BlockSelection:
         cols = jnp.arange(nk, dtype=jnp.int32)
         local = (cols[None, :] <= own[:, None]) & (cols[None, :] > own[:, None] - self.local_blocks)
         blocks = jnp.broadcast_to(local, (b, n, tq, nk))
-        if self.keep_blocks:
+        if self.keep_blocks and block_scores is not None:
+            if tuple(block_scores.shape) != (b, n, tq, nk):
+                raise ValueError(
+                    f"BlockSelection.dense: `block_scores` must have shape [B, N, Tq, nk] = "
+                    f"{[b, n, tq, nk]}; got {list(block_scores.shape)}"
+                )
+            compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+            scores = jax.lax.stop_gradient(block_scores).astype(compute)
+        elif self.keep_blocks:
             compute = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
             qs = jax.lax.stop_gradient(q).astype(compute)
             ks = jnp.pad(
@@ -591,6 +639,7 @@ class BlockSelection:
             pooled = ks.reshape(b, nk, self.block, kh, d).mean(axis=2)  # [B, nk, Kh, D]
             pooled = jnp.repeat(pooled, n // kh, axis=2)  # [B, nk, N, D]
             scores = jnp.einsum("bind,bcnd->bnic", qs, pooled) * jnp.asarray(scale, compute)
+        if self.keep_blocks:
             big = jnp.finfo(compute).max
             scores = jnp.nan_to_num(scores, nan=-big, posinf=big, neginf=-big)
             earlier = cols[None, :] <= own[:, None] - self.local_blocks  # [Tq, nk]
@@ -604,14 +653,17 @@ class BlockSelection:
             allowed = allowed & (kv_pos < q_offset + tq)
         return allowed
 
-    def attention(self, q, k, v, *, normalizer: Any = "softmax", scale: Any = None):
+    def attention(
+        self, q, k, v, *, normalizer: Any = "softmax", scale: Any = None, block_scores=None
+    ):
         """Self-attention (``Tq == Tk``, query ``i`` at position ``i``) over the selected keys:
         :func:`topk_block_attention` with query blocks of one row, under the named scope
-        ``sparse_jax/block_selection``. ``[B, T, N, Dv]``."""
+        ``sparse_jax/block_selection``; ``block_scores`` as in :meth:`dense`.
+        ``[B, T, N, Dv]``."""
         with jax.named_scope("sparse_jax/block_selection"):
-            return self._attention(q, k, v, normalizer, scale)
+            return self._attention(q, k, v, normalizer, scale, block_scores)
 
-    def _attention(self, q, k, v, normalizer, scale):
+    def _attention(self, q, k, v, normalizer, scale, block_scores=None):
         return topk_block_attention(
             q,
             k,
@@ -621,4 +673,5 @@ class BlockSelection:
             local_blocks=self.local_blocks,
             normalizer=normalizer,
             scale=scale,
+            block_scores=block_scores,
         )
