@@ -406,7 +406,7 @@ SINCE_GROUPING = {
     *(f"teacher.{name}" for name in ("smear_keys", "smear_width", "positions", "recall_steps",
                                      "recall_fraction",
                                      "recall_lengths", "recall_tokens", "recall_lr",
-                                     "answer_weight")),
+                                     "answer_weight", "recall_long_steps")),
     "train.recall_fraction",
     "measure.recall_sequences",
     "student.select_blocks",

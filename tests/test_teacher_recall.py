@@ -112,6 +112,37 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
     assert phases.teacher_key(plain, data) == digest
 
 
+def test_the_long_recall_updates_follow_at_the_longest_length_alone(tmp_path, monkeypatch):
+    args = [
+        "--teacher.source", "train", "--teacher.steps", "1", "--teacher.smear-keys",
+        "--teacher.recall-steps", "2", "--teacher.recall-lengths", "96", "128",
+        "--teacher.recall-tokens", "256", "--data.seq-len", "32",
+        "--run.dir", str(tmp_path / "run"), "--run.cache-dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    config = distill.parse([*args, "--teacher.recall-long-steps", "1"])
+    asked = []
+    recall_batches = phases.recall_batches
+
+    def spy(run, lengths, tokens, fraction):
+        asked.append(tuple(lengths))
+        return recall_batches(run, lengths, tokens, fraction)
+
+    monkeypatch.setattr(phases, "recall_batches", spy)
+    run = Run(config)
+    phases.teacher(run)
+    assert asked == [(96, 128), (128,)]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = {}
+    for x in lines:
+        steps.setdefault(x["phase"], []).append(x["step"])
+    assert steps == {"teacher": [1], "teacher_recall": [1, 2], "teacher_recall_long": [1]}
+    long = [x for x in lines if x["phase"] == "teacher_recall_long"][-1]
+    assert {"eval_recall_96", "eval_recall_128"} <= set(long)  # measured at every length
+    # Its own cache key; the teacher without it keeps the key it had.
+    without = phases.teacher_key(distill.parse(args), run.data)
+    assert phases.teacher_key(config, run.data) != without
+
+
 @pytest.mark.parametrize(
     "flags, match",
     [
@@ -122,6 +153,12 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
         (["--teacher.recall-lr", "0"], r"--teacher.recall-lr must be a number > 0"),
         (["--teacher.answer-weight", "-1"], r"--teacher.answer-weight must be a number >= 0"),
         (["--teacher.smear-width", "0"], r"--teacher.smear-width must be an int >= 1"),
+        (["--teacher.recall-long-steps", "-1"], r"--teacher.recall-long-steps must be an int >= 0"),
+        (
+            ["--teacher.recall-steps", "0", "--teacher.recall-long-steps", "5"],
+            r"--teacher.recall-long-steps 5 continues the recall updates .* needs "
+            r"--teacher.recall-steps > 0",
+        ),
         (
             ["--teacher.no-smear-keys", "--teacher.smear-width", "2"],
             r"--teacher.smear-width 2 mixes keys .* add --teacher.smear-keys",

@@ -91,6 +91,8 @@ def teacher_key(config: DistillConfig, data) -> str:
     if t.recall_steps:
         recall = [t.recall_fraction, config.teacher_recall_lengths(), t.recall_tokens]
         parts += [*recall, t.recall_lr, t.answer_weight]
+    if t.recall_long_steps:
+        parts += [f"recall_long_steps={t.recall_long_steps}"]
     if t.source == "planted":
         pattern = planted_pattern(config)
         parts += ["planted", pattern.tolist(), [repr(m) for m in candidate_bank(config)]]
@@ -251,7 +253,8 @@ def _lm_loss(model, batch, rng):
 
 def _train_teacher(run: Run, attention=None) -> GPT2:
     """--teacher.steps updates on the corpus's windows, then --teacher.recall-steps on a mixture
-    of text and passkey sequences (phase ``teacher_recall``)."""
+    of text and passkey sequences (phase ``teacher_recall``), then --teacher.recall-long-steps
+    on the same mixture at its longest length alone (phase ``teacher_recall_long``)."""
     c, t = run.config, run.config.teacher
     config = GPT2Config.preset(
         t.size,
@@ -287,12 +290,14 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
         answers, _ = cross_entropy_loss(logits, targets, mask=batch[:, 1, 1:] == 1)
         return nll + t.answer_weight * answers, {**metrics, "answer_nll": answers}
 
+    measured = tuple(sorted(set(lengths)))
+
     def evaluate_recall(model):  # the text loss, and passkey recall at each length
         table = measure.recall_accuracy(
-            model, c.data.tokenizer, held_out, lengths=lengths, count=24
+            model, c.data.tokenizer, held_out, lengths=measured, count=24
         )
         accuracy = {f"recall_{n}": np.mean([v for (m, _), v in table.items() if m == n])
-                    for n in lengths}  # fmt: skip
+                    for n in measured}  # fmt: skip
         return {**evaluate(model), **accuracy}
 
     recall_tc = dataclasses.replace(
@@ -302,9 +307,23 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
         learning_rate=t.recall_lr,
         warmup_steps=min(50, t.recall_steps // 10),
     )
-    return run.train_phase(
+    model = run.train_phase(
         "teacher_recall", model, loss, recall_tc, evaluate=evaluate_recall, batches=batches
     )
+    if not t.recall_long_steps:
+        return model
+    longest = max(lengths)
+    long_tc = dataclasses.replace(
+        recall_tc,
+        steps=t.recall_long_steps,
+        batch_size=max(1, t.recall_tokens // longest),
+        warmup_steps=min(50, t.recall_long_steps // 10),
+    )
+    long_batches = recall_batches(run, (longest,), t.recall_tokens, t.recall_fraction)
+    return run.train_phase(
+        "teacher_recall_long", model, loss, long_tc, evaluate=evaluate_recall,
+        batches=long_batches,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
