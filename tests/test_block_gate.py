@@ -62,7 +62,9 @@ def test_an_initial_gate_selects_as_the_pooled_score(keep, block, local):
     finite = np.isfinite(pooled)
     means = reference_scores(q, k, np.eye(8)[None].repeat(4, 0), np.eye(24, 8)[None].repeat(4, 0),
                              block, local)  # fmt: skip
-    np.testing.assert_allclose(np.where(finite, pooled, 0), np.where(finite, means, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.where(finite, pooled, 0), np.where(finite, means, 0), rtol=1e-5, atol=1e-6
+    )
 
 
 def _planted_scores(q, k, block):

@@ -152,7 +152,8 @@ class TeacherConfig(_Group):
     recall_long_steps: int = 0
     """Updates after those, on the same mixture at the longest of the recall lengths alone (a
     phase of its own, teacher_recall_long, with its own warm-up and decay): retrieval learned
-    at the shorter lengths first, then practised where it is hardest; 0: none."""
+    at the shorter lengths first, then practised where it is hardest; 0: none, and none
+    without --teacher.recall-steps (0 turns every recall update off)."""
     answer_weight: float = 5.0
     """The loss of those updates: next-token cross entropy plus this times its mean over the
     answers' tokens."""
@@ -170,11 +171,6 @@ class TeacherConfig(_Group):
             self, self.group, steps=1, smear_width=1, recall_steps=0, recall_tokens=1,
             recall_long_steps=0,
         )  # fmt: skip
-        if self.recall_long_steps and not self.recall_steps:
-            raise ValueError(
-                f"{self.flag('recall_long_steps')} {self.recall_long_steps} continues the recall "
-                f"updates at their longest length: it needs {self.flag('recall_steps')} > 0"
-            )
         self.number("lr", positive=True)
         self.number("recall_lr", positive=True)
         self.number("answer_weight", positive=False)

@@ -91,7 +91,7 @@ def teacher_key(config: DistillConfig, data) -> str:
     if t.recall_steps:
         recall = [t.recall_fraction, config.teacher_recall_lengths(), t.recall_tokens]
         parts += [*recall, t.recall_lr, t.answer_weight]
-    if t.recall_long_steps:
+    if t.recall_steps and t.recall_long_steps:
         parts += [f"recall_long_steps={t.recall_long_steps}"]
     if t.source == "planted":
         pattern = planted_pattern(config)
