@@ -100,7 +100,10 @@ def test_bundled_teacher_is_the_default_with_the_default_teacher_flags():
     ("args", "message"),
     [
         (["--teacher.steps", "50"], "--teacher.steps 50 applies to a teacher trained here"),
-        (["--teacher.size", "tiny", "--data.seq-len", "16"], "--teacher.size 'tiny' applies to"),
+        (
+            ["--teacher.size", "tiny", "--data.seq-len", "16", "--teacher.recall-steps", "0"],
+            "--teacher.size 'tiny' applies to",
+        ),
         (["--data.seq-len", "256"], "--data.seq-len 256 is longer than the 128 tokens"),
     ],
 )

@@ -80,8 +80,8 @@ def _config(tmp_path, *extra):
     return distill.parse([
         "--teacher.source", "train", "--teacher.steps", "1", "--teacher.smear-keys",
         "--teacher.positions", "learned",
-        "--teacher.recall-steps", "2", "--teacher.recall-lengths", "96",
-        "--teacher.recall-tokens", "192", "--data.seq-len", "32",
+        "--teacher.recall-steps", "2", "--teacher.recall-long-steps", "0",
+        "--teacher.recall-lengths", "96", "--teacher.recall-tokens", "192", "--data.seq-len", "32",
         "--run.dir", str(tmp_path / "run"), "--run.cache-dir", str(tmp_path / "cache"), *extra,
     ])  # fmt: skip
 
@@ -101,10 +101,17 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
     data = run.data
     key = phases.teacher_key(config, data)
     assert (tmp_path / "cache" / "teachers" / key / "model.safetensors").is_file()
-    plain = _config(tmp_path, "--teacher.recall-steps", "0", "--teacher.no-smear-keys")
+    plain = _config(
+        tmp_path,
+        "--teacher.recall-steps",
+        "0",
+        "--teacher.no-smear-keys",
+        "--teacher.smear-width",
+        "1",
+    )
     other = _config(tmp_path, "--teacher.recall-fraction", "0.25")
     rotary = _config(tmp_path, "--teacher.positions", "rotary")
-    wide = _config(tmp_path, "--teacher.smear-width", "3")
+    wide = _config(tmp_path, "--teacher.smear-width", "2")
     keys = {phases.teacher_key(c, data) for c in (config, plain, other, rotary, wide)}
     assert len(keys) == 5
     old = [plain.teacher.size, data.dataset_name, 1, plain.teacher.lr, 8, 0, 1]
@@ -142,7 +149,7 @@ def test_the_long_recall_updates_follow_at_the_longest_length_alone(tmp_path, mo
     without = phases.teacher_key(distill.parse(args), run.data)
     assert phases.teacher_key(config, run.data) != without
     # --teacher.recall-steps 0 turns every recall update off, the long ones too.
-    off = ["--teacher.recall-steps", "0", "--teacher.no-smear-keys"]
+    off = ["--teacher.recall-steps", "0", "--teacher.no-smear-keys", "--teacher.smear-width", "1"]
     plain = distill.parse([*args, *off])
     assert phases.teacher_key(distill.parse([*args, *off, "--teacher.recall-long-steps", "5"]),
                               run.data) == phases.teacher_key(plain, run.data)  # fmt: skip
@@ -170,6 +177,15 @@ def test_bad_recall_flags_are_refused_by_name(tmp_path, flags, match, capsys):
         _config(tmp_path, *flags)
     err = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())
     assert re.search(match, err), err
+
+
+def test_the_default_recall_lengths_are_the_reports_that_fit_the_teacher():
+    config = distill.parse(["--teacher.source", "train", "--data.seq-len", "64"])
+    assert config.teacher_recall_lengths() == (64, 128, 256)
+    longer = distill.parse(["--teacher.source", "train", "--data.seq-len", "256"])
+    assert longer.teacher_recall_lengths() == (256, 512)  # the teacher has 512 positions
+    named = distill.parse(["--teacher.source", "train", "--teacher.recall-lengths", "96", "32"])
+    assert named.teacher_recall_lengths() == (96, 32)
 
 
 def test_the_bundled_teacher_refuses_recall_flags_it_was_not_trained_with(capsys):

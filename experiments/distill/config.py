@@ -124,19 +124,19 @@ class TeacherConfig(_Group):
     """Updates of the trained teacher."""
     lr: float = 3e-3
     """Peak learning rate of the trained teacher."""
-    smear_keys: bool = False
+    smear_keys: bool = True
     """The trained teacher smears its keys (GPT2Config.smear_keys: each key mixed with the
-    previous position's by a weight per head), which lets it learn to retrieve (induction)."""
-    smear_width: int = 1
+    previous positions' by weights per head), which lets it learn to retrieve (induction)."""
+    smear_width: int = 3
     """With --teacher.smear-keys, how many previous positions' keys each key mixes in
     (GPT2Config.smear_width: a weight per head and position back), so that a head can match the
-    few tokens before a key, not only the last one."""
-    positions: Literal["learned", "rotary"] = "learned"
+    few tokens before a key, not only the last one; 1 with --teacher.no-smear-keys."""
+    positions: Literal["learned", "rotary"] = "rotary"
     """How the trained teacher (and so its students) knows positions (GPT2Config.positions):
     'learned' embeddings, one per position, or 'rotary' (queries and keys turned by their
     positions, so that a score sees only distances: what the model learns at short lengths
     holds at later positions)."""
-    recall_steps: int = 0
+    recall_steps: int = 3000
     """Updates of the trained teacher after its --teacher.steps on text, on a mixture of text and
     passkey sequences (sparse_jax.data.recall.RecallMixture), so that it retrieves a key stated
     far back; 0: none (text alone)."""
@@ -144,12 +144,12 @@ class TeacherConfig(_Group):
     """Share of passkey sequences in those updates."""
     recall_lengths: tuple[int, ...] = ()
     """Sequence lengths of those updates, cycled (empty: 1x, 2x and 4x --data.seq-len, the lengths
-    the report asks at; each <= the teacher's positions)."""
+    the report asks at, as far as they fit the teacher's positions; each <= its positions)."""
     recall_tokens: int = 2048
     """Tokens per update of those updates (tokens // length sequences)."""
-    recall_lr: float = 1e-3
+    recall_lr: float = 2e-3
     """Peak learning rate of those updates."""
-    recall_long_steps: int = 0
+    recall_long_steps: int = 2000
     """Updates after those, on the same mixture at the longest of the recall lengths alone (a
     phase of its own, teacher_recall_long, with its own warm-up and decay): retrieval learned
     at the shorter lengths first, then practised where it is hardest; 0: none, and none
@@ -183,7 +183,7 @@ class TeacherConfig(_Group):
         if self.smear_width != 1 and not self.smear_keys:
             raise ValueError(
                 f"{self.flag('smear_width')} {self.smear_width} mixes keys over the previous "
-                "positions: add --teacher.smear-keys"
+                "positions: add --teacher.smear-keys, or --teacher.smear-width 1 for plain keys"
             )
         lengths = self.recall_lengths
         if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
@@ -443,7 +443,13 @@ HARDEN_BEFORE_REVIVING = {"threshold": None}
 # The text-only trained teacher (learned positions, plain keys, no recall updates) that the
 # figures of these configs were recorded with: pinned, so that a teacher default that retrieves
 # leaves their commands meaning what they meant.
-TEACHER_TEXT_ONLY = {"smear_keys": False, "positions": "learned", "recall_steps": 0}
+TEACHER_TEXT_ONLY = {
+    "smear_keys": False,
+    "smear_width": 1,
+    "positions": "learned",
+    "recall_steps": 0,
+    "recall_long_steps": 0,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,7 +633,8 @@ class DistillConfig:
             if max(lengths) > positions:
                 raise ValueError(
                     f"--teacher.recall-lengths {list(lengths)} reach beyond the teacher's "
-                    f"{positions} positions (--teacher.size {self.teacher.size})"
+                    f"{positions} positions (--teacher.size {self.teacher.size}): name shorter "
+                    "ones, or --teacher.recall-steps 0 for a teacher of text alone"
                 )
         if self.student.select_blocks and self.student.kind != "candidates":
             raise ValueError(
@@ -650,10 +657,12 @@ class DistillConfig:
             )
 
     def teacher_recall_lengths(self) -> tuple[int, ...]:
-        """The lengths of the teacher's recall updates: --teacher.recall-lengths, or 1x, 2x and
-        4x --data.seq-len."""
-        n = self.data.seq_len
-        return self.teacher.recall_lengths or (n, 2 * n, 4 * n)
+        """The lengths of the teacher's recall updates: --teacher.recall-lengths, or those of
+        1x, 2x and 4x --data.seq-len that fit the teacher's positions."""
+        if self.teacher.recall_lengths:
+            return self.teacher.recall_lengths
+        n, positions = self.data.seq_len, self.teacher.n_positions()
+        return tuple(m for m in (n, 2 * n, 4 * n) if positions is None or m <= positions)
 
     def flags(self) -> dict[str, Any]:
         """Every field by its dotted flag name (``"train.steps"``), as JSON values."""
