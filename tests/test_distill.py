@@ -376,9 +376,15 @@ def test_resume_refuses_flags_that_change_the_run(tmp_path):
             flags |= {f"{group}.{name}": value for name, value in fields.items()}
     old = {name: flags[new] for name, new in distill_config.OLD_FLAGS.items()}
     (tmp_path / "run" / "config.json").write_text(json.dumps(old))
-    distill.Run(distill.parse(same))
+    # Such a run had the text-only teacher (the teacher flags added since were at the values
+    # of TEACHER_TEXT_ONLY): today's teacher defaults would change it.
+    with pytest.raises(ValueError, match=r"--teacher.positions \(run: 'learned', now: 'rotary'\)"):
+        distill.Run(distill.parse(same))
+    text_only = ["--teacher.positions", "learned", "--teacher.no-smear-keys",
+                 "--teacher.smear-width", "1"]  # fmt: skip
+    distill.Run(distill.parse([*same, *text_only]))
     with pytest.raises(ValueError, match=r"--train.steps \(run: 8, now: 9\)"):
-        distill.Run(distill.parse([*same, "--train.steps", "9"]))
+        distill.Run(distill.parse([*same, *text_only, "--train.steps", "9"]))
 
 
 def test_a_run_from_before_the_block_price_resumes_with_its_density_budget():

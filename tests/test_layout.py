@@ -33,6 +33,7 @@ LEVELS = {
     "sparse_jax.blocksparse": 3,
     "sparse_jax.fused": 3,
     "sparse_jax.dynamic": 3,
+    "sparse_jax.block_gate": 3,  # a learned selector for sparse_jax.dynamic's block selection
     "sparse_jax.kernels": 3,
     "sparse_jax.dispatch": 4,
     "sparse_jax.data": 5,

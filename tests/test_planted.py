@@ -27,6 +27,7 @@ from sparse_jax.models.flops import mask_block_cost
 PLANTED = [
     "--teacher.source", "planted", "--teacher.size", "tiny", "--teacher.steps", "150",
     "--teacher.recall-steps", "0", "--teacher.positions", "learned", "--teacher.no-smear-keys",
+    "--teacher.smear-width", "1",
     "--data.seq-len", "16", "--data.batch-size", "8", "--student.windows", "4", "8",
     "--student.block-size", "4", "--train.steps", "150", "--harden.finetune-steps", "0",
     "--measure.eval-batches", "2", "--measure.report-prompts", "1",

@@ -245,7 +245,7 @@ def teacher_scores(ids) -> np.ndarray:
     """The bundled teacher's causal attention scores q·k/√d on token windows ``ids [W, n]``,
     float32 ``[L, W, N, n, n]`` (layers, windows, heads, queries, keys), -inf on future keys:
     each block's queries and keys by its own projection (``SelfAttention.project_qkv``: keys
-    smeared and positions rotated where the model has them; the bundled teacher has neither)
+    smeared and positions rotated where the model has them, as the bundled teacher has)
     of its normalized input, the blocks run in float32.
 
     Example:

@@ -171,6 +171,8 @@ class TeacherConfig(_Group):
             self, self.group, steps=1, smear_width=1, recall_steps=0, recall_tokens=1,
             recall_long_steps=0,
         )  # fmt: skip
+        if not self.recall_steps:  # 0 turns every recall update off, the long ones too
+            object.__setattr__(self, "recall_long_steps", 0)
         self.number("lr", positive=True)
         self.number("recall_lr", positive=True)
         self.number("answer_weight", positive=False)

@@ -36,7 +36,7 @@ from experiments.common.run_folder import (
     sibling,
 )
 from experiments.distill.cli import command, command_line
-from experiments.distill.config import OLD_FLAGS, DistillConfig, TrainConfig
+from experiments.distill.config import OLD_FLAGS, TEACHER_TEXT_ONLY, DistillConfig, TrainConfig
 from sparse_jax.data import text
 from sparse_jax.data.text import BatchIterator
 from sparse_jax.files import write_text_atomically
@@ -111,9 +111,13 @@ def _flags_of_record(record: dict) -> dict:
 def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = None) -> None:
     """--resume continues the run it finds: refuse flags that would change what it computes.
     ``saved`` and ``given`` are config.json records; a flag that the run's (older) record lacks
-    must be at its default. ``folder`` (the run's) lets the message give the exact command."""
+    must be at the value the run had (its default then: the text-only teacher's flags, for those
+    added since; today's default for the others). ``folder`` (the run's) lets the message give
+    the exact command."""
     saved, given = _flags_of_record(saved), _flags_of_record(given)
-    changed = changed_flags(saved, given, ignore=_RESUME_FREE, defaults=DistillConfig().flags())
+    before = {f"teacher.{name}": value for name, value in TEACHER_TEXT_ONLY.items()}
+    defaults = {**DistillConfig().flags(), **before}
+    changed = changed_flags(saved, given, ignore=_RESUME_FREE, defaults=defaults)
     if changed:
         how = "Resume with the run's flags, or start a new --run.dir"
         if folder is not None:
