@@ -58,9 +58,14 @@ def test_bundled_teacher_reproduces_its_recorded_recall(tmp_path):
         lengths=(128,),
         count=recall["sequences"],
     )
-    assert {f"{n}@{d}": v for (n, d), v in table.items()} == {
-        key: v for key, v in recall["by_depth"].items() if key.startswith("128@")
-    }
+    # Within one sequence per depth cell: a greedy answer whose top two logits nearly tie may
+    # flip on a CPU whose compiled code rounds differently from the recording machine's.
+    per_depth = recall["sequences"] // 3
+    measured = {f"{n}@{d}": v for (n, d), v in table.items()}
+    recorded = {key: v for key, v in recall["by_depth"].items() if key.startswith("128@")}
+    assert measured.keys() == recorded.keys()
+    for key, value in recorded.items():
+        assert measured[key] == pytest.approx(value, abs=1 / per_depth + 1e-9), key
 
 
 def test_remeasure_rewrites_the_record_from_the_shipped_weights(tmp_path, monkeypatch):
