@@ -380,6 +380,17 @@ def test_resume_refuses_flags_that_change_the_run(tmp_path):
     # of TEACHER_TEXT_ONLY): today's teacher defaults would change it.
     with pytest.raises(ValueError, match=r"--teacher.positions \(run: 'learned', now: 'rotary'\)"):
         distill.Run(distill.parse(same))
+    try:  # the command the message gives to resume it names the text-only teacher's flags
+        distill.Run(distill.parse(same))
+    except ValueError as err:
+        resume = str(err).split("Resume with the run's flags:  ")[1].split("   or start")[0]
+    for flag in (
+        "--teacher.positions learned",
+        "--teacher.smear-width 1",
+        "--teacher.no-smear-keys",
+    ):
+        assert flag in resume, resume
+    distill.Run(distill.parse(shlex.split(resume)[3:]))
     text_only = ["--teacher.positions", "learned", "--teacher.no-smear-keys",
                  "--teacher.smear-width", "1"]  # fmt: skip
     distill.Run(distill.parse([*same, *text_only]))
