@@ -30,7 +30,7 @@ Shapes: ``B`` batch, ``T``/``Tq``/``Tk`` lengths, ``N`` query heads, ``Kh`` key 
 ceil(Tk / block)`` key blocks.
 
 Example:
-  >>> from sparse_jax.dynamic import BlockSelection
+  >>> from sparse_jax.dynamic import BlockSelection, earlier_blocks
   >>> gate = BlockGate(BlockSelection(keep_blocks=1, block=4), num_heads=2, head_dim=8)
   >>> q = k = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N, D]
   >>> gate.scores(q, k).shape  # [B, N, T, nk]: -inf where a block is not a candidate
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_jax.dynamic import BlockSelection
+from sparse_jax.dynamic import BlockSelection, earlier_blocks
 from sparse_jax.validation import check_float_array, check_int, check_scale
 
 __all__ = ["BlockGate", "block_attention_mass", "block_gate_loss", "block_gate_scores"]
@@ -60,10 +60,8 @@ def _positions(tq: int, tk: int, q_offset: Any) -> jax.Array:
 
 
 def _candidates(tq: int, tk: int, block: int, local_blocks: int, q_offset: Any) -> jax.Array:
-    """bool ``[Tq, nk]``: the earlier complete key blocks each query may add."""
-    own = _positions(tq, tk, q_offset) // block
-    cols = jnp.arange(-(-tk // block), dtype=jnp.int32)
-    return cols[None, :] <= own[:, None] - local_blocks
+    """bool ``[Tq, nk]``: the earlier complete key blocks each query may add (BlockSelection's)."""
+    return earlier_blocks(_positions(tq, tk, q_offset), -(-tk // block), block, local_blocks)
 
 
 def _pooled_keys(k: jax.Array, block: int) -> jax.Array:

@@ -83,7 +83,7 @@ from sparse_jax.validation import (
     check_scale,
 )
 
-__all__ = ["SENTINEL", "BlockSelection", "topk_block_attention", "topk_mask"]
+__all__ = ["SENTINEL", "BlockSelection", "earlier_blocks", "topk_block_attention", "topk_mask"]
 
 # Bits of the threshold key settled per pass of :func:`topk_mask` (2 bits = 16 passes of 3 counts
 # each): faster on a 2-core CPU than 1 bit or 4 bits per pass (timed once on [8, 2048, 2048]
@@ -522,6 +522,19 @@ def topk_block_attention(
 # BlockSelection: a data-dependent candidate mask.
 
 
+def earlier_blocks(q_pos: jax.Array, nk: int, block: int, local_blocks: int) -> jax.Array:
+    """bool ``[Tq, nk]``: the complete key blocks before the ``local_blocks`` most recent ones of
+    each query (absolute positions ``q_pos [Tq]``, ``nk`` key blocks of ``block``): the blocks a
+    :class:`BlockSelection` (and :class:`sparse_jax.block_gate.BlockGate`) may add.
+
+    Example:
+      >>> earlier_blocks(jnp.array([3, 9]), nk=3, block=4, local_blocks=1).astype(int).tolist()
+      [[0, 0, 0], [1, 1, 0]]
+    """
+    cols = jnp.arange(nk, dtype=jnp.int32)
+    return cols[None, :] <= (q_pos // block)[:, None] - local_blocks
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSelection:
     """A data-dependent candidate mask: key blocks chosen per query token (MoBA's gate).
@@ -642,7 +655,7 @@ class BlockSelection:
         if self.keep_blocks:
             big = jnp.finfo(compute).max
             scores = jnp.nan_to_num(scores, nan=-big, posinf=big, neginf=-big)
-            earlier = cols[None, :] <= own[:, None] - self.local_blocks  # [Tq, nk]
+            earlier = earlier_blocks(q_pos, nk, self.block, self.local_blocks)  # [Tq, nk]
             scores = jnp.where(earlier, scores, -jnp.inf)
             top = jax.lax.top_k(scores, min(self.keep_blocks, nk))[1]  # [B, N, Tq, keep]
             chosen = jnp.any(top[..., None] == cols, axis=-2) & earlier
