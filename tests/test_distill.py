@@ -423,7 +423,7 @@ SINCE_GROUPING = {
     *(f"teacher.{name}" for name in ("smear_keys", "smear_width", "positions", "recall_steps",
                                      "recall_fraction",
                                      "recall_lengths", "recall_tokens", "recall_lr",
-                                     "answer_weight", "recall_long_steps")),
+                                     "answer_weight", "recall_long_steps", "recall_long_lr")),
     "train.recall_fraction",
     "measure.recall_sequences",
     "student.select_blocks",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -86,73 +87,79 @@ def _config(tmp_path, *extra):
     ])  # fmt: skip
 
 
-def test_the_teacher_trains_on_text_then_on_the_recall_mixture(tmp_path):
-    config = _config(tmp_path)
-    run = Run(config)
-    model = phases.teacher(run)
-    assert model.config.smear_keys and model.h[0].attn.smear_logit is not None
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    recall_lines = [x for x in lines if x["phase"] == "teacher_recall"]
-    assert [x["step"] for x in recall_lines] == [1, 2]
-    assert all(x["answer_nll"] > 0 for x in recall_lines)
-    assert 0.0 <= recall_lines[-1]["eval_recall_96"] <= 1.0  # evaluated on held-out text
-    assert [x["step"] for x in lines if x["phase"] == "teacher"] == [1]
-    # Cached under a key of its recall flags; the plain teacher's key does not change.
-    data = run.data
-    key = phases.teacher_key(config, data)
-    assert (tmp_path / "cache" / "teachers" / key / "model.safetensors").is_file()
-    plain = _config(
-        tmp_path,
-        "--teacher.recall-steps",
-        "0",
-        "--teacher.no-smear-keys",
-        "--teacher.smear-width",
-        "1",
-    )
-    other = _config(tmp_path, "--teacher.recall-fraction", "0.25")
-    rotary = _config(tmp_path, "--teacher.positions", "rotary")
-    wide = _config(tmp_path, "--teacher.smear-width", "2")
-    keys = {phases.teacher_key(c, data) for c in (config, plain, other, rotary, wide)}
-    assert len(keys) == 5
-    old = [plain.teacher.size, data.dataset_name, 1, plain.teacher.lr, 8, 0, 1]
-    digest = hashlib.sha256(json.dumps(old, default=str).encode()).hexdigest()[:16]
-    assert phases.teacher_key(plain, data) == digest
+def test_the_teacher_trains_on_text_then_on_the_recall_mixture_then_at_its_longest_length(
+    tmp_path, monkeypatch
+):
+    lengths = ["--teacher.recall-lengths", "96", "128", "--teacher.recall-tokens", "256"]
+    config = _config(tmp_path, *lengths, "--teacher.recall-long-steps", "1",
+                     "--teacher.recall-long-lr", "5e-4")  # fmt: skip
+    asked, rates = [], {}
+    recall_batches, train_phase = phases.recall_batches, Run.train_phase
 
-
-def test_the_long_recall_updates_follow_at_the_longest_length_alone(tmp_path, monkeypatch):
-    args = [
-        "--teacher.source", "train", "--teacher.steps", "1", "--teacher.smear-keys",
-        "--teacher.recall-steps", "2", "--teacher.recall-lengths", "96", "128",
-        "--teacher.recall-tokens", "256", "--data.seq-len", "32",
-        "--run.dir", str(tmp_path / "run"), "--run.cache-dir", str(tmp_path / "cache"),
-    ]  # fmt: skip
-    config = distill.parse([*args, "--teacher.recall-long-steps", "1"])
-    asked = []
-    recall_batches = phases.recall_batches
-
-    def spy(run, lengths, tokens, fraction):
+    def spy_batches(run, lengths, tokens, fraction):
         asked.append(tuple(lengths))
         return recall_batches(run, lengths, tokens, fraction)
 
-    monkeypatch.setattr(phases, "recall_batches", spy)
+    def spy_phase(self, name, model, loss, tc, **kwargs):
+        rates[name] = tc.learning_rate
+        return train_phase(self, name, model, loss, tc, **kwargs)
+
+    monkeypatch.setattr(phases, "recall_batches", spy_batches)
+    monkeypatch.setattr(Run, "train_phase", spy_phase)
     run = Run(config)
-    phases.teacher(run)
+    model = phases.teacher(run)
+    assert model.config.smear_keys and model.h[0].attn.smear_logit is not None
+    # The mixture cycles the recall lengths; the long updates ask for the longest alone, at
+    # their own peak rate.
     assert asked == [(96, 128), (128,)]
+    assert rates == {"teacher": 3e-3, "teacher_recall": 2e-3, "teacher_recall_long": 5e-4}
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = {}
     for x in lines:
         steps.setdefault(x["phase"], []).append(x["step"])
     assert steps == {"teacher": [1], "teacher_recall": [1, 2], "teacher_recall_long": [1]}
-    long = [x for x in lines if x["phase"] == "teacher_recall_long"][-1]
-    assert {"eval_recall_96", "eval_recall_128"} <= set(long)  # measured at every length
-    # Its own cache key; the teacher without it keeps the key it had.
-    without = phases.teacher_key(distill.parse(args), run.data)
-    assert phases.teacher_key(config, run.data) != without
-    # --teacher.recall-steps 0 turns every recall update off, the long ones too.
+    recall_lines = [x for x in lines if x["phase"].startswith("teacher_recall")]
+    assert all(x["answer_nll"] > 0 for x in recall_lines)
+    for x in (recall_lines[1], recall_lines[2]):  # each phase's end, at every length
+        assert {"eval_recall_96", "eval_recall_128"} <= set(x)
+        assert 0.0 <= x["eval_recall_128"] <= 1.0  # evaluated on held-out text
+    # Cached under a key of its recall flags; the plain teacher's key does not change.
+    data = run.data
+    key = phases.teacher_key(config, data)
+    assert (tmp_path / "cache" / "teachers" / key / "model.safetensors").is_file()
     off = ["--teacher.recall-steps", "0", "--teacher.no-smear-keys", "--teacher.smear-width", "1"]
-    plain = distill.parse([*args, *off])
-    assert phases.teacher_key(distill.parse([*args, *off, "--teacher.recall-long-steps", "5"]),
-                              run.data) == phases.teacher_key(plain, run.data)  # fmt: skip
+    plain = _config(tmp_path, *off)
+    variants = [
+        config,
+        plain,
+        _config(
+            tmp_path,
+            *lengths,
+            "--teacher.recall-long-steps",
+            "1",
+            "--teacher.recall-long-lr",
+            "2e-3",
+        ),
+        _config(tmp_path, *lengths),  # no long updates
+        _config(tmp_path, "--teacher.recall-fraction", "0.25"),
+        _config(tmp_path, "--teacher.positions", "rotary"),
+        _config(tmp_path, "--teacher.smear-width", "2"),
+    ]
+    assert len({phases.teacher_key(c, data) for c in variants}) == len(variants)
+    old = [plain.teacher.size, data.dataset_name, 1, plain.teacher.lr, 8, 0, 1]
+    digest = hashlib.sha256(json.dumps(old, default=str).encode()).hexdigest()[:16]
+    assert phases.teacher_key(plain, data) == digest
+    # --teacher.recall-steps 0 turns every recall update off, the long ones too.
+    long_off = _config(tmp_path, *off, "--teacher.recall-long-steps", "5")
+    assert phases.teacher_key(long_off, data) == phases.teacher_key(plain, data)
+    # The teacher keyed before the long rate was a flag (the bundled one of then, trained at
+    # 2e-3) keeps its key.
+    then = distill.parse(["--teacher.source", "train", "--teacher.recall-long-steps", "2000",
+                          "--teacher.recall-long-lr", "2e-3"])  # fmt: skip
+    corpus = types.SimpleNamespace(
+        dataset_name="sparse_jax_text/default_byte_s128_a70c75b40ec182bf:1.0.0"
+    )
+    assert phases.teacher_key(then, corpus) == "6eac035e87d74e2a"
 
 
 @pytest.mark.parametrize(
@@ -166,6 +173,7 @@ def test_the_long_recall_updates_follow_at_the_longest_length_alone(tmp_path, mo
         (["--teacher.answer-weight", "-1"], r"--teacher.answer-weight must be a number >= 0"),
         (["--teacher.smear-width", "0"], r"--teacher.smear-width must be an int >= 1"),
         (["--teacher.recall-long-steps", "-1"], r"--teacher.recall-long-steps must be an int >= 0"),
+        (["--teacher.recall-long-lr", "0"], r"--teacher.recall-long-lr must be a number > 0"),
         (
             ["--teacher.no-smear-keys", "--teacher.smear-width", "2"],
             r"--teacher.smear-width 2 mixes keys .* add --teacher.smear-keys",

@@ -154,6 +154,9 @@ class TeacherConfig(_Group):
     phase of its own, teacher_recall_long, with its own warm-up and decay): retrieval learned
     at the shorter lengths first, then practised where it is hardest; 0: none, and none
     without --teacher.recall-steps (0 turns every recall update off)."""
+    recall_long_lr: float = 2e-3
+    """Peak learning rate of the --teacher.recall-long-steps updates (each phase warms up to its
+    peak and decays: a peak as high as the first phase's undoes part of what it learned)."""
     answer_weight: float = 5.0
     """The loss of those updates: next-token cross entropy plus this times its mean over the
     answers' tokens."""
@@ -164,6 +167,7 @@ class TeacherConfig(_Group):
         "size", "steps", "lr", "smear_keys", "smear_width", "positions", "recall_steps",
         "recall_fraction",
         "recall_lengths", "recall_tokens", "recall_lr", "answer_weight", "recall_long_steps",
+        "recall_long_lr",
     )  # fmt: skip
 
     def __post_init__(self):
@@ -175,6 +179,7 @@ class TeacherConfig(_Group):
             object.__setattr__(self, "recall_long_steps", 0)
         self.number("lr", positive=True)
         self.number("recall_lr", positive=True)
+        self.number("recall_long_lr", positive=True)
         self.number("answer_weight", positive=False)
         fraction = self.recall_fraction
         if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):

@@ -93,6 +93,8 @@ def teacher_key(config: DistillConfig, data) -> str:
         parts += [*recall, t.recall_lr, t.answer_weight]
     if t.recall_steps and t.recall_long_steps:
         parts += [f"recall_long_steps={t.recall_long_steps}"]
+        if t.recall_long_lr != 2e-3:  # (the rate of the teachers keyed before it was a flag)
+            parts += [f"recall_long_lr={t.recall_long_lr}"]
     if t.source == "planted":
         pattern = planted_pattern(config)
         parts += ["planted", pattern.tolist(), [repr(m) for m in candidate_bank(config)]]
@@ -317,6 +319,7 @@ def _train_teacher(run: Run, attention=None) -> GPT2:
         recall_tc,
         steps=t.recall_long_steps,
         batch_size=max(1, t.recall_tokens // longest),
+        learning_rate=t.recall_long_lr,
         warmup_steps=min(50, t.recall_long_steps // 10),
     )
     long_batches = recall_batches(run, (longest,), t.recall_tokens, t.recall_fraction)
