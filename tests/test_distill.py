@@ -388,11 +388,12 @@ def test_resume_refuses_flags_that_change_the_run(tmp_path):
         "--teacher.positions learned",
         "--teacher.smear-width 1",
         "--teacher.no-smear-keys",
+        "--train.recall-fraction 0.0",
     ):
         assert flag in resume, resume
     distill.Run(distill.parse(shlex.split(resume)[3:]))
     text_only = ["--teacher.positions", "learned", "--teacher.no-smear-keys",
-                 "--teacher.smear-width", "1"]  # fmt: skip
+                 "--teacher.smear-width", "1", "--train.recall-fraction", "0"]  # fmt: skip
     distill.Run(distill.parse([*same, *text_only]))
     with pytest.raises(ValueError, match=r"--train.steps \(run: 8, now: 9\)"):
         distill.Run(distill.parse([*same, *text_only, "--train.steps", "9"]))

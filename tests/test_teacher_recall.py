@@ -174,6 +174,12 @@ def test_the_teacher_trains_on_text_then_on_the_recall_mixture_then_at_its_longe
         (["--teacher.smear-width", "0"], r"--teacher.smear-width must be an int >= 1"),
         (["--teacher.recall-long-steps", "-1"], r"--teacher.recall-long-steps must be an int >= 0"),
         (["--teacher.recall-long-lr", "0"], r"--teacher.recall-long-lr must be a number > 0"),
+        (["--train.recall-fraction", "2"], r"--train.recall-fraction must be None or in \[0, 1\]"),
+        (
+            ["--train.recall-fraction", "0.5"],  # --data.seq-len 32
+            r"--train.recall-fraction 0.5 mixes passkey sequences of --data.seq-len 32 tokens .* "
+            r"need \d+ .* or --train.recall-fraction 0",
+        ),
         (
             ["--teacher.no-smear-keys", "--teacher.smear-width", "2"],
             r"--teacher.smear-width 2 mixes keys .* add --teacher.smear-keys",
@@ -194,6 +200,25 @@ def test_the_default_recall_lengths_are_the_reports_that_fit_the_teacher():
     assert longer.teacher_recall_lengths() == (256, 512)  # the teacher has 512 positions
     named = distill.parse(["--teacher.source", "train", "--teacher.recall-lengths", "96", "32"])
     assert named.teacher_recall_lengths() == (96, 32)
+
+
+def test_the_students_batches_carry_the_teachers_mixture_where_a_passkey_fits(tmp_path):
+    default = distill.parse([])  # the bundled teacher was trained with recall updates
+    assert default.train.recall_fraction is None
+    assert default.student_recall_fraction() == default.teacher.recall_fraction == 0.5
+    assert distill.parse(["--train.recall-fraction", "0.25"]).student_recall_fraction() == 0.25
+    assert distill.parse(["--train.recall-fraction", "0"]).student_recall_fraction() == 0.0
+    assert distill.parse(["--data.seq-len", "32"]).student_recall_fraction() == 0.0  # no passkey
+    text_only = _config(tmp_path, "--teacher.recall-steps", "0", "--data.seq-len", "128")
+    assert text_only.student_recall_fraction() == 0.0
+    # What the student phase and the fine-tune read: sequences of --data.seq-len, some of
+    # them passkeys (their answers marked in the second row).
+    run = Run(_config(tmp_path, "--data.seq-len", "128"))
+    assert run.config.student_recall_fraction() == 0.5
+    batch = np.asarray(next(phases._student_batches(run)(None)))
+    assert batch.shape == (8, 2, 129)
+    assert 0 < int((batch[:, 1].sum(axis=1) > 0).sum()) < 8
+    assert phases._student_batches(Run(_config(tmp_path, "--run.dir", str(tmp_path / "t")))) is None
 
 
 def test_the_bundled_teacher_refuses_recall_flags_it_was_not_trained_with(capsys):
@@ -233,6 +258,11 @@ def test_the_report_shows_the_saved_recall_table(tmp_path):
     assert "| model | n | depth 0.1 | depth 0.9 | mean |" in lines
     assert "| teacher | 128 | 100% | 50% | 75% |" in lines
     assert "| teacher | 512 | 25% | 75% | 50% |" in lines
+    assert not any("passkey sequences" in line for line in lines)
+    with_mixture = report._recall_lines({**summary, "student_recall_fraction": 0.5})
+    assert "The student's batches held 50% passkey sequences (--train.recall-fraction)." in (
+        with_mixture
+    )
     assert report._recall_lines({"recall": {"lengths": [], "models": {}}}) == []
 
 

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 from experiments.common import teachers
 from experiments.common.flags import check_max_minutes, flag_name, is_int, set_ints_at_least
 from experiments.distill import configs
+from sparse_jax.data.recall import shortest_length
 from sparse_jax.models.gpt2 import POSITIONS, PRESETS, GPT2Config
 from sparse_jax.models.hf import (
     PretrainedFileError,
@@ -484,10 +485,13 @@ class TrainConfig(_Group):
     """Adam's epsilon for --train.fast-params: above the size of their gradients, so that each
     step follows the gradient's size instead of moving every logit at the full rate (1e-8, the
     usual value, makes the logits random-walk on batch noise)."""
-    recall_fraction: float = 0.0
+    recall_fraction: float | None = None
     """Share of passkey sequences (sparse_jax.data.recall.RecallMixture, --data.seq-len long) in
     the student's and the hardened fine-tune's batches, the rest text of the corpus's train
-    split: a head that retrieves then pays its price in the KL. 0: the corpus's windows only."""
+    split: a head that retrieves then pays its price in the KL. None: the teacher's own
+    mixture, --teacher.recall-fraction, for a teacher trained with recall updates (the bundled
+    one is; --teacher.recall-steps > 0) when a passkey fits in --data.seq-len, else 0 (the
+    corpus's windows only)."""
 
     def __post_init__(self):
         set_ints_at_least(self, self.group, steps=1)
@@ -495,8 +499,14 @@ class TrainConfig(_Group):
         self.number("fast_lr_multiplier", positive=True)
         self.number("fast_eps", positive=True)
         fraction = self.recall_fraction
-        if isinstance(fraction, bool) or not (0.0 <= fraction <= 1.0):
-            raise ValueError(f"{self.flag('recall_fraction')} must be in [0, 1]; got {fraction!r}")
+        if fraction is not None and (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, numbers.Real)
+            or not (0.0 <= fraction <= 1.0)
+        ):
+            raise ValueError(
+                f"{self.flag('recall_fraction')} must be None or in [0, 1]; got {fraction!r}"
+            )
         for name in ("trainable", "fast_params"):
             if name == "trainable" and self.trainable == "auto":
                 continue
@@ -643,6 +653,17 @@ class DistillConfig:
                     f"{positions} positions (--teacher.size {self.teacher.size}): name shorter "
                     "ones, or --teacher.recall-steps 0 for a teacher of text alone"
                 )
+        fraction, shortest = (
+            self.train.recall_fraction,
+            shortest_length("passkey", self.data.tokenizer),
+        )
+        if fraction and self.data.seq_len < shortest:
+            raise ValueError(
+                f"--train.recall-fraction {fraction} mixes passkey sequences of --data.seq-len "
+                f"{self.data.seq_len} tokens into the student's batches, but a passkey and its "
+                f"question need {shortest} ({self.data.tokenizer!r} tokens): use --data.seq-len "
+                f">= {shortest}, or --train.recall-fraction 0"
+            )
         if self.student.select_blocks and self.student.kind != "candidates":
             raise ValueError(
                 f"--student.select-blocks {self.student.select_blocks} adds a candidate: it "
@@ -662,6 +683,18 @@ class DistillConfig:
                 "--student.kind candidates and --student.granularity head; got "
                 f"{self.student.kind!r} and {self.student.granularity!r}"
             )
+
+    def student_recall_fraction(self) -> float:
+        """The share of passkey sequences in the student's batches: --train.recall-fraction, or
+        for None the teacher's own mixture (--teacher.recall-fraction) when the teacher was
+        trained with recall updates here or bundled so, and a passkey fits in --data.seq-len;
+        else 0."""
+        if self.train.recall_fraction is not None:
+            return float(self.train.recall_fraction)
+        t = self.teacher
+        trained_to_retrieve = (t.source == "bundled" or t.source in t.TRAINED) and t.recall_steps
+        fits = self.data.seq_len >= shortest_length("passkey", self.data.tokenizer)
+        return float(t.recall_fraction) if trained_to_retrieve and fits else 0.0
 
     def teacher_recall_lengths(self) -> tuple[int, ...]:
         """The lengths of the teacher's recall updates: --teacher.recall-lengths, or those of

@@ -127,6 +127,7 @@ def run(config: DistillConfig) -> dict:
         "hardened_block_maps": measure.block_maps(hard, lengths[-1]),
         "samples": samples,
         "recall": recall_table,
+        "student_recall_fraction": config.student_recall_fraction(),
         "wall_time_s": time.perf_counter() - started,
         "phase_seconds": seconds,
         "device": f"{jax.default_backend()} x{jax.device_count()}",

@@ -428,13 +428,15 @@ def _evaluate_against(run: Run, teacher: GPT2):
 
 
 def _student_batches(run: Run):
-    """The student's batches: the corpus's windows, or with --train.recall-fraction a
-    RecallMixture at --data.seq-len (None: the windows)."""
+    """The student's batches: a RecallMixture at --data.seq-len with the share of passkey
+    sequences DistillConfig.student_recall_fraction resolves, or the corpus's windows when
+    that is 0 (None)."""
     c = run.config
-    if not c.train.recall_fraction:
+    fraction = c.student_recall_fraction()
+    if not fraction:
         return None
     n = c.data.seq_len
-    return recall_batches(run, (n,), c.data.batch_size * n, c.train.recall_fraction)
+    return recall_batches(run, (n,), c.data.batch_size * n, fraction)
 
 
 def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:

@@ -338,8 +338,12 @@ def _recall_lines(summary) -> list[str]:
             cells = [scores[f"{n}@{d}"] for d in depths]
             row = " | ".join(f"{x:.0%}" for x in cells)
             lines.append(f"| {name} | {n} | {row} | {sum(cells) / len(cells):.0%} |")
-    lines += ["", "Depth: where the key is stated, as a fraction of the text around it.", ""]
-    return lines
+    lines += ["", "Depth: where the key is stated, as a fraction of the text around it."]
+    fraction = summary.get("student_recall_fraction")
+    if fraction is not None:
+        lines += [f"The student's batches held {fraction:.0%} passkey sequences "
+                  "(--train.recall-fraction)."]  # fmt: skip
+    return [*lines, ""]
 
 
 def write_report(run_dir: str | pathlib.Path) -> pathlib.Path:

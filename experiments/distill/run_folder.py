@@ -115,9 +115,10 @@ def check_same_config(saved: dict, given: dict, folder: pathlib.Path | None = No
     added since; today's default for the others). ``folder`` (the run's) lets the message give
     the exact command."""
     saved, given = _flags_of_record(saved), _flags_of_record(given)
-    # The teacher flags the record lacks, at the values the run had (so that the command below
-    # that resumes it names them too).
+    # The teacher and student-data flags the record lacks, at the values the run had (so that
+    # the command below that resumes it names them too).
     before = {f"teacher.{name}": value for name, value in TEACHER_TEXT_ONLY.items()}
+    before["train.recall_fraction"] = 0.0  # the student's batches were text alone then
     saved = {**before, **saved}
     changed = changed_flags(saved, given, ignore=_RESUME_FREE, defaults=DistillConfig().flags())
     if changed:

@@ -24,6 +24,6 @@ def get_config() -> DistillConfig:
         config="default_sigmoid_l1",
         student=StudentConfig(weighting="sigmoid", combine="soft_union"),
         loss=LossConfig(mask_l1=0.02, mask_expected_cost=0.0, penalty_ramp=RAMP_BEFORE_SEARCH),
-        train=TrainConfig(**TRAIN_BEFORE_SEARCH),
+        train=TrainConfig(**TRAIN_BEFORE_SEARCH, recall_fraction=0.0),  # text alone, as then
         harden=HardenConfig(budget=0.3, price="density", **FINETUNE_AT_FULL_RATE),
     )
