@@ -53,6 +53,15 @@ With grouped-query attention the gathered key/value blocks are held once per que
 (``N / Kh`` times the key memory of one group). A long sequence at a fixed capacity therefore
 costs linear, not quadratic, work in its length apart from the small block-score array.
 
+Engines (``impl``): ``"xla"`` (the default) is the gather above, in plain XLA; ``"pallas"`` runs
+the attention over the selected blocks in the fused Pallas kernels
+(:func:`sparse_jax.kernels.pallas_block_list_attention`: the Triton kernels on GPU, the Mosaic
+ones on TPU, interpret mode on CPU), which read each query block's list at run time, so scores
+never leave the chip and nothing is gathered; the selection stays in XLA. ``"auto"`` takes
+``"pallas"`` on GPU when the kernels compute the call (block sizes powers of two >= 16, no
+float64, no ``return_weights``), else ``"xla"`` (on TPU too, as :func:`sparse_jax.attention`'s
+``impl="auto"``: the Mosaic kernels are not yet compiled and measured on one).
+
 Numerics follow :func:`sparse_jax.attention`: scores, the normalizer and the accumulation of
 ``p @ v`` are in float32 (float64 stays float64), ``p`` is cast to ``v``'s dtype for the
 product, and the output has ``q``'s dtype. A query row with nothing allowed (possible when
@@ -71,11 +80,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_jax.kernels import pallas_block_list_attention, pallas_supports
 from sparse_jax.masks import SENTINEL
 from sparse_jax.normalizers import normalize
 from sparse_jax.validation import (
     check_block_size,
     check_bool,
+    check_choice,
     check_float_array,
     check_int,
     check_normalizer,
@@ -83,7 +94,17 @@ from sparse_jax.validation import (
     check_scale,
 )
 
-__all__ = ["SENTINEL", "BlockSelection", "earlier_blocks", "topk_block_attention", "topk_mask"]
+__all__ = [
+    "IMPLS",
+    "SENTINEL",
+    "BlockSelection",
+    "earlier_blocks",
+    "topk_block_attention",
+    "topk_mask",
+]
+
+#: Values of ``topk_block_attention(..., impl=)``.
+IMPLS = ("xla", "pallas", "auto")
 
 # Bits of the threshold key settled per pass of :func:`topk_mask` (2 bits = 16 passes of 3 counts
 # each): faster on a 2-core CPU than 1 bit or 4 bits per pass (timed once on [8, 2048, 2048]
@@ -382,12 +403,62 @@ def _run(
         dense = jnp.transpose(dense[:, :, :, : p.nk], (0, 1, 2, 4, 3, 5))
         extras.append(dense.reshape(p.b, p.n, p.nq * p.bq, p.nk * p.bkv)[:, :, : p.tq, : p.tk])
     if p.return_indices:
-        indices = jnp.where(valid, idx, SENTINEL).astype(jnp.int32)
-        pad = p.capacity - width
-        if pad:
-            indices = jnp.pad(indices, ((0, 0),) * 3 + ((0, pad),), constant_values=SENTINEL)
-        extras.append(indices)
+        extras.append(_indices(p, idx, valid))
     return (out, *extras) if extras else out
+
+
+def _indices(p: _Plan, idx, valid):
+    """The selected blocks as returned: ``[B, N, nq, capacity]`` int32, ``SENTINEL`` where
+    invalid."""
+    indices = jnp.where(valid, idx, SENTINEL).astype(jnp.int32)
+    pad = p.capacity - idx.shape[-1]
+    if pad:
+        indices = jnp.pad(indices, ((0, 0),) * 3 + ((0, pad),), constant_values=SENTINEL)
+    return indices
+
+
+@functools.partial(
+    jax.jit, static_argnames=("plan", "normalizer_static", "scale_static", "interpret")
+)
+def _run_pallas(
+    q,
+    k,
+    v,
+    normalizer_array,
+    scale_array,
+    block_scores,
+    *,
+    plan: _Plan,
+    normalizer_static,
+    scale_static,
+    interpret,
+):
+    """``impl="pallas"``: the selection of :func:`_run`, the attention over the selected blocks
+    in the fused kernels (:func:`sparse_jax.kernels.pallas_block_list_attention`)."""
+    p = plan
+    normalizer = normalizer_static if normalizer_array is None else normalizer_array
+    scale = scale_static if scale_array is None else scale_array
+    idx, valid = _select_blocks(q, k, p, scale, jnp.float32, block_scores)  # [B, N, nq, K]
+    with jax.named_scope("sparse_jax/pallas"):
+        out = pallas_block_list_attention(
+            q, k, v, jnp.where(valid, idx, SENTINEL), block_size=(p.bq, p.bkv), causal=p.causal,
+            normalizer=normalizer, scale=scale, interpret=interpret,
+        )  # fmt: skip
+    return (out, _indices(p, idx, valid)) if p.return_indices else out
+
+
+def _choose_impl(impl: str, q, block_size, return_weights: bool, caller: str) -> str:
+    """The engine of a :func:`topk_block_attention` call (see the module docstring), or a
+    ValueError when ``impl="pallas"`` is asked for a call the kernels do not compute."""
+    if impl == "xla":
+        return impl
+    ok, why = pallas_supports(q, return_weights=return_weights, block_size=block_size)
+    why = why.replace("`block_q`", "`block_size[0]`").replace("`block_kv`", "`block_size[1]`")
+    if impl == "pallas" and not ok:
+        raise ValueError(f"{caller}: impl='pallas': {why}; use impl='xla' for this call")
+    if impl == "auto":  # the fused kernels where sparse_jax.attention's impl="auto" takes them
+        return "pallas" if ok and jax.default_backend() == "gpu" else "xla"
+    return impl
 
 
 def topk_block_attention(
@@ -404,6 +475,8 @@ def topk_block_attention(
     return_weights: bool = False,
     return_indices: bool = False,
     block_scores: jax.Array | None = None,
+    impl: str = "xla",
+    interpret: bool | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
     """Attention over the key blocks each query block selects from the data (block top-k).
 
@@ -446,6 +519,12 @@ def topk_block_attention(
         blocks of each query block in place of the pooled mean score (a learned selector's,
         :class:`sparse_jax.block_gate.BlockGate`); entries of blocks that are not candidates
         are ignored, and NaN ranks last. Not differentiated, like the pooled score.
+      impl: ``"xla"`` (gathers the selected blocks), ``"pallas"`` (the fused kernels read the
+        selected blocks' list at run time: block sizes powers of two >= 16 on GPU and CPU,
+        multiples of 128 on TPU; no ``return_weights``, no float64) or ``"auto"`` (``"pallas"``
+        on GPU where it computes the call, else ``"xla"``); see the module docstring.
+      interpret: run the Pallas kernels in Pallas' interpret mode (default: on CPU only), as
+        :func:`sparse_jax.kernels.pallas_attention` takes it; must be None with ``impl="xla"``.
 
     Returns:
       ``out [B, Tq, N, Dv]`` in ``q``'s dtype; with ``return_weights`` and/or
@@ -465,8 +544,15 @@ def topk_block_attention(
       [0, 1, 2, 3, 4]
       >>> idx[0, 0, 0, 1].item()
       -1
+      >>> q = k = v = jax.random.normal(jax.random.key(1), (1, 64, 2, 16))
+      >>> fused = topk_block_attention(q, k, v, keep_blocks=1, block_size=(16, 16), impl="pallas")
+      >>> gathered = topk_block_attention(q, k, v, keep_blocks=1, block_size=(16, 16))
+      >>> bool(jnp.allclose(fused, gathered, atol=1e-5))
+      True
     """
     caller = "topk_block_attention"
+    impl = check_choice(impl, "impl", IMPLS, caller)
+    interpret = check_bool(interpret, "interpret", caller, optional=True)
     check_qkv(q, k, v, caller)
     b, tq, n, d = q.shape
     tk, kh = k.shape[1], k.shape[2]
@@ -478,6 +564,12 @@ def topk_block_attention(
     scale = check_scale(scale, d, caller)
     return_weights = check_bool(return_weights, "return_weights", caller)
     return_indices = check_bool(return_indices, "return_indices", caller)
+    if impl == "xla" and interpret is not None:
+        raise ValueError(
+            f"{caller}: `interpret`={interpret} is for the Pallas kernels (impl='pallas' or "
+            f"'auto'); with impl='xla' it must be None"
+        )
+    impl = _choose_impl(impl, q, (bq, bkv), return_weights, caller)
     nq, nk = -(-tq // bq), -(-tk // bkv)
     if block_scores is not None:
         check_float_array(block_scores, "block_scores", caller, "a float array")
@@ -505,6 +597,19 @@ def topk_block_attention(
     )
     static_norm = isinstance(normalizer, (str, float))
     static_scale = isinstance(scale, float)
+    if impl == "pallas":
+        return _run_pallas(
+            jnp.asarray(q),
+            jnp.asarray(k),
+            jnp.asarray(v),
+            None if static_norm else normalizer,
+            None if static_scale else scale,
+            None if block_scores is None else jnp.asarray(block_scores),
+            plan=plan,
+            normalizer_static=normalizer if static_norm else None,
+            scale_static=scale if static_scale else None,
+            interpret=interpret,
+        )
     return _run(
         jnp.asarray(q),
         jnp.asarray(k),

@@ -67,11 +67,20 @@ over the blocks the layout's conservative bound keeps. Not supported (yet; :func
 says so and ``impl="auto"`` takes another engine): other run-time masks (two leaves of a kind
 under ``|`` or ``~``, or beside an array mask), ``return_weights``, float64.
 
-Modules, each importing only those below it: this one, the entry (:func:`pallas_attention`,
-its custom VJP, :func:`capped_forward`); :mod:`~sparse_jax.kernels.triton` and
-:mod:`~sparse_jax.kernels.mosaic`, the kernels; :mod:`~sparse_jax.kernels.tilemath`, the tile
-maths both share; :mod:`~sparse_jax.kernels.plan`, the call plan, the block rules and what is
-supported (:func:`pallas_supports`).
+Run-time block lists: :func:`pallas_block_list_attention` takes the key blocks of each batch
+element, query head and query block as a traced int array (what
+:func:`sparse_jax.topk_block_attention` selects from the data). The kernels are the same; their
+layout arrays, built in XLA from the lists (:func:`~sparse_jax.kernels.plan.block_list_arrays`:
+each row's kept blocks, their full flags and partial masks from the static layout of ``causal()``
+or ``full()``, and the transposed lists for the dk/dv kernel, of static widths), are inputs with
+one row per (batch element, head), which each program's index maps select, as splash attention
+takes its block indices; so a new selection needs no new compilation.
+
+Modules, each importing only those below it: this one, the entries (:func:`pallas_attention`,
+:func:`pallas_block_list_attention`, their custom VJP, :func:`capped_forward`);
+:mod:`~sparse_jax.kernels.triton` and :mod:`~sparse_jax.kernels.mosaic`, the kernels;
+:mod:`~sparse_jax.kernels.tilemath`, the tile maths both share; :mod:`~sparse_jax.kernels.plan`,
+the call plan, the block rules and what is supported (:func:`pallas_supports`).
 """
 
 from __future__ import annotations
@@ -92,11 +101,18 @@ from sparse_jax.kernels.plan import (
     on_tiles,
     pallas_supports,
     prepare,
+    prepare_block_list,
 )
 from sparse_jax.masks import BlockLayout, Mask
 from sparse_jax.validation import check_bool, check_int
 
-__all__ = ["TRITON_TILE", "capped_forward", "pallas_attention", "pallas_supports"]
+__all__ = [
+    "TRITON_TILE",
+    "capped_forward",
+    "pallas_attention",
+    "pallas_block_list_attention",
+    "pallas_supports",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,8 +144,8 @@ def _finish_gradients(plan: Plan, k, v, grads):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
-    return _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids)[0]
+def _fused(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, blocks):
+    return _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, blocks)[0]
 
 
 def _kernels(plan: Plan):
@@ -142,14 +158,15 @@ def _kernels(plan: Plan):
     return triton.forward, triton.backward
 
 
-def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
+def _fused_fwd(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, blocks):
+    """``blocks``: the layout arrays of a run-time block list (``plan.runtime``), else None."""
     inputs = (scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids)
-    o, res = _kernels(plan)[0](plan, *inputs)
-    return o, (inputs, res)
+    o, res = _kernels(plan)[0](plan, *inputs, blocks=blocks)
+    return o, (inputs, blocks, res)
 
 
 def _fused_bwd(plan, residuals, do):
-    inputs, res = residuals
+    inputs, blocks, res = residuals
     scale, lengths, eps, _, k, v, bias, key_nan, q_ids, kv_ids = inputs
     if plan.backward is not None or plan.backward_dq is not None:  # (Triton: backward_block,
         kv_plan, kv_res = on_tiles(plan, plan.backward, res)  # dq_block)
@@ -159,19 +176,19 @@ def _fused_bwd(plan, residuals, do):
         )  # fmt: skip
         grads = triton.backward(kv_plan, *inputs, kv_res, do, dq_tiles=(dq_plan, dq_res["live"]))
     else:
-        grads = _kernels(plan)[1](plan, *inputs, res, do)
+        grads = _kernels(plan)[1](plan, *inputs, res, do, blocks=blocks)
     dq, dk, dv, deps, dscale, dbias = _finish_gradients(plan, k, v, grads)
     # A head whose α breaks the rule (ε NaN) has NaN rows and NaN dq, dk, dv: its dα is NaN
     # too, as the XLA engines give it, also where its rows' cotangent is zero.
     deps = jnp.zeros_like(eps) if deps is None else jnp.where(jnp.isnan(eps), jnp.nan, deps)
 
-    def no_cotangent(x):  # integer inputs (lengths, segment ids)
+    def no_cotangent(x):  # integer inputs (lengths, segment ids, a block list's arrays)
         return np.zeros(x.shape, jax.dtypes.float0)
 
     # key_nan is NaN or 0 (a mark, not a value): its cotangent is zero.
     return (dscale.astype(scale.dtype), no_cotangent(lengths), deps.astype(eps.dtype), dq, dk,
             dv, dbias.astype(bias.dtype), jnp.zeros_like(key_nan), no_cotangent(q_ids),
-            no_cotangent(kv_ids))  # fmt: skip
+            no_cotangent(kv_ids), jax.tree.map(no_cotangent, blocks))  # fmt: skip
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -281,6 +298,79 @@ def pallas_attention(
     plan, inputs = prepare(
         q, k, v, layout, mask, normalizer, scale, bias, interpret, precision, target, num_warps,
         num_stages, forward_block, backward_block, dq_accumulation, prefetch, dq_block,
+    )  # fmt: skip
+    out = _fused(plan, *inputs, None)
+    return out[:, : q.shape[1], :, : v.shape[3]]
+
+
+def pallas_block_list_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    indices: jax.Array,
+    *,
+    block_size: tuple[int, int],
+    causal: bool = True,
+    normalizer: Any = "softmax",
+    scale: float | jax.Array | None = None,
+    interpret: bool | None = None,
+    precision: Any = None,
+    target: str | None = None,
+    forward_block: tuple[int, int] | None = None,
+) -> jax.Array:
+    """Fused attention over key blocks listed at run time, per batch element, query head and
+    query block (the kernels of :func:`pallas_attention`, their layout arrays built in XLA).
+
+    ``indices`` is a traced int array, e.g. the blocks :func:`sparse_jax.topk_block_attention`
+    selects (``return_indices=True``): the forward and backward kernels read each program's
+    list from it, as splash attention takes its block indices, so a selection that changes
+    with the data costs no recompilation. The lists are turned into the kernels' layout arrays
+    with ``jnp`` ops (:func:`~sparse_jax.kernels.plan.block_list_arrays`): each query block's
+    kept blocks, their full/partial flags and partial masks (read from the static layout of
+    ``causal()``, or of ``full()``: the causal diagonal tiles and the blocks holding padding
+    are partial, the others full), and the transposed lists the dk/dv kernel walks (static
+    width: a power of two >= the query blocks that may keep a key block). Within the listed
+    blocks attention is exact: it equals :func:`sparse_jax.attention` under the mask the
+    blocks define (with ``j <= i`` when ``causal``).
+
+    Shapes: ``B`` batch, ``Tq``/``Tk`` query/key lengths, ``N`` query heads, ``Kh`` key/value
+    heads (``Kh`` divides ``N``), ``D``/``Dv`` head dims, ``nq = ceil(Tq / bq)`` query blocks,
+    ``nk = ceil(Tk / bkv)`` key blocks, ``K`` slots per query block.
+
+    Args:
+      q: ``[B, Tq, N, D]`` queries, float32, bfloat16 or float16.
+      k: ``[B, Tk, Kh, D]`` keys, ``v``: ``[B, Tk, Kh, Dv]`` values, ``q``'s dtype.
+      indices: int ``[B, N, nq, K]``: the key blocks each query block attends to, in any
+        order, ``SENTINEL`` (-1) in empty slots; the valid entries of a row must be distinct.
+        Entries outside ``[0, nk)`` and blocks with nothing allowed (after the diagonal when
+        ``causal``) are dropped. Not differentiated.
+      block_size: ``(bq, bkv)``: powers of two >= 16 for the Triton kernels, multiples of 128
+        for the Mosaic ones.
+      causal: key ``j`` is allowed for query ``i`` only when ``j <= i`` (absolute positions).
+      normalizer, scale, interpret, precision, target: as in :func:`pallas_attention`.
+      forward_block: ``(bq, bkv)`` tiles of the Triton kernels (both passes), powers of two
+        >= 16 dividing ``block_size``: each listed block becomes the list of its tiles, a tile
+        with nothing allowed dropped; default ``(64, 64)`` (:data:`TRITON_TILE`, at most the
+        blocks), as in :func:`pallas_attention`. Mosaic runs on the blocks.
+
+    Returns:
+      ``[B, Tq, N, Dv]`` in ``q``'s dtype. Differentiable in q, k, v, an array α and an array
+      scale.
+
+    Raises:
+      ValueError, TypeError: for bad or unsupported arguments, before anything is traced.
+
+    Example:
+      >>> q = k = v = jnp.ones((1, 32, 1, 16))  # [batch, seq, heads, head_dim]
+      >>> indices = jnp.array([[[[0, -1], [1, 0]]]])  # [B, N, nq, K]: block 1 keeps 1 and 0
+      >>> out = pallas_block_list_attention(q, k, v, indices, block_size=(16, 16),
+      ...                                   normalizer="sparsemax")
+      >>> out.shape, bool(jnp.allclose(out, 1.0))
+      ((1, 32, 1, 16), True)
+    """
+    plan, inputs = prepare_block_list(
+        q, k, v, indices, block_size, causal, normalizer, scale, interpret, precision, target,
+        forward_block, "pallas_block_list_attention",
     )  # fmt: skip
     out = _fused(plan, *inputs)
     return out[:, : q.shape[1], :, : v.shape[3]]

@@ -426,30 +426,31 @@ def _call(kernel, plan, grid, in_specs, out_specs, out_shape, scratch, name, ali
     )
 
 
-def _layout_rows(plan, key):
-    """A ``[H, nq, Kp]`` layout array as ``[H, nq, 1, Kp]`` (one SMEM row per query block)."""
-    a = np.asarray(plan.arrays[key])
-    return jnp.asarray(a.reshape(a.shape[0], a.shape[1], 1, a.shape[2]))
+def _layout_rows(plan, blocks, key):
+    """A ``[H, nq, Kp]`` layout array as ``[H, nq, 1, Kp]`` (one SMEM row per query block);
+    ``H`` is ``B * N`` for a run-time block list (``blocks``)."""
+    (a,) = plan.layout_inputs(blocks, (key,))
+    return a.reshape(a.shape[0], a.shape[1], 1, a.shape[2])
 
 
-def _layout_index(batch, head, block, *, per_head: int):
-    """Index map of the per-head layout rows ``[H, n, 1, W]`` (one shared head when 0)."""
-    return (head * per_head, block, 0, 0)
+def _layout_index(batch, head, block, *, plan):
+    """Index map of the layout rows ``[H, n, 1, W]``: per head, shared, or per (batch element,
+    head) for a run-time block list (``Plan.layout_head``)."""
+    return (plan.layout_head(batch, head), block, 0, 0)
 
 
 def _head_major(x):
     return jnp.transpose(x, (0, 2, 1, 3))
 
 
-def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
+def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, blocks=None):
     """The forward pass: ``(o [B, Tq, N, Dv], residuals)``; inputs as the Triton kernels'
     :func:`~sparse_jax.kernels.triton.forward` takes them (token-major, padded to whole
-    blocks)."""
+    blocks), ``blocks`` too (a run-time block list's layout arrays, or None)."""
     b, n, bq, bkv, nq = plan.b, plan.n, plan.bq, plan.bkv, plan.nq
     tq = q.shape[1]
-    ph = plan.per_head
     kp = plan.arrays["idx"].shape[-1]
-    layout_index = functools.partial(_layout_index, per_head=ph)
+    layout_index = functools.partial(_layout_index, plan=plan)
     qh, kh_, vh = _head_major(q), _head_major(k), _head_major(v)
     nan4 = key_nan[:, :, None, :]  # [B, Kh, 1, Tk]
     q_block = pl.BlockSpec((None, None, bq, plan.d), lambda bb, h, i: (bb, h, i, 0))
@@ -466,10 +467,10 @@ def forward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
     ]  # fmt: skip
     inputs = [
         lengths, scale, eps[:, 0],
-        _layout_rows(plan, "idx"),
-        jnp.asarray(plan.arrays["count"])[..., None],
-        _layout_rows(plan, "full"),
-        _layout_rows(plan, "pmi"),
+        _layout_rows(plan, blocks, "idx"),
+        plan.layout_inputs(blocks, ("count",))[0][..., None],
+        _layout_rows(plan, blocks, "full"),
+        _layout_rows(plan, blocks, "pmi"),
         qh, kh_, vh, nan4, bias, q_ids[:, None, :], kv_ids[:, None, :],
         jnp.asarray(plan.arrays["masks"]),
     ]  # fmt: skip
@@ -512,10 +513,13 @@ def _compact(keep, *values):
     return (count[..., None, None], *out)
 
 
-def visits(plan, live):
+def visits(plan, live, blocks=None):
     """What the backward kernels walk: for the dq kernel, each query block's slots (the live
     ones for a sparse normalizer); for the dk/dv kernel, each key block's query blocks, with
-    the full flag and partial mask of the pair. Arrays ``[B or 1, N or H, n, 1, W]``."""
+    the full flag and partial mask of the pair. Arrays ``[B or 1, N or H, n, 1, W]``
+    (``[B, N, ...]`` for a run-time block list, ``blocks``)."""
+    if plan.runtime:
+        return _runtime_visits(plan, live, blocks)
     a = plan.arrays
     t_rows, t_slots = a["t_rows"], a["t_slots"]
     heads = np.arange(t_rows.shape[0])[:, None, None]
@@ -545,19 +549,51 @@ def visits(plan, live):
     return (dq_count, dq_slots), dkv
 
 
-def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do):
+def _runtime_visits(plan, live, blocks):
+    """:func:`visits` of a run-time block list, from its arrays ``[B * N, ...]`` (jnp ops)."""
+    b, n, nq, nk = plan.b, plan.n, plan.nq, plan.nk
+    keys = ("count", "full", "pmi", "t_rows", "t_slots", "t_count")
+    a = dict(zip(keys, plan.layout_inputs(blocks, keys), strict=True))
+    t_rows, t_slots = a["t_rows"], a["t_slots"]  # [B * N, nk, Mp]
+    mp, kp = t_rows.shape[-1], a["full"].shape[-1]
+    heads = jnp.arange(b * n)[:, None, None]
+    t_full = a["full"][heads, t_rows, t_slots]
+    t_pmi = a["pmi"][heads, t_rows, t_slots]
+    t_valid = jnp.arange(mp) < a["t_count"]
+
+    def per_head(x):  # [B * N, nk, Mp] -> [B, N, nk, Mp]
+        return x.reshape(b, n, nk, mp)
+
+    if plan.kind == "softmax":
+        dq_slots = jnp.arange(kp, dtype=jnp.int32).reshape(1, 1, 1, 1, kp)
+        dq_count = a["count"].reshape(b, n, nq, 1, 1)
+        dkv = [per_head(x)[:, :, :, None, :] for x in (t_rows, t_full, t_pmi)]
+        return (dq_count, dq_slots), (a["t_count"].reshape(b, n, nk, 1, 1), *dkv)
+    dq_count, dq_slots = _compact(live != 0, jnp.broadcast_to(
+        jnp.arange(live.shape[-1], dtype=jnp.int32), live.shape))  # fmt: skip
+    rows, slots = per_head(t_rows), per_head(t_slots)
+    pair_live = live[jnp.arange(b)[:, None, None, None], jnp.arange(n)[None, :, None, None], rows,
+                     slots]  # fmt: skip
+    keep = (pair_live != 0) & per_head(t_valid)
+    return (dq_count, dq_slots), _compact(keep, rows, per_head(t_full), per_head(t_pmi))
+
+
+def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do,
+             blocks=None):  # fmt: skip
     """``(dq, dk per query head, dv per query head, dalpha/dscale/dbias row terms [B, N, Tq]
     each, dbias column terms [B, N, Tk], dense dbias or None)``, token-major like the Triton
-    kernels'."""
+    kernels'; ``blocks``: a run-time block list's layout arrays, or None."""
     b, n, bq, bkv, nq, nk = plan.b, plan.n, plan.bq, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
     ph = plan.per_head
+    # The softmax visit lists of a static layout are its own (per head or shared).
+    static_softmax = plan.kind == "softmax" and not plan.runtime
     qh, kh_, vh, doh = _head_major(q), _head_major(k), _head_major(v), _head_major(do)
     nan4 = key_nan[:, :, None, :]
     delta = jnp.einsum("bnqd,bnqd->bnq", doh.astype(_F32), res["ubar"].astype(_F32))
     stats = jnp.concatenate([res["stats"], delta[:, :, None, :]], axis=2)  # [B, N, S, Tq]
     n_stats = stats.shape[2]
-    (dq_count, dq_slots), (t_count, t_rows, t_full, t_pmi) = visits(plan, res["live"])
+    (dq_count, dq_slots), (t_count, t_rows, t_full, t_pmi) = visits(plan, res["live"], blocks)
     per_batch = int(dq_slots.shape[0] > 1)
     per_q_head = dq_slots.shape[1] == n and plan.kind != "softmax"
 
@@ -565,11 +601,11 @@ def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, r
         return (bb * per_batch, h if per_q_head else 0, i if dq_slots.shape[2] > 1 else 0, 0, 0)
 
     def count_index(bb, h, i):
-        if plan.kind == "softmax":
+        if static_softmax:
             return (0, h * ph, i, 0, 0)
         return (bb, h, i, 0, 0)
 
-    layout_index = functools.partial(_layout_index, per_head=ph)
+    layout_index = functools.partial(_layout_index, plan=plan)
     q_block = pl.BlockSpec((None, None, bq, plan.d), lambda bb, h, i: (bb, h, i, 0))
     do_block = pl.BlockSpec((None, None, bq, plan.dv), lambda bb, h, i: (bb, h, i, 0))
     smem5 = functools.partial(pl.BlockSpec, memory_space=pltpu.SMEM)
@@ -593,15 +629,16 @@ def backward(plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, r
          pltpu.VMEM((2, 1, bkv), _F32), _bias_scratch(plan), pltpu.VMEM((2, 1, bkv), jnp.int32),
          pltpu.SemaphoreType.DMA((5, 2))],
         f"sparse_jax_mosaic_{plan.kind}_dq",
-    )(lengths, scale, eps[:, 0], dq_slots, dq_count, _layout_rows(plan, "idx"),
-      _layout_rows(plan, "full"), _layout_rows(plan, "pmi"), qh, doh, stats, kh_, vh, nan4, bias,
+    )(lengths, scale, eps[:, 0], dq_slots, dq_count, _layout_rows(plan, blocks, "idx"),
+      _layout_rows(plan, blocks, "full"), _layout_rows(plan, blocks, "pmi"), qh, doh, stats, kh_,
+      vh, nan4, bias,
       q_ids[:, None, :], kv_ids[:, None, :], jnp.asarray(plan.arrays["masks"]))  # fmt: skip
 
     t_batch = int(t_rows.shape[0] > 1)
     mp = t_rows.shape[-1]
 
     def t_index(bb, h, c):
-        head = h * ph if plan.kind == "softmax" else h
+        head = h * ph if static_softmax else h
         return (bb * t_batch, head, c, 0, 0)
 
     g = plan.g

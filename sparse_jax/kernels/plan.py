@@ -37,9 +37,12 @@ from sparse_jax.masks import (
     split_runtime,
     tile_expression,
 )
+from sparse_jax.masks import causal as causal_mask
+from sparse_jax.masks import full as full_mask
 from sparse_jax.normalizers import SIGMA_MAX_EPS, alpha_eps
 from sparse_jax.validation import (
     check_bias,
+    check_block_size,
     check_bool,
     check_normalizer,
     check_qkv,
@@ -283,6 +286,12 @@ class Plan:
     atomic_dq: bool = False  # dq added by the dk/dv kernel (dq_accumulation="atomic")
     prefetch: bool = False  # sparse normalizers: blocks loaded before the live test
     speculate: bool = True  # sparsemax, 1.5-entmax: search passes accumulate the output
+    # A run-time block list (block_list_arrays): the layout arrays are inputs of the kernels, one
+    # row per (batch element, query head), [B * N, ...]; `arrays` holds their shapes
+    # (jax.ShapeDtypeStruct) beside the static partial masks, and `launch` the launch orders
+    # (reverse_q, reverse_kv) decided from the static bound of the lists.
+    runtime: bool = False
+    launch: tuple[bool, bool] | None = None
 
     @property
     def row_length(self) -> int:
@@ -291,12 +300,33 @@ class Plan:
     @property
     def reverse_q(self) -> bool:
         """The kernels with a program per query block start from the last: see _heavy_last."""
+        if self.launch is not None:
+            return self.launch[0]
         return _heavy_last(self.arrays["count"])
 
     @property
     def reverse_kv(self) -> bool:
         """The dk/dv kernel, a program per key block, starts from the last: see _heavy_last."""
+        if self.launch is not None:
+            return self.launch[1]
         return _heavy_last(self.arrays["t_count"])
+
+    def layout_head(self, batch, head):
+        """The row of the layout arrays that (batch element, query head) reads, from the
+        kernels' program ids: its own for a run-time block list (``[B * N, ...]``), its head's
+        for a per-head layout, the shared one otherwise."""
+        if self.runtime:
+            return batch * self.n + head
+        return head * self.per_head
+
+    def layout_inputs(self, blocks, keys) -> list:
+        """The layout arrays ``keys`` the kernels read: the run-time block list's (``blocks``,
+        of :func:`block_list_arrays`) or the plan's static ones; the static partial masks
+        (``"masks"``) are always the plan's."""
+        if self.runtime and blocks is None:
+            raise ValueError("a plan of a run-time block list needs its arrays (`blocks`)")
+        source = self.arrays if blocks is None else {**self.arrays, **blocks}
+        return [jnp.asarray(source[key]) for key in keys]
 
 
 def _heavy_last(counts: np.ndarray) -> bool:
@@ -603,3 +633,161 @@ def prepare(
         seg_ids = (jnp.zeros((b, nq * bq), jnp.int32), jnp.zeros((b, nk * bkv), jnp.int32))
     key_nan = jax.lax.stop_gradient(key_nan)
     return plan, (scale, lengths, eps, q, k, v, bias, key_nan, *seg_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run-time block list: the key blocks of each query block chosen from the data (block top-k).
+
+
+def _bound_tables(bound: BlockLayout | _Tiles) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy ``[nq, nk]`` tables of a shared layout (or its tiles): whether it keeps block
+    ``(r, c)``, whether the block is full (int32), and its partial mask's index (0 where
+    none)."""
+    idx = bound.kv_block_indices[0]
+    rows, slots = np.nonzero(idx != SENTINEL)
+    cols = idx[rows, slots]
+    shape = (idx.shape[0], bound.num_kv_blocks)
+    kept, is_full, mask_index = (np.zeros(shape, dtype) for dtype in (bool, np.int32, np.int32))
+    kept[rows, cols] = True
+    is_full[rows, cols] = bound.block_is_full[0][rows, slots]
+    mask_index[rows, cols] = np.maximum(bound.partial_mask_index[0][rows, slots], 0)
+    return kept, is_full, mask_index
+
+
+def block_list_arrays(indices, bound: BlockLayout | _Tiles, kp: int, mp: int) -> dict:
+    """The layout arrays of :func:`layout_arrays` built in XLA from a run-time block list,
+    one row per (batch element, query head).
+
+    ``indices``: int ``[B, N, nq, K]``, the key blocks each query block of each batch element
+    and query head attends to (``topk_block_attention(..., return_indices=True)``), any
+    order, ``SENTINEL`` (-1) for an empty slot; the valid entries of a row must be distinct.
+    ``bound``: the shared layout of the static mask the blocks live under (``causal()`` or
+    ``full()``, or its tiles, :func:`refine`): it says which blocks are full and gives the
+    partial ones' masks (the causal diagonal tiles, the padding of the last blocks). An entry
+    outside ``[0, nk)``, or of a block the bound leaves empty (nothing to attend to), is
+    dropped.
+
+    Returns ``idx``/``full``/``pmi`` ``[B * N, nq, kp]`` (the kept blocks first, in the list's
+    order), ``count`` ``[B * N, nq, 1]``, and the transposed lists for the dk/dv kernel,
+    ``t_rows``/``t_slots`` ``[B * N, nk, mp]`` (the query blocks keeping each key block, in
+    increasing order, and the slot it has there) and ``t_count`` ``[B * N, nk, 1]``; int32.
+    ``kp`` >= K and ``mp`` >= the most query blocks the bound keeps in a key block's column
+    are the static widths.
+    """
+    b, n, nq, k = indices.shape
+    nk, bn = bound.num_kv_blocks, b * n
+    kept_table, full_table, pmi_table = (jnp.asarray(x) for x in _bound_tables(bound))
+    idx = jnp.asarray(indices).astype(jnp.int32).reshape(bn, nq, k)
+    rows = jnp.arange(nq, dtype=jnp.int32)[None, :, None]
+    inside = (idx >= 0) & (idx < nk)
+    col = jnp.where(inside, idx, 0)
+    valid = inside & kept_table[rows, col]
+    order = jnp.argsort(jnp.logical_not(valid), axis=-1, stable=True)  # kept entries first
+    col = jnp.take_along_axis(col, order, axis=-1)
+    valid = jnp.take_along_axis(valid, order, axis=-1)
+
+    def row_array(x):
+        return jnp.pad(jnp.where(valid, x, 0), ((0, 0), (0, 0), (0, kp - k))).astype(jnp.int32)
+
+    # The transposed lists: the slot of (query block r, key block c) in a dense [nq, nk] table
+    # (-1: not kept), its columns compacted (the kept query blocks first, in increasing order).
+    heads = jnp.arange(bn, dtype=jnp.int32)[:, None, None]
+    slots = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), col.shape)
+    table = jnp.full((bn, nq, nk + 1), -1, jnp.int32)
+    table = table.at[heads, rows, jnp.where(valid, col, nk)].set(slots)  # (empty slots: column nk)
+    table = jnp.swapaxes(table[..., :nk], 1, 2)  # [B * N, nk, nq]
+    present = table >= 0
+    t_count = jnp.sum(present, axis=-1, dtype=jnp.int32)
+    t_order = jnp.argsort(jnp.logical_not(present), axis=-1, stable=True)[..., :mp]
+    t_slots = jnp.take_along_axis(table, t_order, axis=-1)
+    if mp > nq:
+        t_order = jnp.pad(t_order, ((0, 0), (0, 0), (0, mp - nq)))
+        t_slots = jnp.pad(t_slots, ((0, 0), (0, 0), (0, mp - nq)))
+    t_valid = jnp.arange(mp, dtype=jnp.int32) < t_count[..., None]
+    return {
+        "idx": row_array(col),
+        "full": row_array(full_table[rows, col]),
+        "pmi": row_array(pmi_table[rows, col]),
+        "count": jnp.sum(valid, axis=-1, dtype=jnp.int32)[..., None],
+        "t_rows": jnp.where(t_valid, t_order, 0).astype(jnp.int32),
+        "t_slots": jnp.where(t_valid, t_slots, 0).astype(jnp.int32),
+        "t_count": t_count[..., None],
+    }
+
+
+def _tile_list(indices, fq: int, fk: int):
+    """A block list ``[B, N, nq, K]`` as the list of its ``fq x fk`` tiles per block, ``[B, N,
+    nq * fq, K * fk]``: tile row ``r * fq + a`` lists the tiles ``c * fk + 0 .. fk - 1`` of
+    each block ``c`` its block row ``r`` lists (``SENTINEL`` stays empty)."""
+    b, n, nq, k = indices.shape
+    idx = jnp.asarray(indices).astype(jnp.int32)[:, :, :, None, :, None]
+    tiles = jnp.where(idx >= 0, idx * fk + jnp.arange(fk, dtype=jnp.int32), SENTINEL)
+    return jnp.broadcast_to(tiles, (b, n, nq, fq, k, fk)).reshape(b, n, nq * fq, k * fk)
+
+
+def prepare_block_list(
+    q, k, v, indices, block_size, causal, normalizer, scale, interpret, precision, target,
+    forward_block, caller: str,
+):  # fmt: skip
+    """``(plan, inputs)`` of an attention over a run-time block list (``indices`` ``[B, N, nq,
+    K]``, see :func:`block_list_arrays`), its arguments checked (ValueError/TypeError naming
+    them): the inputs of :func:`prepare` and, last, the block list's layout arrays. The
+    Triton kernels run on tiles of ``forward_block`` (default: at most :data:`TRITON_TILE`)
+    cut from the blocks, the list of blocks becoming the list of their tiles (a tile with
+    nothing allowed dropped, as :func:`refine` cuts a layout); Mosaic's on the blocks."""
+    check_qkv(q, k, v, caller)
+    b, tq, n, _ = q.shape
+    tk = k.shape[1]
+    bq, bkv = check_block_size(block_size, caller)
+    causal = check_bool(causal, "causal", caller)
+    nq, nk = -(-tq // bq), -(-tk // bkv)
+    if not isinstance(indices, (jax.Array, np.ndarray)) or not jnp.issubdtype(
+        indices.dtype, jnp.integer
+    ):
+        raise TypeError(
+            f"{caller}: `indices` must be an int array [B, N, nq, K] of key blocks "
+            f"(SENTINEL = -1 for empty slots); got {type(indices).__name__} "
+            f"{getattr(indices, 'dtype', '')}"
+        )
+    if indices.ndim != 4 or tuple(indices.shape[:3]) != (b, n, nq) or indices.shape[3] < 1:
+        raise ValueError(
+            f"{caller}: `indices` must have shape [B, N, nq, K] = [{b}, {n}, {nq}, K >= 1] "
+            f"(nq = ceil({tq} / {bq})); got {list(indices.shape)}"
+        )
+    if target is None:
+        target = "mosaic" if jax.default_backend() == "tpu" else "triton"
+    if target not in ("triton", "mosaic"):
+        raise ValueError(f"{caller}: `target` must be None, 'triton' or 'mosaic'; got {target!r}")
+    why = _block_error(bq, bkv, target)
+    if why:
+        why = why.replace("`block_q`", "`block_size[0]`").replace("`block_kv`", "`block_size[1]`")
+        raise ValueError(f"{caller}: {why} (the block rule of target={target!r})")
+    bound = (causal_mask() if causal else full_mask()).blocks(tq, tk, bq, bkv)
+    tile = _check_tile(forward_block, "forward_block", (bq, bkv), target, caller)
+    plan, inputs = prepare(
+        q, k, v, bound, None, normalizer, scale, None, interpret, precision, target, None, None,
+        tile, None, caller=caller,
+    )  # fmt: skip
+    if tile != (bq, bkv):  # the tiles of the blocks (prepare's plan is on them too)
+        bound = refine(bound, *tile)[0]
+        indices = _tile_list(indices, bq // tile[0], bkv // tile[1])
+    nq, nk = plan.nq, plan.nk
+    width = indices.shape[3]
+    kp = _next_pow2(width)
+    kept = _bound_tables(bound)[0]
+    column = kept.sum(axis=0)  # the most query blocks that may keep each key block
+    mp = _next_pow2(max(1, int(column.max(initial=0))))
+    bn = b * n
+
+    def shape(*dims):
+        return jax.ShapeDtypeStruct(dims, jnp.int32)
+
+    arrays = {
+        "idx": shape(bn, nq, kp), "full": shape(bn, nq, kp), "pmi": shape(bn, nq, kp),
+        "count": shape(bn, nq, 1), "t_rows": shape(bn, nk, mp), "t_slots": shape(bn, nk, mp),
+        "t_count": shape(bn, nk, 1), "masks": plan.arrays["masks"],
+    }  # fmt: skip
+    rows = np.minimum(bound.kv_block_counts[0], width)  # the most blocks each query block visits
+    launch = (_heavy_last(rows[None, :, None]), _heavy_last(column[None, :, None]))
+    plan = dataclasses.replace(plan, runtime=True, launch=launch, per_head=0, arrays=arrays)
+    return plan, (*inputs, block_list_arrays(indices, bound, kp, mp))

@@ -582,27 +582,28 @@ def _bias_rows_spec(plan: Plan, bias_shape):
     return pl.BlockSpec(block, lambda i, bb, h: (bb * ab, h * an, i * aq, 0))
 
 
-def forward(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids):
+def forward(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, blocks=None):
     """The Triton forward: ``(o [B, Tq, N, Dv], residuals)`` (the row statistics, ``ū`` and the
     sparse normalizers' live flags ``[B, N, nq, Kp]``), inputs as
-    :func:`~sparse_jax.kernels.plan.prepare` gives them (token-major, padded to whole blocks)."""
+    :func:`~sparse_jax.kernels.plan.prepare` gives them (token-major, padded to whole blocks);
+    ``blocks``: the layout arrays of a run-time block list (``plan.runtime``), else None."""
     a = plan.arrays
     b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
     tq, tk = q.shape[1], k.shape[1]
-    ph = plan.per_head
+    head = plan.layout_head
     q_spec = pl.BlockSpec((None, bq, None, plan.d), lambda i, bb, h: (bb, i, h, 0))
     k_spec = pl.BlockSpec((None, tk, None, plan.d), lambda i, bb, h: (bb, 0, h // g, 0))
     v_spec = pl.BlockSpec((None, tk, None, plan.dv), lambda i, bb, h: (bb, 0, h // g, 0))
     kp = a["idx"].shape[-1]
-    row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
+    row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (head(bb, h), i, 0))
     layout_specs = [
         row_spec,
-        pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)),
+        pl.BlockSpec((None, None, 1), lambda i, bb, h: (head(bb, h), i, 0)),
         row_spec,
         row_spec,
         pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
     ]
-    layout_in = [jnp.asarray(a[key]) for key in ("idx", "count", "full", "pmi", "masks")]
+    layout_in = plan.layout_inputs(blocks, ("idx", "count", "full", "pmi", "masks"))
     o_shape = jax.ShapeDtypeStruct((b, tq, n, plan.dv), q.dtype)
     o_spec = pl.BlockSpec((None, bq, None, plan.dv), lambda i, bb, h: (bb, i, h, 0))
     stat_shape = jax.ShapeDtypeStruct((b, n, tq), _F32)
@@ -641,20 +642,20 @@ def _live_flags(plan: Plan, live):
 
 
 def _dq_call(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do,
-             row_values, live):  # fmt: skip
+             row_values, live, blocks=None):  # fmt: skip
     """(dq, and the α, scale and bias row terms ``[B, N, Tq]``): the dq kernel, one program
     per query block of ``plan``'s tiles, over its kept key blocks."""
     a = plan.arrays
     b, n, g, bq, nq = plan.b, plan.n, plan.g, plan.bq, plan.nq
     tq, tk = q.shape[1], k.shape[1]
-    ph, kp, live_w = plan.per_head, a["idx"].shape[-1], live.shape[-1]
-    layout_in = [jnp.asarray(a[key]) for key in ("idx", "count", "full", "pmi", "masks")]
+    head, kp, live_w = plan.layout_head, a["idx"].shape[-1], live.shape[-1]
+    layout_in = plan.layout_inputs(blocks, ("idx", "count", "full", "pmi", "masks"))
     q_blk = pl.BlockSpec((None, bq, None, plan.d), lambda i, bb, h: (bb, i, h, 0))
     do_blk = pl.BlockSpec((None, bq, None, plan.dv), lambda i, bb, h: (bb, i, h, 0))
     k_all = pl.BlockSpec((None, tk, None, plan.d), lambda i, bb, h: (bb, 0, h // g, 0))
     v_all = pl.BlockSpec((None, tk, None, plan.dv), lambda i, bb, h: (bb, 0, h // g, 0))
     stat_blk = pl.BlockSpec((None, None, bq), lambda i, bb, h: (bb, h, i))
-    row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (h * ph, i, 0))
+    row_spec = pl.BlockSpec((None, None, kp), lambda i, bb, h: (head(bb, h), i, 0))
     return _call(
         _dq_kernel, plan, (nq, b, n),
         [_scalar_spec(), _length_spec(), _eps_spec(2), q_blk, k_all, v_all,
@@ -662,7 +663,7 @@ def _dq_call(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_
          pl.BlockSpec((None, None, tk), lambda i, bb, h: (bb, h // g, 0)),
          *_row_segment_specs(plan, tk), do_blk,
          *[stat_blk] * len(row_values),
-         row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (h * ph, i, 0)), row_spec,
+         row_spec, pl.BlockSpec((None, None, 1), lambda i, bb, h: (head(bb, h), i, 0)), row_spec,
          row_spec, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, None, live_w), lambda i, bb, h: (bb, h, i, 0))],
         [q_blk, stat_blk, stat_blk, stat_blk],
@@ -673,14 +674,14 @@ def _dq_call(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_
 
 
 def backward(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, res, do,
-             dq_tiles=None):  # fmt: skip
+             dq_tiles=None, blocks=None):  # fmt: skip
     """The Triton backward: the dq kernel (unless dq is added by atomic adds) and the dk/dv
     kernel on ``plan``'s tiles; ``dq_tiles``: ``(plan, live flags)`` of the dq kernel where its
-    tiles differ (``dq_block``)."""
+    tiles differ (``dq_block``); ``blocks``: the layout arrays of a run-time block list."""
     a = plan.arrays
     b, n, g, bkv, nq, nk = plan.b, plan.n, plan.g, plan.bkv, plan.nq, plan.nk
     tq, tk = q.shape[1], k.shape[1]
-    ph = plan.per_head
+    head = plan.layout_head
     # δ = do · ū per row [B, N, Tq].
     delta = jnp.einsum("bqnd,bqnd->bnq", do.astype(_F32), res["ubar"])
     rows = {**{key: res[key] for key in tilemath.row_names(plan)[:-1]}, "delta": delta}
@@ -693,7 +694,7 @@ def backward(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_
         dq_plan, dq_live = dq_tiles if dq_tiles is not None else (plan, res["live"])
         dq, dalpha_rows, dscale_rows, dbias_rows = _dq_call(
             dq_plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, row_values,
-            _live_flags(dq_plan, dq_live),
+            _live_flags(dq_plan, dq_live), blocks,
         )  # fmt: skip
 
     # dk, dv per query head: one program per key block, over the query blocks keeping it.
@@ -703,8 +704,8 @@ def backward(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_
     k_blk = pl.BlockSpec((None, bkv, None, plan.d), lambda c, bb, h: (bb, c, h // g, 0))
     v_blk = pl.BlockSpec((None, bkv, None, plan.dv), lambda c, bb, h: (bb, c, h // g, 0))
     stat_all = pl.BlockSpec((None, None, tq), lambda c, bb, h: (bb, h, 0))
-    t_spec = pl.BlockSpec((None, None, mp), lambda c, bb, h: (h * ph, c, 0))
-    full_all = pl.BlockSpec((None, nq, kp), lambda c, bb, h: (h * ph, 0, 0))
+    t_spec = pl.BlockSpec((None, None, mp), lambda c, bb, h: (head(bb, h), c, 0))
+    full_all = pl.BlockSpec((None, nq, kp), lambda c, bb, h: (head(bb, h), 0, 0))
     dk_blk = pl.BlockSpec((None, bkv, None, plan.d), lambda c, bb, h: (bb, c, h, 0))
     dv_blk = pl.BlockSpec((None, bkv, None, plan.dv), lambda c, bb, h: (bb, c, h, 0))
     ab, an, aq, ak = (int(x) for x in plan.bias_axes)
@@ -741,13 +742,13 @@ def backward(plan: Plan, scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_
          pl.BlockSpec((None, tq), lambda c, bb, h: (bb, 0)),
          pl.BlockSpec((None, bkv), lambda c, bb, h: (bb, c)), do_all,
          *[stat_all] * len(row_values),
-         t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (h * ph, c, 0)),
+         t_spec, t_spec, pl.BlockSpec((None, None, 1), lambda c, bb, h: (head(bb, h), c, 0)),
          full_all, full_all, pl.BlockSpec(a["masks"].shape, lambda *_: (0, 0, 0)),
          pl.BlockSpec((None, None, nq, live_w), lambda c, bb, h: (bb, h, 0, 0)),
          *(sum_specs if plan.atomic_dq else [])],
         out_specs, out_shapes, f"sparse_jax_pallas_{plan.kind}_dkv", aliases, plan.reverse_kv,
     )(scale, lengths, eps, q, k, v, bias, key_nan, q_ids, kv_ids, do, *row_values,
-      *[jnp.asarray(a[key]) for key in ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")],
+      *plan.layout_inputs(blocks, ("t_rows", "t_slots", "t_count", "full", "pmi", "masks")),
       live, *sums)  # fmt: skip
     dk, dv, dbias_cols = grads[:3]
     if plan.atomic_dq:
