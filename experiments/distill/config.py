@@ -150,7 +150,7 @@ class TeacherConfig(_Group):
     """Tokens per update of those updates (tokens // length sequences)."""
     recall_lr: float = 2e-3
     """Peak learning rate of those updates."""
-    recall_long_steps: int = 2000
+    recall_long_steps: int = 4000
     """Updates after those, on the same mixture at the longest of the recall lengths alone (a
     phase of its own, teacher_recall_long, with its own warm-up and decay): retrieval learned
     at the shorter lengths first, then practised where it is hardest; 0: none, and none
