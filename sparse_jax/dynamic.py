@@ -597,30 +597,22 @@ def topk_block_attention(
     )
     static_norm = isinstance(normalizer, (str, float))
     static_scale = isinstance(scale, float)
-    if impl == "pallas":
-        return _run_pallas(
-            jnp.asarray(q),
-            jnp.asarray(k),
-            jnp.asarray(v),
-            None if static_norm else normalizer,
-            None if static_scale else scale,
-            None if block_scores is None else jnp.asarray(block_scores),
-            plan=plan,
-            normalizer_static=normalizer if static_norm else None,
-            scale_static=scale if static_scale else None,
-            interpret=interpret,
-        )
-    return _run(
+    arrays = (
         jnp.asarray(q),
         jnp.asarray(k),
         jnp.asarray(v),
         None if static_norm else normalizer,
         None if static_scale else scale,
         None if block_scores is None else jnp.asarray(block_scores),
+    )
+    static = dict(
         plan=plan,
         normalizer_static=normalizer if static_norm else None,
         scale_static=scale if static_scale else None,
     )
+    if impl == "pallas":
+        return _run_pallas(*arrays, **static, interpret=interpret)
+    return _run(*arrays, **static)
 
 
 # ----------------------------------------------------------------------------------------------
