@@ -653,11 +653,11 @@ class DistillConfig:
                     f"{positions} positions (--teacher.size {self.teacher.size}): name shorter "
                     "ones, or --teacher.recall-steps 0 for a teacher of text alone"
                 )
-        fraction, shortest = (
-            self.train.recall_fraction,
-            shortest_length("passkey", self.data.tokenizer),
-        )
-        if fraction and self.data.seq_len < shortest:
+        fraction = self.train.recall_fraction
+        # (the shortest passkey is found only for a fraction given: it tokenizes examples)
+        if fraction and self.data.seq_len < (
+            shortest := shortest_length("passkey", self.data.tokenizer)
+        ):
             raise ValueError(
                 f"--train.recall-fraction {fraction} mixes passkey sequences of --data.seq-len "
                 f"{self.data.seq_len} tokens into the student's batches, but a passkey and its "
@@ -693,8 +693,10 @@ class DistillConfig:
             return float(self.train.recall_fraction)
         t = self.teacher
         trained_to_retrieve = (t.source == "bundled" or t.source in t.TRAINED) and t.recall_steps
+        if not trained_to_retrieve:
+            return 0.0
         fits = self.data.seq_len >= shortest_length("passkey", self.data.tokenizer)
-        return float(t.recall_fraction) if trained_to_retrieve and fits else 0.0
+        return float(t.recall_fraction) if fits else 0.0
 
     def teacher_recall_lengths(self) -> tuple[int, ...]:
         """The lengths of the teacher's recall updates: --teacher.recall-lengths, or those of
