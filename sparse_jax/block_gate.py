@@ -17,6 +17,14 @@ the teacher's attention that falls in each candidate block (:func:`block_attenti
 attention weights summed per key block, renormalised over the candidates) to the softmax of
 the gate's scores over the same blocks, the rows weighted by how much of their attention goes to
 candidates at all (a row that only looks at its own block teaches nothing about the others).
+The teacher may be the layer itself: :meth:`BlockGate.self_loss` takes the layer's own full
+causal attention of the same queries and keys (SeerAttention's self-distillation), which is how
+a student's attention layer trains the gates of its candidates.
+
+In a model, a :class:`LearnedBlockSelection` names the selection in a layer's candidates
+(:class:`~sparse_jax.models.layers.CandidateMaskAttention`) or kept selections
+(:class:`~sparse_jax.models.layers.FixedAttention`); the layer holds one :class:`BlockGate` per
+such entry and ranks its blocks with it.
 
 Candidates are exactly :class:`~sparse_jax.dynamic.BlockSelection`'s: query ``p`` (absolute
 position) may add the complete key blocks ``c <= p // block - local_blocks``. Scores of other
@@ -41,6 +49,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -49,9 +59,45 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax.dynamic import BlockSelection, earlier_blocks
+from sparse_jax.normalizers import normalize
 from sparse_jax.validation import check_float_array, check_int, check_scale
 
-__all__ = ["BlockGate", "block_attention_mass", "block_gate_loss", "block_gate_scores"]
+__all__ = [
+    "BlockGate",
+    "LearnedBlockSelection",
+    "block_attention_mass",
+    "block_gate_loss",
+    "block_gate_scores",
+    "causal_attention_weights",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedBlockSelection(BlockSelection):
+    """A :class:`~sparse_jax.dynamic.BlockSelection` whose earlier blocks a learned
+    :class:`BlockGate` ranks instead of the pooled score: the specification only. The attention
+    layer that lists it holds the gate's parameters (one gate per entry), so that the same
+    specification in two layers gives two gates; a freshly made gate selects exactly as the
+    pooled score does.
+
+    Args:
+      keep_blocks, block, local_blocks: as in :class:`~sparse_jax.dynamic.BlockSelection`.
+      gate_dim: ``G``, the width of the gate's maps (None: the head dim).
+
+    Example:
+      >>> sel = LearnedBlockSelection(2, block=16)
+      >>> isinstance(sel, BlockSelection), sel == BlockSelection(2, block=16)
+      (True, False)
+      >>> BlockGate(sel, num_heads=2, head_dim=8)
+      BlockGate(keep 2 earlier blocks of 16 keys, 2 heads, gate width 8: 512 parameters)
+    """
+
+    gate_dim: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.gate_dim is not None:
+            check_int(self.gate_dim, "gate_dim", "LearnedBlockSelection")
 
 
 def _positions(tq: int, tk: int, q_offset: Any) -> jax.Array:
@@ -140,6 +186,36 @@ def block_gate_scores(
     return jnp.where(where, scores, -jnp.inf)
 
 
+def causal_attention_weights(
+    q: jax.Array, k: jax.Array, *, normalizer: Any = "softmax", scale: Any = None
+) -> jax.Array:
+    """float32 ``[B, N, T, T]``: full causal self-attention weights of ``q [B, T, N, D]``
+    against ``k [B, T, Kh, D]`` (``Kh`` divides ``N``) under ``normalizer`` (a name or an α, as
+    :func:`sparse_jax.attention` takes it; an α array ``[N]`` per head), the teacher of
+    :meth:`BlockGate.self_loss`.
+
+    Example:
+      >>> q = k = jnp.zeros((1, 3, 1, 4))
+      >>> causal_attention_weights(q, k)[0, 0, :2].tolist()  # equal scores: uniform on the past
+      [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0]]
+    """
+    caller = "causal_attention_weights"
+    check_float_array(q, "q", caller, "a float array")
+    check_float_array(k, "k", caller, "a float array")
+    if q.ndim != 4 or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"{caller}: `q` [B, T, N, D] and `k` [B, T, Kh, D] must share B, T and D; got "
+            f"{list(q.shape)} and {list(k.shape)}"
+        )
+    _, t, n, d = q.shape
+    scale = check_scale(scale, d, caller)
+    k = jnp.repeat(k.astype(jnp.float32), n // k.shape[2], axis=2)
+    s = jnp.einsum("bind,bjnd->bnij", q.astype(jnp.float32), k) * jnp.asarray(scale, jnp.float32)
+    if isinstance(normalizer, jax.Array) and normalizer.ndim == 1:  # α per head
+        normalizer = normalizer[None, :, None]
+    return normalize(s, jnp.asarray(np.tri(t, dtype=bool)), normalizer)
+
+
 def block_attention_mass(
     weights: jax.Array, block: int, *, local_blocks: int = 1, q_offset: Any = None
 ) -> jax.Array:
@@ -215,7 +291,8 @@ class BlockGate(nnx.Module):
       selection: the :class:`~sparse_jax.dynamic.BlockSelection` it ranks the blocks for.
       num_heads: ``N``, query heads.
       head_dim: ``D``.
-      gate_dim: ``G``, the width of the gate's maps (default ``D``; the first ``min(D, G)``
+      gate_dim: ``G``, the width of the gate's maps (default: a
+        :class:`LearnedBlockSelection`'s own, else ``D``; the first ``min(D, G)``
         dimensions of the pooled score when smaller).
 
     Example:
@@ -240,6 +317,8 @@ class BlockGate(nnx.Module):
             )
         n = check_int(num_heads, "num_heads", caller)
         d = check_int(head_dim, "head_dim", caller)
+        if gate_dim is None and isinstance(selection, LearnedBlockSelection):
+            gate_dim = selection.gate_dim
         g = d if gate_dim is None else check_int(gate_dim, "gate_dim", caller)
         self.selection = selection
         eye = np.eye(d, g, dtype=np.float32)
@@ -256,12 +335,24 @@ class BlockGate(nnx.Module):
             f"gate width {g}: {size:,} parameters)"
         )
 
-    def scores(self, q: jax.Array, k: jax.Array, *, scale: Any = None, q_offset: Any = None):
-        """float32 ``[B, N, Tq, nk]``: :func:`block_gate_scores` with this gate's maps."""
+    def scores(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        *,
+        scale: Any = None,
+        q_offset: Any = None,
+        heads: Sequence[int] | None = None,
+    ):
+        """float32 ``[B, N, Tq, nk]``: :func:`block_gate_scores` with this gate's maps;
+        ``heads``: the gate's heads that ``q`` holds (``N = len(heads)``; default all)."""
         s = self.selection
+        w_q, w_k = self.w_q[...], self.w_k[...]
+        if heads is not None:
+            w_q, w_k = w_q[np.asarray(heads)], w_k[np.asarray(heads)]
         return block_gate_scores(
-            q, k, self.w_q[...], self.w_k[...], block=s.block, local_blocks=s.local_blocks,
-            scale=scale, q_offset=q_offset,
+            q, k, w_q, w_k, block=s.block, local_blocks=s.local_blocks, scale=scale,
+            q_offset=q_offset,
         )  # fmt: skip
 
     def mask(self, q: jax.Array, k: jax.Array, *, scale: Any = None, q_offset: Any = None):
@@ -287,3 +378,14 @@ class BlockGate(nnx.Module):
             jax.lax.stop_gradient(weights), s.block, local_blocks=s.local_blocks
         )
         return block_gate_loss(self.scores(q, k, scale=scale), mass)
+
+    def self_loss(
+        self, q: jax.Array, k: jax.Array, *, normalizer: Any = "softmax", scale: Any = None
+    ):
+        """float32 scalar: :meth:`loss` against the layer's own full causal attention of ``q
+        [B, T, N, D]`` and ``k [B, T, Kh, D]`` (:func:`causal_attention_weights`), with ``q`` and
+        ``k`` held fixed: its gradient reaches the gate's maps only, never the model that made
+        the queries and keys."""
+        q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+        weights = causal_attention_weights(q, k, normalizer=normalizer, scale=scale)
+        return self.loss(q, k, weights, scale=scale)
