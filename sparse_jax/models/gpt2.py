@@ -315,6 +315,7 @@ class SelfAttention(nnx.Module):
                 weighting=spec.weighting,
                 price_len=spec.price_len,
                 block_size=spec.block_size,
+                head_dim=h,
             )
         elif n:
             self.core = FixedAttention(
@@ -326,6 +327,7 @@ class SelfAttention(nnx.Module):
                 block_size=spec.block_size,
                 selections=spec.selections,
                 selected=spec.selected,
+                head_dim=h,
             )
         self.head_gate = (
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None
@@ -523,7 +525,8 @@ class GPT2(nnx.Module):
     Call: ``model(ids [B, T], *, rngs=None, return_aux=False)`` -> logits ``[B, T, V]``
     (float32), or ``(logits, aux)`` where ``aux`` sums each penalty over the blocks
     (``mask_l1``, ``mask_density``, ``mask_expected_density``, ``mask_expected_cost``,
-    ``head_gate``, ``ffn_gate``). ``rngs`` samples Hard
+    ``mask_selector_kl`` with learned block selections, ``head_gate``, ``ffn_gate``). ``rngs``
+    samples Hard
     Concrete gates (training); without it gates are deterministic.
 
     Example:

@@ -13,7 +13,9 @@ model that does less work:
   keeps it: its :class:`~sparse_jax.models.layers.FixedAttention` adds the blocks the selection
   chooses in each call to the union of its kept static candidates (exact: the selection's
   gather engine where it is alone and cheap enough, see
-  :func:`~sparse_jax.models.selections.gathers`, else the XLA engine on a dense mask); its
+  :func:`~sparse_jax.models.selections.gathers`, else the XLA engine on a dense mask), with
+  the gate of a learned selection (:class:`~sparse_jax.block_gate.LearnedBlockSelection`)
+  for its kept heads; its
   density and block cost are upper bounds;
 * heads whose gate is closed are removed from ``c_attn`` and ``c_proj`` (smaller matrices, not
   zeros), FFN units likewise from ``c_fc`` and ``c_proj``; the gate values of the units that
@@ -386,6 +388,26 @@ def harden(
     return hard
 
 
+def _copy_selector_gates(src_core, dst_core, picks: np.ndarray | None, keep) -> None:
+    """The kept heads' maps of each learned selector the hardened layer keeps
+    (:class:`~sparse_jax.block_gate.LearnedBlockSelection`): hardened selection ``p`` is the
+    ``p``-th of the source's selections that a kept head uses, whose gate the source holds
+    under its candidate index (a candidates layer) or selection index (a fixed layer)."""
+    if picks is None or dst_core.selector_gates is None:
+        return
+    used = [j for j in range(picks.shape[1]) if picks[:, j].any()]
+    if isinstance(src_core, CandidateMaskAttention):
+        sources = src_core.selection_indices
+    else:
+        sources = tuple(range(len(src_core.selections)))
+    for p, j in enumerate(used):
+        if str(p) in dst_core.selector_gates:
+            src_gate = src_core.selector_gates[str(sources[j])]
+            dst_gate = dst_core.selector_gates[str(p)]
+            dst_gate.w_q[...] = src_gate.w_q[...][np.asarray(keep)]
+            dst_gate.w_k[...] = src_gate.w_k[...][np.asarray(keep)]
+
+
 def _copy_weights(src: GPT2, dst: GPT2, plan: HardenReport) -> None:
     """Copies ``src``'s weights into the smaller ``dst``, selecting kept heads/units and folding
     gate values."""
@@ -421,6 +443,7 @@ def _copy_weights(src: GPT2, dst: GPT2, plan: HardenReport) -> None:
                 da.core.alpha_logit[...] = sa.core.alpha_logit[...][keep]
             if sa.smear_logit is not None:
                 da.smear_logit[...] = sa.smear_logit[...][keep]
+            _copy_selector_gates(sa.core, da.core, plan.head_selections[i], keep)
         elif sa.num_heads:  # every head pruned: only the projection's bias remains
             da.c_proj_bias[...] = sa.c_proj.bias[...]
         else:

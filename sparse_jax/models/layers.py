@@ -27,7 +27,10 @@ adds up; gates map activations ``[..., N or U]`` to gated activations and a pena
   A candidate may also be data-dependent: a :class:`~sparse_jax.dynamic.BlockSelection`
   (each query token's own key block and the earlier blocks whose mean key scores highest
   against it), whose ``M_c`` is computed from the call's queries and keys, ``[B, N, T, S]``;
-  its price is its entry count, which does not depend on the data.
+  its price is its entry count, which does not depend on the data. A
+  :class:`~sparse_jax.block_gate.LearnedBlockSelection` ranks the blocks with a gate the layer
+  holds (``selector_gates``), trained by ``aux["selector_kl"]``: the KL from the layer's own full
+  causal attention per block to the gate (:meth:`~sparse_jax.block_gate.BlockGate.self_loss`).
 
   ``anchor_self=True`` (``soft_union``/``soft_mask``) keeps every query's own position at
   ``A = 1`` whatever the weights: under softmax, ``log A`` of small weights is ≈ ``log Σ w·M``,
@@ -94,11 +97,13 @@ from sparse_jax.models.flops import (
     selection_block_cost,
 )
 from sparse_jax.models.selections import (
+    block_scores,
     check_selections,
     chosen_per_row,
     entries_of,
     fixed_part,
     gathers,
+    selector_gates,
     union_density_bound,
 )
 from sparse_jax.normalizers import entmax15, sparsemax
@@ -197,6 +202,8 @@ class FixedAttention(nnx.Module):
         (:func:`~sparse_jax.models.selections.gathers`), else the XLA engine on the dense
         ``[B, N, T, S]`` mask of each call.
       selected: bool ``[N, len(selections)]``: which heads add which selection (default: all).
+      head_dim: ``H``; needed only for a :class:`~sparse_jax.block_gate.LearnedBlockSelection`
+        among ``selections``, whose gate (``selector_gates[str(j)]``) ranks its blocks.
 
     Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``.
 
@@ -221,6 +228,7 @@ class FixedAttention(nnx.Module):
         block_size: tuple[int, int] = (128, 128),
         selections: Sequence[BlockSelection] = (),
         selected: Any = None,
+        head_dim: int | None = None,
     ):
         caller = "FixedAttention"
         self.num_heads = check_int(num_heads, "num_heads", caller)
@@ -232,6 +240,7 @@ class FixedAttention(nnx.Module):
         self.mask = mask
         self.impl, self.block_size = impl, tuple(block_size)
         self.selections, self.selected = check_selections(selections, selected, num_heads, impl)
+        self.selector_gates = selector_gates(self.selections, num_heads, head_dim, caller)
         if learn_alpha:
             alpha0 = check_alpha_start(normalizer, caller)
             theta0 = math.log(math.expm1(alpha0 - 1.0))  # softplus^-1(α - 1)
@@ -277,7 +286,7 @@ class FixedAttention(nnx.Module):
         tq, tk = q.shape[1], k.shape[1]
         masks = self.head_masks()
         alone = self._alone(tk) if q_offset is None and tq == tk else {}
-        groups = [(self.selections[j], heads) for j, heads in alone.items()]
+        groups = list(alone.items())  # (selection index, its heads)
         rest = [h for h in range(self.num_heads) if not any(h in g for _, g in groups)]
         if rest:
             groups.append((None, rest))
@@ -291,10 +300,15 @@ class FixedAttention(nnx.Module):
             return normalizer
 
         outs, order = [], []
-        for sel, heads in groups:
+        for j, heads in groups:
             qh, kh, vh = (of_heads(x, heads) for x in (q, k, v))
-            if sel is not None:
-                outs.append(sel.attention(qh, kh, vh, normalizer=norm_of(heads)))
+            if j is not None:
+                scores = block_scores(self.selector_gates, j, qh, kh, heads=heads)
+                outs.append(
+                    self.selections[j].attention(
+                        qh, kh, vh, normalizer=norm_of(heads), block_scores=scores
+                    )
+                )
             else:
                 static = masks_lib.per_head([masks[h] for h in heads])
                 m = jnp.asarray(mask_at(static, tq, tk, q_offset))  # [n, T, S]
@@ -302,7 +316,11 @@ class FixedAttention(nnx.Module):
                     picks = [self.selected[h][j] for h in heads]
                     if any(picks):  # no head of the group adds it: nothing to compute
                         on = jnp.asarray(picks)[None, :, None, None]
-                        m = m | (s.dense(qh, kh, q_offset=q_offset) & on)
+                        scores = block_scores(
+                            self.selector_gates, j, qh, kh, q_offset=q_offset, heads=heads
+                        )
+                        chosen = s.dense(qh, kh, q_offset=q_offset, block_scores=scores)
+                        m = m | (chosen & on)
                 outs.append(attention(qh, kh, vh, mask=m, normalizer=norm_of(heads), impl="xla"))
             order += heads
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
@@ -458,6 +476,8 @@ class CandidateMaskAttention(nnx.Module):
       price_len: the length at which :meth:`block_costs` prices the candidates for the
         ``expected_cost`` penalty (a serving length); None: the call's own length.
       block_size: ``(block_q, block_kv)`` of the block-sparse kernel whose blocks are priced.
+      head_dim: ``H``; needed only for a :class:`~sparse_jax.block_gate.LearnedBlockSelection`
+        candidate, whose gate (``selector_gates[str(c)]``) ranks its blocks.
       rngs: unused (weights start equal); accepted for the NNX constructor convention.
 
     Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], aux)``, ``aux`` a
@@ -490,6 +510,7 @@ class CandidateMaskAttention(nnx.Module):
         ] = "sigmoid",
         price_len: int | None = None,
         block_size: tuple[int, int] = (128, 128),
+        head_dim: int | None = None,
         rngs: nnx.Rngs | None = None,
     ):
         caller = "CandidateMaskAttention"
@@ -522,6 +543,7 @@ class CandidateMaskAttention(nnx.Module):
                     f"sparse_jax.dynamic.BlockSelection; got {c!r}"
                 )
         self.candidates = candidates
+        self.selector_gates = selector_gates(candidates, self.num_heads, head_dim, caller)
         self.granularity = check_choice(granularity, "granularity", ("layer", "head"), caller)
         self.combine = check_choice(combine, "combine", COMBINES, caller)
         self.normalizer = normalizer
@@ -812,7 +834,10 @@ class CandidateMaskAttention(nnx.Module):
         with ``π = w / Σ w``: the causal share a head would have if it picked one candidate
         with probability ``π``, in ``[0, 1]``. (The names are the penalties'; the prices are
         causal shares, not densities.) ``"expected_cost"`` is the same expectation priced by
-        the kernel's blocks at the serving length, :meth:`block_costs` (causal = 1).
+        the kernel's blocks at the serving length, :meth:`block_costs` (causal = 1). A layer
+        with learned selections adds ``"selector_kl"`` on whole sequences: the sum over its
+        gates of :meth:`~sparse_jax.block_gate.BlockGate.self_loss` (the KL from this layer's
+        own causal attention per block to the gate; its gradient reaches the gates only).
 
         Under softmax the log-bias of small weights changes only by a constant when every
         weight is scaled by one factor, so the first two can be lowered by shrinking all
@@ -824,15 +849,26 @@ class CandidateMaskAttention(nnx.Module):
         tq, tk = q.shape[1], k.shape[1]
         w = self.candidate_weights(per_head=True)  # [N, C]
         aux = self._penalties(tq, tk)
+        if self.selector_gates is not None and q_offset is None and tq == tk:
+            aux["selector_kl"] = sum(
+                gate.self_loss(q, k, normalizer=self.normalizer)
+                for gate in self.selector_gates.values()
+            )
+
+        def scores_of(i):  # a learned selection's block scores (None: the pooled score)
+            return block_scores(self.selector_gates, i, q, k, q_offset=q_offset)
+
         if self.combine == "mixture":
             outs = []
-            for c in self.candidates:
+            for i, c in enumerate(self.candidates):
                 whole = q_offset is None and tq == tk
                 if isinstance(c, BlockSelection) and whole and gathers(c, tk):
-                    outs.append(c.attention(q, k, v, normalizer=self.normalizer))
+                    outs.append(
+                        c.attention(q, k, v, normalizer=self.normalizer, block_scores=scores_of(i))
+                    )
                     continue
                 if isinstance(c, BlockSelection):
-                    m = c.dense(q, k, q_offset=q_offset)
+                    m = c.dense(q, k, q_offset=q_offset, block_scores=scores_of(i))
                 elif q_offset is not None:
                     m = mask_at(c, tq, tk, q_offset)
                 else:
@@ -855,7 +891,7 @@ class CandidateMaskAttention(nnx.Module):
             total = jnp.einsum("nc,cts->nts", terms[:, static], m)[None]
             allowed = jnp.asarray(dense.any(axis=0))[None, None]
         for i in chosen:
-            m = self.candidates[i].dense(q, k, q_offset=q_offset)  # [B, N, T, S]
+            m = self.candidates[i].dense(q, k, q_offset=q_offset, block_scores=scores_of(i))
             total = total + terms[None, :, i, None, None] * m.astype(jnp.float32)
             allowed = allowed | m
         a = total if self.combine == "soft_mask" else 1.0 - jnp.exp(total)  # [B or 1, N, T, S]

@@ -1,7 +1,8 @@
 """How the attention layers count and route a :class:`~sparse_jax.dynamic.BlockSelection`, a
 data-dependent candidate mask: which engine runs it (:func:`gathers`), the entries it allows
-whatever the input and those it may add (:func:`fixed_part`, :func:`chosen_per_row`), and the
-density bound of a head that adds it to a static mask (:func:`union_density_bound`).
+whatever the input and those it may add (:func:`fixed_part`, :func:`chosen_per_row`), the
+density bound of a head that adds it to a static mask (:func:`union_density_bound`), and the
+gates a layer holds for its learned selections (:func:`selector_gates`, :func:`block_scores`).
 """
 
 from __future__ import annotations
@@ -10,17 +11,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from sparse_jax import masks as masks_lib
+from sparse_jax.block_gate import BlockGate, LearnedBlockSelection
 from sparse_jax.dynamic import BlockSelection
 
 __all__ = [
     "GATHER_FRACTION",
+    "block_scores",
     "check_selections",
     "chosen_per_row",
     "entries_of",
     "fixed_part",
     "gathers",
+    "selector_gates",
     "union_density_bound",
 ]
 
@@ -147,3 +152,44 @@ def chosen_per_row(candidate: Any, seq_len: int) -> np.ndarray:
     if not isinstance(candidate, BlockSelection):
         return np.zeros(seq_len, np.int64)
     return candidate.blocks_per_query(np.arange(seq_len))[1] * candidate.block
+
+
+def selector_gates(
+    selections: Sequence[Any], num_heads: int, head_dim: int | None, caller: str
+) -> nnx.Dict | None:
+    """One :class:`~sparse_jax.block_gate.BlockGate` per
+    :class:`~sparse_jax.block_gate.LearnedBlockSelection` among a layer's candidates or
+    selections, keyed by its index as a string (None when there is none); ValueError when
+    ``head_dim`` is missing for them.
+
+    Example:
+      >>> gates = selector_gates([masks_lib.causal(), LearnedBlockSelection(1, 4)], 2, 8, "layer")
+      >>> list(gates.keys()), gates["1"]
+      (['1'], BlockGate(keep 1 earlier blocks of 4 keys, 2 heads, gate width 8: 256 parameters))
+    """
+    learned = {i: s for i, s in enumerate(selections) if isinstance(s, LearnedBlockSelection)}
+    if not learned:
+        return None
+    if head_dim is None:
+        raise ValueError(
+            f"{caller}: a LearnedBlockSelection (at {sorted(learned)}) holds a gate whose maps "
+            "need `head_dim`; got None"
+        )
+    return nnx.Dict({str(i): BlockGate(s, num_heads, head_dim) for i, s in learned.items()})
+
+
+def block_scores(gates: nnx.Dict | None, index: int, q, k, *, q_offset: Any = None, heads=None):
+    """The learned block scores ``[B, N, Tq, nk]`` of the selection at ``index`` (its gate's,
+    :meth:`~sparse_jax.block_gate.BlockGate.scores`, for ``heads`` of the gate; default all),
+    or None when that selection ranks by the pooled score.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> gates = selector_gates([masks_lib.causal(), LearnedBlockSelection(1, 4)], 2, 8, "layer")
+      >>> q = k = jnp.ones((1, 8, 2, 8))  # [batch, seq, heads, head_dim]
+      >>> block_scores(gates, 1, q, k).shape, block_scores(gates, 0, q, k)
+      ((1, 2, 8, 2), None)
+    """
+    if gates is None or str(index) not in gates:
+        return None
+    return gates[str(index)].scores(q, k, q_offset=q_offset, heads=heads)
