@@ -429,6 +429,8 @@ SINCE_GROUPING = {
     "measure.recall_sequences",
     "student.select_blocks",
     "student.select_block",
+    "student.select_gate",
+    "loss.selector_kl",
 }  # fmt: skip
 
 

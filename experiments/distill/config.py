@@ -319,6 +319,13 @@ class StudentConfig(_Group):
     hardened (on the XLA engine)."""
     select_block: int = 16
     """Keys per block of --student.select-blocks."""
+    select_gate: Literal["pooled", "learned"] = "pooled"
+    """How --student.select-blocks ranks the earlier blocks: 'pooled', the mean key's score
+    (MoBA's gate, free), or 'learned', a small gate per head and layer
+    (sparse_jax.block_gate.LearnedBlockSelection, SeerAttention's idea) that starts as the
+    pooled score and is trained with the student by --loss.selector-kl, to predict where the
+    layer's own full causal attention goes, block by block; a head that keeps it keeps its
+    gate hardened."""
     fixed_window: int = 32
     """Window of the 'fixed' student (causal window | sink(4))."""
     block_size: int = 64
@@ -390,6 +397,10 @@ class LossConfig(_Group):
     = 1; see --student.serve-len-factor)."""
     gate_l1: float = 0.0005
     """Weight of the head/FFN gate penalties."""
+    selector_kl: float = 1.0
+    """Weight of the learned block selectors' loss (--student.select-gate learned: per layer,
+    the KL from the layer's own causal attention, summed per key block, to its gate's softmax
+    over the blocks; it trains the gates only and is not ramped)."""
     penalty_ramp: tuple[float, float] = (0.5, 0.75)
     """START END, fractions of the student's updates: the mask penalties are off before START,
     grow linearly from 0 at START to their weights at END ((0, 0): at full weight from the
@@ -407,6 +418,7 @@ class LossConfig(_Group):
             "mask_expected_density",
             "mask_expected_cost",
             "gate_l1",
+            "selector_kl",
         ):
             self.number(name, positive=False)
         ramp = self.penalty_ramp
@@ -433,6 +445,7 @@ class LossConfig(_Group):
             "mask_expected_cost": self.mask_expected_cost,
             "head_gate": self.gate_l1,
             "ffn_gate": self.gate_l1,
+            "mask_selector_kl": self.selector_kl,
         }
 
 
@@ -474,8 +487,9 @@ class TrainConfig(_Group):
     """Regex of the student parameters trained, or 'auto': for --student.kind candidates only
     the candidate logits ('core/logits': the student searches where to attend on the teacher's
     own weights, which the hardened fine-tune then adapts; trained together, the weights absorb
-    the masks' differences and the search finds the cheapest masks, not the needed ones), for
-    the other kinds everything ('.*')."""
+    the masks' differences and the search finds the cheapest masks, not the needed ones) and,
+    with --student.select-gate learned, the selectors' gates ('core/selector_gates'); for the
+    other kinds everything ('.*')."""
     fast_params: str = "core/logits|gate/logits|alpha_logit"
     """Regex of parameters trained at --train.fast-lr-multiplier x the rate (mask weights,
     gates)."""
@@ -668,6 +682,11 @@ class DistillConfig:
             raise ValueError(
                 f"--student.select-blocks {self.student.select_blocks} adds a candidate: it "
                 f"needs --student.kind candidates; got {self.student.kind!r}"
+            )
+        if self.student.select_gate == "learned" and not self.student.select_blocks:
+            raise ValueError(
+                "--student.select-gate learned ranks the blocks of --student.select-blocks: it "
+                "needs --student.select-blocks >= 1; got 0"
             )
         if self.student.select_blocks and self.teacher.source == "planted":
             raise ValueError(

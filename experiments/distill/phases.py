@@ -38,6 +38,7 @@ from experiments.common import measure, teachers
 from experiments.distill.config import DistillConfig
 from experiments.distill.run_folder import Run, log
 from sparse_jax import masks
+from sparse_jax.block_gate import LearnedBlockSelection
 from sparse_jax.data import recall, text
 from sparse_jax.dynamic import BlockSelection
 from sparse_jax.files import replace_atomically
@@ -339,9 +340,8 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
     norm = s.normalizer_value()
     blocks = (s.block_size, s.block_size)
     if s.kind == "candidates":
-        selection = (
-            (BlockSelection(s.select_blocks, block=s.select_block),) if s.select_blocks else ()
-        )
+        kind = LearnedBlockSelection if s.select_gate == "learned" else BlockSelection
+        selection = (kind(s.select_blocks, block=s.select_block),) if s.select_blocks else ()
         return AttentionSpec(
             kind="candidates",
             candidates=(*candidate_bank(config), *selection),
@@ -401,7 +401,13 @@ def trainable(config: DistillConfig) -> str:
     resolved: the candidate logits of a candidates student, else everything)."""
     if config.train.trainable != "auto":
         return config.train.trainable
-    return "core/logits" if config.student.kind == "candidates" else ".*"
+    if config.student.kind != "candidates":
+        return ".*"
+    return (
+        "core/logits|core/selector_gates"
+        if config.student.select_gate == "learned"
+        else ("core/logits")
+    )
 
 
 def _train_config(config: DistillConfig) -> loop.TrainConfig:
