@@ -431,6 +431,7 @@ SINCE_GROUPING = {
     "student.select_block",
     "student.select_gate",
     "loss.selector_kl",
+    "train.selector_steps",
 }  # fmt: skip
 
 

@@ -193,7 +193,10 @@ def test_the_main_job_offers_the_learned_selector(tmp_path, capsys):
     config = distill.parse(_args(tmp_path, "run", *flags, "--student.select-gate", "learned"))
     spec = phases.student_spec(config)
     assert spec.candidates[-1] == LearnedBlockSelection(2, block=4)
-    assert phases.trainable(config) == "core/logits|core/selector_gates"
+    assert phases.trainable(config) == "core/logits"  # the gates learned before the search
+    in_search = distill.parse(_args(tmp_path, "run", *flags, "--student.select-gate", "learned",
+                                    "--train.selector-steps", "0"))  # fmt: skip
+    assert phases.trainable(in_search) == "core/logits|core/selector_gates"
     pooled = distill.parse(_args(tmp_path, "run", *flags))
     assert type(phases.student_spec(pooled).candidates[-1]) is BlockSelection
     assert phases.trainable(pooled) == "core/logits"
@@ -221,3 +224,65 @@ def test_the_main_job_offers_the_learned_selector(tmp_path, capsys):
     kl = float(metrics["penalty_mask_selector_kl"])
     assert kl > 0
     np.testing.assert_allclose(losses[2.0] - losses[0.0], 2.0 * kl, rtol=1e-4)
+
+
+def _values(model) -> dict[str, np.ndarray]:
+    """A copy of every parameter's value, by its '/'-joined path."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {"/".join(map(str, k)): np.array(v[...]) for k, v in flat}
+
+
+def test_the_selector_phase_trains_the_gates_alone_at_the_serving_length(tmp_path, monkeypatch):
+    """--train.selector-steps: a phase before the search in which only the gates learn, on
+    sequences of --student.serve-len-factor x --data.seq-len; the search then holds them."""
+    import json
+
+    from experiments import distill
+    from experiments.distill import phases
+    from experiments.distill.run_folder import Run
+    from sparse_jax.models import student_from_teacher
+    from tests.test_distill import _args
+
+    flags = ["--student.select-blocks", "1", "--student.select-block", "4",
+             "--student.select-gate", "learned", "--train.selector-steps", "2",
+             "--train.steps", "2", "--student.serve-len-factor", "2"]  # fmt: skip
+    config = distill.parse(_args(tmp_path, "run", *flags))
+    seen = {}
+    train_phase = Run.train_phase
+
+    def spy_phase(self, name, model, loss, tc, **kwargs):
+        batches = kwargs.get("batches")
+        first = None if batches is None else np.asarray(next(batches(None)))
+        before = _values(model)
+        trained = train_phase(self, name, model, loss, tc, **kwargs)
+        seen[name] = (tc, first, before, _values(trained))
+        return trained
+
+    monkeypatch.setattr(Run, "train_phase", spy_phase)
+    run = Run(config)
+    teacher = phases.teacher(run)
+    phases.student(run, teacher)
+    assert list(seen) == ["teacher", "selector", "student"]
+    tc, first, before, after = seen["selector"]
+    assert tc.trainable == "core/selector_gates" and tc.steps == 2
+    assert phases.selector_length(config, teacher) == 32  # 2 x 16, within the 37 positions
+    assert first.shape[-1] == 33 and tc.batch_size == 4 * 16 // 32
+    longer = distill.parse(_args(tmp_path, "run", *flags[:-1], "4"))
+    assert phases.selector_length(longer, teacher) == 16  # 64 > 37 positions: --data.seq-len
+
+    def changed(a, b):
+        return {name for name in a if not np.array_equal(a[name], b[name])}
+
+    moved = changed(before, after)
+    assert moved and all("selector_gates" in name for name in moved), sorted(moved)
+    fresh = _values(student_from_teacher(teacher, phases.student_spec(config)))
+    assert not changed(fresh, before)  # the phase starts from the student as built
+    # The search trains the candidate logits and holds the gates.
+    _, _, searched_from, searched = seen["student"]
+    assert not changed(after, searched_from)
+    assert all("core/logits" in name for name in changed(searched_from, searched))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    selector = [x for x in lines if x["phase"] == "selector"]
+    assert [x["step"] for x in selector] == [1, 2]
+    assert all(x["selector_kl"] == x["loss"] and np.isfinite(x["loss"]) for x in selector)
+    assert np.isfinite(selector[-1]["eval_loss"])  # held-out sequences of the same length

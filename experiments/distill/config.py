@@ -323,9 +323,9 @@ class StudentConfig(_Group):
     """How --student.select-blocks ranks the earlier blocks: 'pooled', the mean key's score
     (MoBA's gate, free), or 'learned', a small gate per head and layer
     (sparse_jax.block_gate.LearnedBlockSelection, SeerAttention's idea) that starts as the
-    pooled score and is trained with the student by --loss.selector-kl, to predict where the
-    layer's own full causal attention goes, block by block; a head that keeps it keeps its
-    gate hardened."""
+    pooled score and is trained by --loss.selector-kl to predict where the layer's own full
+    causal attention goes, block by block (before the search: --train.selector-steps); a head
+    that keeps it keeps its gate hardened."""
     fixed_window: int = 32
     """Window of the 'fixed' student (causal window | sink(4))."""
     block_size: int = 64
@@ -488,8 +488,8 @@ class TrainConfig(_Group):
     the candidate logits ('core/logits': the student searches where to attend on the teacher's
     own weights, which the hardened fine-tune then adapts; trained together, the weights absorb
     the masks' differences and the search finds the cheapest masks, not the needed ones) and,
-    with --student.select-gate learned, the selectors' gates ('core/selector_gates'); for the
-    other kinds everything ('.*')."""
+    with --student.select-gate learned and --train.selector-steps 0, the selectors' gates
+    ('core/selector_gates'); for the other kinds everything ('.*')."""
     fast_params: str = "core/logits|gate/logits|alpha_logit"
     """Regex of parameters trained at --train.fast-lr-multiplier x the rate (mask weights,
     gates)."""
@@ -499,6 +499,12 @@ class TrainConfig(_Group):
     """Adam's epsilon for --train.fast-params: above the size of their gradients, so that each
     step follows the gradient's size instead of moving every logit at the full rate (1e-8, the
     usual value, makes the logits random-walk on batch noise)."""
+    selector_steps: int = 200
+    """With --student.select-gate learned: updates of the selectors' gates alone, before the
+    search, on sequences of the serving length (--student.serve-len-factor x --data.seq-len,
+    within the teacher's positions; the student's share of passkeys), by --loss.selector-kl;
+    the search then trains the candidate logits with the gates held. 0: no such phase, the
+    gates train in the search beside the logits, on its sequences."""
     recall_fraction: float | None = None
     """Share of passkey sequences (sparse_jax.data.recall.RecallMixture, --data.seq-len long) in
     the student's and the hardened fine-tune's batches, the rest text of the corpus's train
@@ -508,7 +514,7 @@ class TrainConfig(_Group):
     corpus's windows only)."""
 
     def __post_init__(self):
-        set_ints_at_least(self, self.group, steps=1)
+        set_ints_at_least(self, self.group, steps=1, selector_steps=0)
         self.number("lr", positive=True)
         self.number("fast_lr_multiplier", positive=True)
         self.number("fast_eps", positive=True)

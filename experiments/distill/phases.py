@@ -403,11 +403,9 @@ def trainable(config: DistillConfig) -> str:
         return config.train.trainable
     if config.student.kind != "candidates":
         return ".*"
-    return (
-        "core/logits|core/selector_gates"
-        if config.student.select_gate == "learned"
-        else ("core/logits")
-    )
+    if config.student.select_gate == "learned" and not config.train.selector_steps:
+        return "core/logits|core/selector_gates"
+    return "core/logits"
 
 
 def _train_config(config: DistillConfig) -> loop.TrainConfig:
@@ -445,11 +443,62 @@ def _student_batches(run: Run):
     return recall_batches(run, (n,), c.data.batch_size * n, fraction)
 
 
+def selector_length(config: DistillConfig, teacher: GPT2) -> int:
+    """The length of the selector phase's sequences: the serving length (--student.serve-len-factor
+    x --data.seq-len) where the teacher's positions reach it, else --data.seq-len."""
+    serve_len = config.student.serve_len_factor * config.data.seq_len
+    return serve_len if serve_len <= teacher.config.n_positions else config.data.seq_len
+
+
+def _selector_loss(model, batch, rng):
+    """The selectors' loss alone (the gates' KL to their layers' attention, summed over layers;
+    the model's queries and keys held fixed)."""
+    ids = batch[:, 0, :-1] if batch.ndim == 3 else batch[:, :-1]
+    _, aux = model(ids, rngs=nnx.Rngs(gates=rng), return_aux=True)
+    return aux["mask_selector_kl"], {"selector_kl": aux["mask_selector_kl"]}
+
+
+def train_selectors(run: Run, model: GPT2, teacher: GPT2) -> GPT2:
+    """Phase ``selector`` (--student.select-gate learned, --train.selector-steps > 0): the
+    student's selector gates alone learn where their layers attend, on the corpus's text mixed
+    with passkeys as the student's batches are, at :func:`selector_length`, so that a gate ranks
+    the key blocks of the sequences it will serve (SeerAttention trains its gates on the frozen
+    model's long sequences); the search then holds them."""
+    c = run.config
+    length = selector_length(c, teacher)
+    tokens = c.data.batch_size * c.data.seq_len
+    fraction = c.student_recall_fraction()  # > 0 only where a passkey fits in --data.seq-len
+    tc = dataclasses.replace(
+        _train_config(c),
+        steps=c.train.selector_steps,
+        batch_size=max(1, tokens // length),
+        warmup_steps=min(30, c.train.selector_steps // 10),
+        trainable="core/selector_gates",
+    )
+    batches = recall_batches(run, (length,), tokens, fraction)
+    mixture = dict(lengths=(length,), tokens=tokens, recall_fraction=fraction, seed=c.run.seed)
+    held_out = recall.RecallMixture(c.data.tokenizer, recall_filler(run, "eval"), **mixture)
+    eval_batches = [next(held_out) for _ in range(c.measure.eval_batches)]
+
+    def evaluate(model):  # the selectors' loss on held-out text and passkeys of that length
+        key = jax.random.key(c.run.seed)
+        losses = [_selector_loss(model, jnp.asarray(b), key)[0] for b in eval_batches]
+        return {"loss": float(np.mean(losses))}
+
+    return run.train_phase(
+        "selector", model, _selector_loss, tc, evaluate=evaluate, batches=batches
+    )
+
+
 def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
-    """The distilled student (soft masks or gates) and the spec it was built from."""
+    """The distilled student (soft masks or gates) and the spec it was built from; with
+    --student.select-gate learned, its selectors' gates first learn alone
+    (:func:`train_selectors`)."""
     spec = student_spec(run.config)
     model = student_from_teacher(teacher, spec)
     c = run.config
+    if c.student.select_gate == "learned" and c.train.selector_steps:
+        model = train_selectors(run, model, teacher)
     model = run.train_phase(
         "student",
         model,
