@@ -43,8 +43,7 @@ The iterations never enter the derivative: custom rules use the closed form
 ``dp = s ⊙ dx - s (sᵀdx) / Σs`` with s_i = p_i^(2-α) on the support (a symmetric Jacobian, so
 the same product serves forward and reverse mode), which is linear in the row length, and the
 α derivative of Correia et al. (2019), rewritten without a division by α - 1 in
-``alpha_entmax._entmax_dp_dalpha``. ``sparsemax`` has a custom JVP (forward and reverse mode:
-``jax.jvp``, ``jax.jacfwd``, ``jax.hessian`` work); ``entmax15`` and ``entmax`` have custom
+``alpha_entmax._entmax_dp_dalpha``. ``sparsemax``, ``entmax15`` and ``entmax`` have custom
 VJPs (reverse mode only: ``jax.grad``, ``jax.vjp``, ``jax.jacrev``;
 ``jax.jvp``/``jacfwd``/``hessian`` raise), whose only residual is the output: see the comment
 above ``exact._entmax15_s``.

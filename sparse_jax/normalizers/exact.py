@@ -4,7 +4,7 @@ Sparsemax by Michelot's iteration, 1.5-entmax by Newton steps checked against th
 root on the current support (package docstring, "How the threshold τ is found"). Their starts
 and searches (:func:`sparsemax_start`, :func:`sparsemax_search`, :func:`entmax15_start`,
 :func:`entmax15_search`, :func:`entmax15_polish`) are also what the fused kernels run block by
-block (:mod:`sparse_jax.kernels`). ``sparsemax`` has a custom JVP, ``entmax15`` a custom VJP.
+block (:mod:`sparse_jax.kernels`). Both have custom VJPs.
 """
 
 from __future__ import annotations
@@ -241,47 +241,52 @@ def _entmax15_threshold(z, tau0, done0):
     return entmax15_polish(tau, row_sums(*entmax15_polish_terms(z, tau)))
 
 
-# sparsemax has a custom JVP (forward and reverse mode). entmax15 and α-entmax have custom VJPs
-# (reverse mode only: jax.jvp, jacfwd and jax.hessian raise) whose only residual is the output
-# p, which attention keeps anyway for its value product. A custom JVP, its tangent map
-# recomputed from p under jax.checkpoint so that p stays the only residual, was measured too:
-# whole attention forward+backward ran slower with 1.5-entmax, so the VJPs stay.
+# sparsemax, entmax15 and α-entmax have custom VJPs (reverse mode only: jax.jvp, jacfwd and
+# jax.hessian raise) whose only residual is the output p, which attention keeps anyway for its
+# value product. sparsemax had a custom JVP (forward mode too) until its plain attention's
+# forward+backward was timed against this VJP: 1.32-1.38x softmax's against 1.14-1.20x at
+# n = 2048 and 4096 (docs/benchmarks.md, "Sparsemax's derivative as a VJP"); linearizing the JVP
+# stored its support masks beside p. A custom JVP whose tangent map is recomputed from p under
+# jax.checkpoint was no faster, for sparsemax as for 1.5-entmax.
 
 
 def _entmax15_s(p):
     return jnp.sqrt(p)  # 0 off the support, NaN on NaN rows
 
 
-def _sparsemax_tangent(p, dx):
-    """J·dx for sparsemax, ``s ⊙ (dx - (sᵀdx) / Σs)`` with s = sign(p): 1 on the support, 0 off
-    it (where the product is 0 whatever dx holds) and NaN on NaN rows, which carries them
-    through both modes (the final select keeps s != 0, which NaN is).
+def _sparsemax_vjp(p, cotangent):
+    """Jᵀ·g for sparsemax (J is symmetric), ``s ⊙ (g - (sᵀg) / Σs)`` with s the support of p
+    (p > 0): 0 off it, NaN on NaN rows (p NaN).
 
-    Not :func:`search.jacobian_product`'s ``s ⊙ dx - s (sᵀdx) / Σs``: transposed, that form let
-    XLA:CPU fuse the row sum and the subtraction into the matmul that forms the cotangent in
-    attention (dp = g vᵀ), a fusion that ran over twice as long as the matmul alone
-    (docs/benchmarks.md, "The non-finite policy behind one conditional"). With s outside the
-    parentheses, as in softmax's derivative, the matmul stays alone
-    (tests/test_normalizer_programs.py).
+    Not :func:`search.jacobian_product`'s ``s ⊙ g - s (sᵀg) / Σs``: in attention that form let
+    XLA:CPU fuse the row sum and the subtraction into the matmul that forms the cotangent
+    (dp = g vᵀ), a fusion that ran over twice as long as the matmul alone (docs/benchmarks.md,
+    "The non-finite policy behind one conditional"). With the subtraction inside, as in
+    softmax's derivative, the matmul stays alone (tests/test_normalizer_programs.py).
     """
-    s = jnp.sign(p)
-    (s_sum,), (s_dx_sum,) = row_sums(s), row_sums(jnp.where(s > 0.0, dx, 0.0))
-    ratio = s_dx_sum / jnp.where(s_sum > 0.0, s_sum, 1.0)
-    return jnp.where(s != 0.0, s * (dx - ratio), 0.0)
+    support = p > 0.0
+    count, total = row_sums(support.astype(p.dtype), jnp.where(support, cotangent, 0.0))
+    mean = total / jnp.where(count > 0.0, count, 1.0)
+    return jnp.where(support, cotangent - mean, jnp.where(jnp.isnan(p), jnp.nan, 0.0))
 
 
-@jax.custom_jvp
+@jax.custom_vjp
 def _sparsemax_rows(x):
     z, has_any, _ = shift_to_zero_max(x)
     tau = _sparsemax_threshold(z, start_at_minus_one(z), ~has_any)
     return jnp.maximum(z - tau, 0.0)  # NaN rows: z is NaN, so is p
 
 
-@_sparsemax_rows.defjvp
-def _sparsemax_rows_jvp(primals, tangents):
-    (x,), (dx,) = primals, tangents
+def _sparsemax_rows_fwd(x):
     p = _sparsemax_rows(x)
-    return p, _sparsemax_tangent(p, dx)
+    return p, p
+
+
+def _sparsemax_rows_bwd(p, cotangent):
+    return (_sparsemax_vjp(p, cotangent),)
+
+
+_sparsemax_rows.defvjp(_sparsemax_rows_fwd, _sparsemax_rows_bwd)
 
 
 @jax.custom_vjp
