@@ -14,7 +14,8 @@ gate starts as the pooled score exactly, and training can only move it from ther
 
 It is trained with :func:`block_gate_loss`: per query row, the KL divergence from the share of
 the teacher's attention that falls in each candidate block (:func:`block_attention_mass`,
-attention weights summed per key block, renormalised over the candidates) to the softmax of
+attention weights summed per key block, or their largest per block, renormalised over the
+candidates) to the softmax of
 the gate's scores over the same blocks, the rows weighted by how much of their attention goes to
 candidates at all (a row that only looks at its own block teaches nothing about the others).
 The teacher may be the layer itself: :meth:`BlockGate.self_loss` takes the layer's own full
@@ -83,6 +84,10 @@ class LearnedBlockSelection(BlockSelection):
     Args:
       keep_blocks, block, local_blocks: as in :class:`~sparse_jax.dynamic.BlockSelection`.
       gate_dim: ``G``, the width of the gate's maps (None: the head dim).
+      pool: how the gate's target pools the layer's attention per key block
+        (:func:`block_attention_mass`): 'sum', the block's share of the attention, or 'max',
+        its largest weight (SeerAttention's), which ranks a block holding one sharply attended
+        key above a block of many weakly attended ones.
 
     Example:
       >>> sel = LearnedBlockSelection(2, block=16)
@@ -93,11 +98,21 @@ class LearnedBlockSelection(BlockSelection):
     """
 
     gate_dim: int | None = None
+    pool: str = "sum"
 
     def __post_init__(self):
         super().__post_init__()
+        _check_pool(self.pool, "LearnedBlockSelection")
         if self.gate_dim is not None:
             check_int(self.gate_dim, "gate_dim", "LearnedBlockSelection")
+
+
+POOLS = ("sum", "max")
+
+
+def _check_pool(pool: Any, caller: str) -> None:
+    if pool not in POOLS:
+        raise ValueError(f"{caller}: `pool` must be one of {POOLS}; got {pool!r}")
 
 
 def _positions(tq: int, tk: int, q_offset: Any) -> jax.Array:
@@ -217,19 +232,28 @@ def causal_attention_weights(
 
 
 def block_attention_mass(
-    weights: jax.Array, block: int, *, local_blocks: int = 1, q_offset: Any = None
+    weights: jax.Array,
+    block: int,
+    *,
+    local_blocks: int = 1,
+    q_offset: Any = None,
+    pool: str = "sum",
 ) -> jax.Array:
     """float32 ``[B, N, Tq, nk]``: the attention weight each query puts on each candidate key
-    block (summed over the block's keys), 0 on the blocks that are not candidates.
+    block (summed over the block's keys, or their largest: ``pool``), 0 on the blocks that are
+    not candidates.
 
     Args:
       weights: ``[B, N, Tq, Tk]`` attention weights (a teacher's), rows summing to 1.
       block, local_blocks, q_offset: as in :func:`block_gate_scores`.
+      pool: 'sum' (the block's mass) or 'max' (its largest weight).
 
     Example:
       >>> w = jnp.full((1, 1, 6, 6), 1 / 6)  # uniform over 6 keys
       >>> block_attention_mass(w, 2)[0, 0, 5].tolist()  # blocks 0 and 1 are earlier than 2
       [0.3333333432674408, 0.3333333432674408, 0.0]
+      >>> block_attention_mass(w, 2, pool="max")[0, 0, 5].tolist()
+      [0.1666666716337204, 0.1666666716337204, 0.0]
     """
     caller = "block_attention_mass"
     check_float_array(weights, "weights", caller, "a float array")
@@ -237,10 +261,12 @@ def block_attention_mass(
         raise ValueError(f"{caller}: `weights` must be [B, N, Tq, Tk]; got {list(weights.shape)}")
     block = check_int(block, "block", caller)
     local_blocks = check_int(local_blocks, "local_blocks", caller)
+    _check_pool(pool, caller)
     b, n, tq, tk = weights.shape
     nk = -(-tk // block)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, 0), (0, 0), (0, nk * block - tk)))
-    mass = w.reshape(b, n, tq, nk, block).sum(axis=-1)
+    w = w.reshape(b, n, tq, nk, block)
+    mass = w.sum(axis=-1) if pool == "sum" else w.max(axis=-1)  # padding is 0: never the max
     return jnp.where(_candidates(tq, tk, block, local_blocks, q_offset), mass, 0.0)
 
 
@@ -372,10 +398,14 @@ class BlockGate(nnx.Module):
     def loss(self, q: jax.Array, k: jax.Array, weights: jax.Array, *, scale: Any = None):
         """float32 scalar: :func:`block_gate_loss` of this gate on ``q``, ``k`` against the
         attention ``weights [B, N, Tq, Tk]`` of a teacher (e.g. the dense attention of the same
-        layer)."""
+        layer), pooled per key block as the selection's ``pool`` says (a
+        :class:`LearnedBlockSelection`'s; 'sum' for a plain BlockSelection)."""
         s = self.selection
         mass = block_attention_mass(
-            jax.lax.stop_gradient(weights), s.block, local_blocks=s.local_blocks
+            jax.lax.stop_gradient(weights),
+            s.block,
+            local_blocks=s.local_blocks,
+            pool=getattr(s, "pool", "sum"),
         )
         return block_gate_loss(self.scores(q, k, scale=scale), mass)
 

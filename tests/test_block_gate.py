@@ -116,6 +116,22 @@ def test_the_block_mass_sums_the_weights_of_each_candidate_block():
     # Decoding: the last two queries of a cache of 7, as rows 5 and 6 of the whole.
     tail = block_attention_mass(w[:, :, 5:], 2, q_offset=5)
     np.testing.assert_allclose(tail, want[:, :, 5:], rtol=1e-6, atol=1e-7)
+    # pool="max": each candidate block's largest weight (block 3 holds one key, 6).
+    top = np.asarray(block_attention_mass(w, 2, local_blocks=1, pool="max"))
+    want_top = np.zeros((2, 3, 7, 4))
+    for i in range(7):
+        for c in range(i // 2):
+            want_top[:, :, i, c] = np.asarray(w)[:, :, i, 2 * c : 2 * c + 2].max(-1)
+    np.testing.assert_allclose(top, want_top, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(top, mass)
+    # A gate of a LearnedBlockSelection(pool="max") learns from that target.
+    from sparse_jax.block_gate import LearnedBlockSelection
+
+    q = k = jax.random.normal(jax.random.key(3), (2, 7, 3, 4))
+    for pool, target in (("sum", mass), ("max", top)):
+        gate = BlockGate(LearnedBlockSelection(1, block=2, pool=pool), num_heads=3, head_dim=4)
+        want_loss = block_gate_loss(gate.scores(q, k), jnp.asarray(target))
+        np.testing.assert_allclose(gate.loss(q, k, w), want_loss, rtol=1e-6)
 
 
 def test_the_loss_is_the_mass_weighted_kl_recomputed():
@@ -216,6 +232,11 @@ def test_gate_describes_itself_and_its_parameters_are_params():
             lambda: block_gate_loss(jnp.ones((2, 3)), jnp.ones((2, 4))),
             ValueError,
             "must have one shape",
+        ),
+        (
+            lambda: block_attention_mass(jnp.ones((1, 1, 4, 4)), 2, pool="mean"),
+            ValueError,
+            r"`pool` must be one of \('sum', 'max'\); got 'mean'",
         ),
         (
             lambda: topk_block_attention(

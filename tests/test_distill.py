@@ -432,6 +432,7 @@ SINCE_GROUPING = {
     "student.select_gate",
     "loss.selector_kl",
     "train.selector_steps",
+    "student.select_pool",
 }  # fmt: skip
 
 

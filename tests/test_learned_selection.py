@@ -181,6 +181,8 @@ def test_a_learned_selection_needs_the_head_dim():
         FixedAttention(2, selections=[sel])
     with pytest.raises(ValueError, match="gate_dim"):
         LearnedBlockSelection(1, block=4, gate_dim=0)
+    with pytest.raises(ValueError, match=r"LearnedBlockSelection: `pool` must be one of"):
+        LearnedBlockSelection(1, block=4, pool="mean")
 
 
 def test_the_main_job_offers_the_learned_selector(tmp_path, capsys):
@@ -193,6 +195,11 @@ def test_the_main_job_offers_the_learned_selector(tmp_path, capsys):
     config = distill.parse(_args(tmp_path, "run", *flags, "--student.select-gate", "learned"))
     spec = phases.student_spec(config)
     assert spec.candidates[-1] == LearnedBlockSelection(2, block=4)
+    by_max = distill.parse(_args(tmp_path, "run", *flags, "--student.select-gate", "learned",
+                                 "--student.select-pool", "max"))  # fmt: skip
+    assert phases.student_spec(by_max).candidates[-1] == LearnedBlockSelection(
+        2, block=4, pool="max"
+    )
     assert phases.trainable(config) == "core/logits"  # the gates learned before the search
     in_search = distill.parse(_args(tmp_path, "run", *flags, "--student.select-gate", "learned",
                                     "--train.selector-steps", "0"))  # fmt: skip
@@ -207,6 +214,10 @@ def test_the_main_job_offers_the_learned_selector(tmp_path, capsys):
         "--student.select-gate learned ranks the blocks of --student.select-blocks: it "
         "needs --student.select-blocks >= 1; got 0" in message
     )
+    with pytest.raises(SystemExit):
+        distill.parse(_args(tmp_path, "run", *flags, "--student.select-pool", "max"))
+    message = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert "--student.select-pool max pools the target of learned gates: it needs" in message
     # The objective weighs the selectors' loss by --loss.selector-kl, from the first update.
     student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
     for i, block in enumerate(student.h):  # a random model attends evenly: gates away from it

@@ -326,6 +326,9 @@ class StudentConfig(_Group):
     pooled score and is trained by --loss.selector-kl to predict where the layer's own full
     causal attention goes, block by block (before the search: --train.selector-steps); a head
     that keeps it keeps its gate hardened."""
+    select_pool: Literal["sum", "max"] = "sum"
+    """With --student.select-gate learned: how the gates' target pools the layer's attention
+    per key block, 'sum' (the block's share) or 'max' (its largest weight, SeerAttention's)."""
     fixed_window: int = 32
     """Window of the 'fixed' student (causal window | sink(4))."""
     block_size: int = 64
@@ -693,6 +696,12 @@ class DistillConfig:
             raise ValueError(
                 "--student.select-gate learned ranks the blocks of --student.select-blocks: it "
                 "needs --student.select-blocks >= 1; got 0"
+            )
+        if self.student.select_pool != "sum" and self.student.select_gate != "learned":
+            raise ValueError(
+                f"--student.select-pool {self.student.select_pool} pools the target of learned "
+                f"gates: it needs --student.select-gate learned; got "
+                f"{self.student.select_gate!r}"
             )
         if self.student.select_blocks and self.teacher.source == "planted":
             raise ValueError(

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -340,7 +341,10 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
     norm = s.normalizer_value()
     blocks = (s.block_size, s.block_size)
     if s.kind == "candidates":
-        kind = LearnedBlockSelection if s.select_gate == "learned" else BlockSelection
+        if s.select_gate == "learned":
+            kind = functools.partial(LearnedBlockSelection, pool=s.select_pool)
+        else:
+            kind = BlockSelection
         selection = (kind(s.select_blocks, block=s.select_block),) if s.select_blocks else ()
         return AttentionSpec(
             kind="candidates",
