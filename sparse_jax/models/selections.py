@@ -165,7 +165,7 @@ def selector_gates(
     Example:
       >>> gates = selector_gates([masks_lib.causal(), LearnedBlockSelection(1, 4)], 2, 8, "layer")
       >>> list(gates.keys()), gates["1"]
-      (['1'], BlockGate(keep 1 earlier blocks of 4 keys, 2 heads, gate width 8: 256 parameters))
+      (['1'], BlockGate(keep 1 earlier blocks of 4 keys, 2 heads, gate width 8: 512 parameters))
     """
     learned = {i: s for i, s in enumerate(selections) if isinstance(s, LearnedBlockSelection)}
     if not learned:
