@@ -462,6 +462,11 @@ def _selector_loss(model, batch, rng):
     return aux["mask_selector_kl"], {"selector_kl": aux["mask_selector_kl"]}
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _held_out_selector_loss(graphdef, state, batch, rng):
+    return _selector_loss(nnx.merge(graphdef, state), batch, rng)[0]
+
+
 def train_selectors(run: Run, model: GPT2, teacher: GPT2) -> GPT2:
     """Phase ``selector`` (--student.select-gate learned, --train.selector-steps > 0): the
     student's selector gates alone learn where their layers attend, on the corpus's text mixed
@@ -485,8 +490,12 @@ def train_selectors(run: Run, model: GPT2, teacher: GPT2) -> GPT2:
     eval_batches = [next(held_out) for _ in range(c.measure.eval_batches)]
 
     def evaluate(model):  # the selectors' loss on held-out text and passkeys of that length
+        graphdef, state = nnx.split(sharding.local_model(model))
         key = jax.random.key(c.run.seed)
-        losses = [_selector_loss(model, jnp.asarray(b), key)[0] for b in eval_batches]
+        losses = [
+            float(_held_out_selector_loss(graphdef, state, jnp.asarray(b), key))
+            for b in eval_batches
+        ]
         return {"loss": float(np.mean(losses))}
 
     return run.train_phase(
