@@ -244,10 +244,10 @@ def _entmax15_threshold(z, tau0, done0):
 # sparsemax, entmax15 and α-entmax have custom VJPs (reverse mode only: jax.jvp, jacfwd and
 # jax.hessian raise) whose only residual is the output p, which attention keeps anyway for its
 # value product. sparsemax had a custom JVP (forward mode too) until its plain attention's
-# forward+backward was timed against this VJP: 1.32-1.38x softmax's against 1.14-1.20x at
-# n = 2048 and 4096 (docs/benchmarks.md, "Sparsemax's derivative as a VJP"); linearizing the JVP
-# stored its support masks beside p. A custom JVP whose tangent map is recomputed from p under
-# jax.checkpoint was no faster, for sparsemax as for 1.5-entmax.
+# forward+backward was timed against this VJP, which ran it faster (docs/benchmarks.md,
+# "Sparsemax's derivative as a VJP"); linearizing the JVP stored its support masks beside p. A
+# custom JVP whose tangent map is recomputed from p under jax.checkpoint was no faster, for
+# sparsemax as for 1.5-entmax.
 
 
 def _entmax15_s(p):
