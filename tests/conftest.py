@@ -42,15 +42,20 @@ jax.config.update(
 )
 
 # XLA options for tests bound by compile time (tiny problems, a scan or the normalizers' while
-# loops per case, on a 2-core CPU): about half the compile time, the same computation, only less
-# optimised machine code.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# loops per case, on a 2-core CPU): the same computation, only less optimised machine code. The
+# first two cut the optimisation passes; the third emits the CPU's fusions without the MLIR
+# fusion emitters, whose compilation is slower (docs/benchmarks.md, "The test suite's time").
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
 XLA_FAST = " ".join(f"--{name}={str(value).lower()}" for name, value in FAST_COMPILE.items())
 
 # On CPU every program of the suite gets them, in the test processes and in every process they
 # start (whose runs must match the in-process ones bit for bit): most of the suite's time is
-# compiling tiny programs (measured: the whole suite 21% faster on a 2-core CPU, the experiments'
-# runs of many steps no slower). XLA reads XLA_FLAGS when the backend starts, below, so whether
+# compiling tiny programs (the whole suite's time with and without them: docs/benchmarks.md,
+# "The test suite's time"). XLA reads XLA_FLAGS when the backend starts, below, so whether
 # it will be a CPU is judged before: no accelerator plugin installed (GPU PJRT plugins live in
 # the `jax_plugins` namespace, TPUs need `libtpu`), or JAX_PLATFORMS=cpu.
 _cpu_only = os.environ.get("JAX_PLATFORMS", "").strip() == "cpu" or not any(
