@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from sparse_jax.models import GPT2
+from sparse_jax.models import cascade as cascade_module
 from sparse_jax.models.cascade import (
     CascadeConfig,
     CascadeLM,
@@ -87,7 +88,7 @@ def test_pruned_model_equals_the_gated_model_with_hard_gates(closing):
     assert pruned.flops_per_token(ids) == pytest.approx(model.flops_per_token(ids))
 
 
-def test_fixed_capacities_compile_once_and_never_drop_a_token(closing):
+def test_fixed_capacities_compile_once_and_never_drop_a_token(closing, monkeypatch):
     model, gated, aux = closing
     ids = _ids()
     counts = np.asarray(aux["kept_tokens"]).sum(-1).max(-1)  # [32, 23, 19]
@@ -99,13 +100,25 @@ def test_fixed_capacities_compile_once_and_never_drop_a_token(closing):
     # As many slots as tokens: the closed tokens are still no keys of the kept ones.
     whole = model.prune(capacity=(1.0, 1.0, 1.0))
     np.testing.assert_allclose(whole.logits(ids), gated, atol=1e-5, rtol=1e-5)
-    # Slots 32, 24, 16 are too few for block 3's 19 tokens: detected, the batch is rerun with
-    # slots chosen from the counts, and the logits are still exact.
+    # Slots 32, 24, 16 are too few for block 3's 19 tokens: inside the compiled call (no host
+    # routing, one lax.switch per routed block), block 3 runs on the next bucketed count, 20,
+    # and the logits are still exact.
     tight = model.prune(capacity=KEEP)
     assert tight.capacities(32) == [32, 24, 16]
-    logits, _, slots = tight.logits(ids, return_kept=True)
-    assert tight.overflows == 1 and slots == [32, 24, 20]
-    np.testing.assert_allclose(logits, gated, atol=1e-5, rtol=1e-5)
+    with monkeypatch.context() as patch:
+        patch.setattr(PrunedCascadeLM, "_routed_on_host", None)  # never called
+        logits, _, slots = tight.logits(ids, return_kept=True)
+        assert tight.overflows == 1 and slots == [32, 24, 20]
+        np.testing.assert_allclose(logits, gated, atol=1e-5, rtol=1e-5)
+        tight.logits(ids)
+        assert tight.overflows == 2  # counted per call
+    plan = tight._plan(32)
+    assert plan == ((3, 16, (32,)), (2, 16, (24, 28, 32)), (1, 16, (16, 20, 24, 28, 32)))
+    lowered = cascade_module._forward_jit.lower(
+        [p for _, _, p in tight.blocks], tight.wte, tight.wpe, tight.ln_f, ids,
+        jnp.zeros((), jnp.int32), plan=plan, activation=tight.activation,
+    ).as_text()  # fmt: skip
+    assert lowered.count("stablehlo.case") == 2
     # Fewer slots than the blocks are trained to keep are refused before anything compiles.
     with pytest.raises(ValueError, match=r"`capacity` of block 3 \(0.4\) is below its kept"):
         model.prune(capacity=(1.0, 0.7, 0.4))

@@ -61,7 +61,8 @@ class Model:
     """A head closed in block l stays closed in every later block (SpAtten's cascade)."""
     capacity_slack: float = 0.125
     """The pruned model's token slots per block: its keep target plus this fraction of T (at
-    most T), one compiled call; a batch that keeps more is rerun exactly and counted."""
+    most T), one compiled call; a block that keeps more runs on more slots, chosen in that
+    call, and the batch is counted."""
     score_scaling: bool = False
     """The CANDS code's module instead (head gates scale the attention scores): prunes nothing."""
 

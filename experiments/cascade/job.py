@@ -96,7 +96,7 @@ def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_
 
 def _tokens_per_s(fn, ids, repeats: int = 5) -> float:
     """Tokens per second of ``fn(ids)`` (outputs ready), median of repeats after two warm-up
-    calls (compilation excluded; the pruned model's host-side routing included)."""
+    calls (compilation excluded; the pruned model's routing included)."""
     for _ in range(2):
         jax.block_until_ready(fn(ids))
     times = []

@@ -77,10 +77,10 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
         f"kept {s['heads_kept']}; FFN units kept {s['units_kept']}. Device {s['device']}; wall "
         f"time {s['wall_time_s']:.0f} s ({phases}). The pruned model is the cascade with hard "
         "gates, its closed heads and units cut from the weights and each block run on its kept "
-        f"tokens only, in {s['capacity']} x T slots per block (batches rerun because a block "
-        f"kept more: {s['overflows']}); FLOPs: sparse_jax.models.flops.kept_flops (causal "
-        "attention among kept tokens); tokens/s: one sequence of evaluation text, median of 5 "
-        "calls after warm-up, routing included.",
+        f"tokens only, in {s['capacity']} x T slots per block (batches in which a block kept "
+        f"more and ran on more slots: {s['overflows']}); FLOPs: "
+        "sparse_jax.models.flops.kept_flops (causal attention among kept tokens); tokens/s: "
+        "one sequence of evaluation text, median of 5 calls after warm-up, routing included.",
         "",
         "![gates and kept tokens](gates.png)",
         "",

@@ -153,7 +153,8 @@ class CascadeConfig:
     target_warmup_steps: int = 0  # targets fall linearly from 1 over these steps (0: at once)
     # Pruned model: token slots per block as a fraction of T, one compiled call for the whole
     # model (None: each block's slots chosen per batch from its kept count, a host round trip
-    # per block). A batch that keeps more tokens than its slots is rerun with chosen slots.
+    # per block). A block that keeps more tokens than its slots runs on more, chosen in the
+    # compiled call.
     capacity: tuple[float, ...] | None = None
 
     def __post_init__(self):
@@ -647,10 +648,13 @@ class PrunedCascadeLM:
       block's largest kept count of the batch and picks ``C`` from it (one device round trip
       per block; never too small);
     * ``capacity`` set (fractions of ``T`` per block, none below ``config.keep_ratios``):
-      ``C_l = capacity_for(ceil(capacity[l] T))``, fixed, and the whole model is one compiled
-      call. It also returns each block's largest kept count: if a block kept more tokens than
-      its ``C_l``, the batch is run again the first way (exact, slower) and ``overflows``
-      counts it. A token is never dropped for lack of room.
+      ``C_l = capacity_for(ceil(capacity[l] T))``, and the whole model is one compiled call
+      with no round trip to the host. A block whose batch keeps more tokens than ``C_l`` runs
+      on the smallest bucketed slot count above ``C_l`` that holds them, chosen inside the
+      compiled program (a ``lax.switch`` over the slot counts from ``C_l`` to ``T``);
+      ``overflows`` counts such batches (reading it waits for the calls before it).
+
+    A token is never dropped for lack of room.
 
     ``logits(ids)`` equals ``model(ids)`` with hard gates.
 
@@ -660,7 +664,7 @@ class PrunedCascadeLM:
       ...                     capacity=(1.0, 0.75))
       >>> pruned = CascadeLM(cfg, rngs=nnx.Rngs(0)).prune()
       >>> logits, kept, slots = pruned.logits(jnp.zeros((1, 16), jnp.int32), return_kept=True)
-      >>> slots, pruned.overflows  # every token open at initialisation: 16 > 12 slots, rerun
+      >>> slots, pruned.overflows  # every token open at initialisation: 16 > 12 slots
       ([16, 16], 1)
     """
 
@@ -677,7 +681,8 @@ class PrunedCascadeLM:
         else:
             capacity = _check_capacity(capacity, self.config.keep_ratios, caller)
         self.capacity = capacity
-        self.overflows = 0  # batches rerun because a block kept more tokens than its slots
+        # Batches in which a block kept more tokens than its fixed slots, counted on the device.
+        self._overflow_count = jnp.zeros((), jnp.int32)
         g = self.config.gpt2
         self.wte = jnp.asarray(model.wte.embedding[...])
         self.wpe = jnp.asarray(model.wpe.embedding[...])
@@ -724,6 +729,12 @@ class PrunedCascadeLM:
         """FFN units per block left in the weights."""
         return [int(p["b_fc"].shape[0]) for _, _, p in self.blocks]
 
+    @property
+    def overflows(self) -> int:
+        """Batches (calls of :meth:`logits`) in which a block kept more tokens than its fixed
+        slots and ran on more (0 without ``capacity``)."""
+        return int(self._overflow_count)
+
     def capacities(self, seq_len: int) -> list[int] | None:
         """The fixed token slots per block for ``seq_len`` tokens (``capacity`` set), else
         None."""
@@ -731,22 +742,33 @@ class PrunedCascadeLM:
             return None
         return [capacity_for(math.ceil(c * seq_len), seq_len, self.buckets) for c in self.capacity]
 
+    def _plan(self, seq_len: int) -> tuple | None:
+        """With ``capacity``: (heads, head dim, slot counts) per block, the counts a routed block
+        may run on (its fixed slots, then each larger count :func:`capacity_for` gives, up to
+        ``seq_len``); None without."""
+        fixed = self.capacities(seq_len)
+        if fixed is None:
+            return None
+        step = -(-seq_len // self.buckets)
+        return tuple(
+            (h, hd, (c,) if p["router"] is None else (*range(c, seq_len, step), seq_len))
+            for (h, hd, p), c in zip(self.blocks, fixed, strict=True)
+        )
+
     def logits(self, ids, *, return_kept: bool = False):
         """Logits ``[B, T, V]`` of ``ids [B, T]`` (and, with ``return_kept``, the kept tokens
         per block ``[L, B, T]`` and the slots each block ran on)."""
         g = self.config.gpt2
         check_token_batch(ids, g.vocab_size, g.n_positions, "PrunedCascadeLM")
         ids = jnp.asarray(ids)
-        fixed = self.capacities(ids.shape[1])
-        if fixed is not None:
-            plan = tuple((h, hd, c) for (h, hd, _), c in zip(self.blocks, fixed, strict=True))
+        plan = self._plan(ids.shape[1])
+        if plan is not None:
             weights = [p for _, _, p in self.blocks]
-            logits, kept, counts = _forward_jit(
-                weights, self.wte, self.wpe, self.ln_f, ids, plan=plan, activation=self.activation
-            )
-            if np.all(np.asarray(counts) <= np.asarray(fixed)):
-                return (logits, kept, fixed) if return_kept else logits
-            self.overflows += 1
+            logits, kept, slots, self._overflow_count = _forward_jit(
+                weights, self.wte, self.wpe, self.ln_f, ids, self._overflow_count, plan=plan,
+                activation=self.activation,
+            )  # fmt: skip
+            return (logits, kept, np.asarray(slots).tolist()) if return_kept else logits
         logits, kept, capacities = self._routed_on_host(ids)
         return (logits, kept, capacities) if return_kept else logits
 
@@ -855,22 +877,36 @@ def _logits(x, ln_f, wte):
     return jnp.einsum("btd,vd->btv", _layer_norm(x, ln_f), wte).astype(jnp.float32)
 
 
-def _forward(weights, wte, wpe, ln_f, ids, *, plan, activation):
-    """The pruned model in one compiled call with fixed slots ``plan`` ((heads, head dim,
-    slots) per block): ``(logits [B, T, V], kept [L, B, T], largest kept count per block [L])``."""
+def _forward(weights, wte, wpe, ln_f, ids, overflows, *, plan, activation):
+    """The pruned model in one compiled call. ``plan``: (heads, head dim, slot counts) per
+    block, the counts ascending, the first the block's fixed slots; a block runs on the first
+    count that holds its batch's kept tokens (``lax.switch``: one count is no switch).
+    ``(logits [B, T, V], kept [L, B, T], slots run per block [L], overflows)``, ``overflows``
+    plus 1 when a block ran on more than its fixed slots."""
     b, t = ids.shape
     x = _embed(wte, wpe, ids)
-    keep, count = jnp.ones((b, t), bool), jnp.asarray(t)
-    kept, counts = [], []
-    for (heads, head_dim, capacity), p in zip(plan, weights, strict=True):
+    keep = jnp.ones((b, t), bool)
+    kept, slots = [], []
+    for (heads, head_dim, sizes), p in zip(plan, weights, strict=True):
+        run = [
+            functools.partial(
+                _run_block, p=p, heads=heads, head_dim=head_dim, capacity=c, activation=activation
+            )
+            for c in sizes
+        ]
         if p["router"] is not None:
             keep, count = _route(x, keep, p["ln_1"], *p["router"])
-        counts.append(count)
-        x = _run_block(
-            x, keep, p, heads=heads, head_dim=head_dim, capacity=capacity, activation=activation
-        )
+        if len(sizes) == 1:
+            x = run[0](x, keep)
+            slots.append(jnp.asarray(sizes[0]))
+        else:
+            index = jnp.sum(count > jnp.asarray(sizes[:-1]))  # the first count >= kept tokens
+            x = jax.lax.switch(index, run, x, keep)
+            slots.append(jnp.asarray(sizes)[index])
         kept.append(keep)
-    return _logits(x, ln_f, wte), jnp.stack(kept), jnp.stack(counts)
+    slots = jnp.stack(slots)
+    over = jnp.any(slots > jnp.asarray([sizes[0] for _, _, sizes in plan]))
+    return _logits(x, ln_f, wte), jnp.stack(kept), slots, overflows + over
 
 
 # Module-level, so that every pruned model of the same shapes shares the compiled functions.
