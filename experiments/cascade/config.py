@@ -59,7 +59,7 @@ class Model:
     """Target kept fraction of FFN units per block (None: --model.keep-ratios)."""
     nested_heads: bool = True
     """A head closed in block l stays closed in every later block (SpAtten's cascade)."""
-    capacity_slack: float = 0.125
+    capacity_slack: float = 0.0625
     """The pruned model's token slots per block: its keep target plus this fraction of T (at
     most T), one compiled call; a block that keeps more runs on more slots, chosen in that
     call, and the batch is counted."""
