@@ -94,17 +94,21 @@ def _phase(cfg: CascadeExperiment, folder: pathlib.Path, name: str, model, loss_
     return trainer.sync_model()
 
 
-def _tokens_per_s(fn, ids, repeats: int = 5) -> float:
-    """Tokens per second of ``fn(ids)`` (outputs ready), median of repeats after two warm-up
-    calls (compilation excluded; the pruned model's routing included)."""
-    for _ in range(2):
-        jax.block_until_ready(fn(ids))
-    times = []
+def _tokens_per_s(fns: dict, ids, repeats: int = 7) -> dict[str, float]:
+    """Tokens per second of each ``fns[name](ids)`` (outputs ready): the median of ``repeats``
+    rounds after two warm-up calls each, every round calling each function once in turn, so
+    that a change in the machine's load falls on all of them alike (compilation excluded; the
+    pruned model's routing included)."""
+    for fn in fns.values():
+        for _ in range(2):
+            jax.block_until_ready(fn(ids))
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(ids))
-        times.append(time.perf_counter() - start)
-    return ids.size / float(np.median(times))
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(ids))
+            times[name].append(time.perf_counter() - start)
+    return {name: ids.size / float(np.median(t)) for name, t in times.items()}
 
 
 def _long_text(data, seq_len: int, count: int) -> np.ndarray:
@@ -137,10 +141,8 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
     speed = {}
     for length in (t, 4 * t):
         text_ids = jnp.asarray(_long_text(data, length, 1))
-        speed[str(length)] = {
-            "dense_tokens_per_s": _tokens_per_s(dense_fn, text_ids),
-            "pruned_tokens_per_s": _tokens_per_s(pruned.logits, text_ids),
-        }
+        timed = _tokens_per_s({"dense": dense_fn, "pruned": pruned.logits}, text_ids)
+        speed[str(length)] = {f"{name}_tokens_per_s": v for name, v in timed.items()}
     return {
         "dense": {
             "ppl": math.exp(dense_nll),
@@ -244,7 +246,9 @@ def _run(cfg: CascadeExperiment, stop: StopRequest) -> dict:
                 "final_keep": final,
                 "ppl": math.exp(nll),
                 "flops_per_token": other.flops_per_token(jnp.asarray(windows[:, :-1])),
-                "tokens_per_s_4x": _tokens_per_s(other.prune().logits, long_ids),
+                "tokens_per_s_4x": _tokens_per_s({"pruned": other.prune().logits}, long_ids)[
+                    "pruned"
+                ],
             }
         )
     if sweep:

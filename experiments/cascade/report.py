@@ -80,7 +80,8 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
         f"tokens only, in {s['capacity']} x T slots per block (batches in which a block kept "
         f"more and ran on more slots: {s['overflows']}); FLOPs: "
         "sparse_jax.models.flops.kept_flops (causal attention among kept tokens); tokens/s: "
-        "one sequence of evaluation text, median of 5 calls after warm-up, routing included.",
+        "one sequence of evaluation text, median of 7 rounds after warm-up, each round calling "
+        "the dense and the pruned model in turn, routing included.",
         "",
         "![gates and kept tokens](gates.png)",
         "",
