@@ -235,6 +235,18 @@ def test_the_main_job_offers_the_learned_selector(tmp_path, capsys):
     kl = float(metrics["penalty_mask_selector_kl"])
     assert kl > 0
     np.testing.assert_allclose(losses[2.0] - losses[0.0], 2.0 * kl, rtol=1e-4)
+    # A search that holds the gates (the selector phase trained them) leaves that loss out, and
+    # its compiled update never computes the gates' target (the causal attention weights).
+    held = phases.objective(c, ramp=(100, 200), selectors=False)
+    loss, metrics = held(student, batch, jax.random.key(0), teacher, 0)
+    assert "penalty_mask_selector_kl" not in metrics
+    np.testing.assert_allclose(float(loss), losses[0.0], rtol=1e-6)
+
+    def exps(fn):
+        text = jax.jit(lambda b: fn(student, b, jax.random.key(0), teacher, 0)[0]).lower(batch)
+        return text.compile().as_text().count("exponential")
+
+    assert exps(held) < exps(phases.objective(c, ramp=(100, 200)))
 
 
 def _values(model) -> dict[str, np.ndarray]:

@@ -367,19 +367,24 @@ def student_spec(config: DistillConfig) -> AttentionSpec:
 _MASK_PENALTIES = ("mask_l1", "mask_density", "mask_expected_density", "mask_expected_cost")
 
 
-def objective(config: DistillConfig, ramp: tuple[int, int] = (0, 0)):
+def objective(config: DistillConfig, ramp: tuple[int, int] = (0, 0), selectors: bool = True):
     """``loss_fn(student, batch, rng, teacher=..., step=...)``: KL to the teacher plus the
     penalties, with the progress metrics (density if hardened now, candidate weights). The mask
     penalties are off before update ``ramp[0]`` and grow linearly to full weight at ``ramp[1]``
-    (--loss.penalty-ramp)."""
+    (--loss.penalty-ramp). ``selectors=False`` leaves out the learned selectors' loss (a phase
+    that holds their gates: the compiled update then never computes it)."""
     start, end = ramp
     weights = config.loss.penalty_weights()
+    if not selectors:
+        del weights["mask_selector_kl"]
+    left_out = () if selectors else ("mask_selector_kl",)
     temperature, direction = config.loss.temperature, config.loss.direction
 
     def loss_fn(model, batch, rng, teacher, step):
         ids = batch[:, 0, :-1] if batch.ndim == 3 else batch[:, :-1]  # a RecallMixture's: ids
         teacher_logits = jax.lax.stop_gradient(teacher(ids))
         logits, aux = model(ids, rngs=nnx.Rngs(gates=rng), return_aux=True)
+        aux = {k: v for k, v in aux.items() if k not in left_out}  # not even as a metric
         kl_loss, metrics = distillation_loss(
             logits, teacher_logits, temperature=temperature, direction=direction
         )
@@ -510,12 +515,13 @@ def student(run: Run, teacher: GPT2) -> tuple[GPT2, AttentionSpec]:
     spec = student_spec(run.config)
     model = student_from_teacher(teacher, spec)
     c = run.config
-    if c.student.select_gate == "learned" and c.train.selector_steps:
+    held = c.student.select_gate == "learned" and c.train.selector_steps > 0
+    if held:
         model = train_selectors(run, model, teacher)
     model = run.train_phase(
         "student",
         model,
-        objective(c, c.loss.ramp_steps(c.train.steps)),
+        objective(c, c.loss.ramp_steps(c.train.steps), selectors=not held),
         _train_config(run.config),
         frozen={"teacher": teacher},
         evaluate=_evaluate_against(run, teacher),
