@@ -374,9 +374,7 @@ def objective(config: DistillConfig, ramp: tuple[int, int] = (0, 0), selectors: 
     (--loss.penalty-ramp). ``selectors=False`` leaves out the learned selectors' loss (a phase
     that holds their gates: the compiled update then never computes it)."""
     start, end = ramp
-    weights = config.loss.penalty_weights()
-    if not selectors:
-        del weights["mask_selector_kl"]
+    weights = config.loss.penalty_weights()  # those the model's aux lacks are left out below
     left_out = () if selectors else ("mask_selector_kl",)
     temperature, direction = config.loss.temperature, config.loss.direction
 

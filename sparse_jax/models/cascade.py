@@ -629,8 +629,13 @@ def capacity_for(count: int, seq_len: int, buckets: int = 8) -> int:
     seq_len = check_int(seq_len, "seq_len", "capacity_for")
     buckets = check_int(buckets, "buckets", "capacity_for")
     count = check_int(count, "count", "capacity_for", low=0, high=seq_len)
-    step = -(-seq_len // buckets)
+    step = _bucket_step(seq_len, buckets)
     return min(seq_len, max(step, -(-count // step) * step))
+
+
+def _bucket_step(seq_len: int, buckets: int) -> int:
+    """The slot counts :func:`capacity_for` gives are multiples of this (and ``seq_len``)."""
+    return -(-seq_len // buckets)
 
 
 class PrunedCascadeLM:
@@ -749,7 +754,7 @@ class PrunedCascadeLM:
         fixed = self.capacities(seq_len)
         if fixed is None:
             return None
-        step = -(-seq_len // self.buckets)
+        step = _bucket_step(seq_len, self.buckets)
         return tuple(
             (h, hd, (c,) if p["router"] is None else (*range(c, seq_len, step), seq_len))
             for (h, hd, p), c in zip(self.blocks, fixed, strict=True)
