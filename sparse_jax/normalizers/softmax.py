@@ -14,19 +14,19 @@ from sparse_jax.normalizers.arguments import (
     check_where,
     compute_dtype,
 )
+from sparse_jax.normalizers.search import shift_to_zero_max
 
 __all__ = ["masked_softmax"]
 
 
 @jax.custom_jvp
 def _softmax_rows(s, allowed):
-    # +inf becomes the largest float: a row holding +inf is uniform on those entries (the limit
-    # of softmax as they grow). NaN propagates through max/exp/sum: an allowed NaN makes the
-    # whole row NaN (the total is NaN). One extra elementwise operation (the minimum).
-    s = jnp.minimum(s, jnp.finfo(s.dtype).max)
-    row_max = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
-    row_max = jnp.where(row_max > -jnp.inf, row_max, 0.0)
-    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s, row_max) - row_max), 0.0)
+    # The non-finite policy of the sparse normalizers, from the same shift: a row holding +inf
+    # is uniform on those entries (the limit of softmax as they grow), clamped only when some
+    # row holds +inf; an allowed NaN makes the whole row NaN (its maximum is NaN); masked
+    # entries, whatever they hold, are -inf and weigh 0, as is a row with nothing allowed.
+    z, _, _ = shift_to_zero_max(jnp.where(allowed, s, -jnp.inf))
+    e = jnp.exp(z)
     total = jnp.sum(e, axis=-1, keepdims=True)
     return e / jnp.where(total == 0.0, 1.0, total)
 
