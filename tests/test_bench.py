@@ -617,3 +617,46 @@ def test_the_prepared_gpu_check_runs_commands_that_parse():
     for branch in branches:
         assert len(common | outputs(branch)) <= 8, sorted(common | outputs(branch))
     assert "forward-passes.md" in outputs(branches[0])
+
+
+def test_the_checkouts_benchmark_times_each_commits_own_library(monkeypatch, capsys):
+    """Each commit's sparse_jax/ is extracted from git and timed in its own process (the
+    process reports which library it imported); the table's figures are recomputed from what
+    the processes measured."""
+    from experiments.bench import checkouts
+
+    measured, time_commit = [], checkouts.time_commit
+
+    def spy(folder, config):
+        measured.append((folder, time_commit(folder, config)))
+        return measured[-1][1]
+
+    monkeypatch.setattr(checkouts, "time_commit", spy)
+    flags = ["--refs", "HEAD", "HEAD", "--length", "64", "--heads", "1", "--head-dim", "8",
+             "--block", "16", "--rounds", "1", "--repeats", "2"]  # fmt: skip
+    bench.main(["checkouts", *flags])
+    printed = capsys.readouterr().out
+    folders = [folder for folder, _ in measured]
+    assert len(folders) == 2 and folders[0] != folders[1]  # one extracted library per ref
+    assert all(not (folder / "sparse_jax" / "dispatch.py").exists() for folder in folders)  # gone
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=checkouts.ROOT, check=True).stdout.strip()  # fmt: skip
+    rows = [line.split("|")[1:-1] for line in printed.splitlines() if line.startswith("| HEAD")]
+    assert len(rows) == 2
+    first = measured[0][1]["fwd+bwd"]
+    for row, (_, times) in zip(rows, measured, strict=True):
+        cells = [c.strip() for c in row]
+        assert cells[1] == head[:10]
+        assert cells[2] == f"{1e3 * times['fwd']:.1f}"
+        assert cells[3] == f"{1e3 * times['fwd+bwd']:.1f}"
+        assert cells[4] == f"{times['fwd+bwd'] / first:.2f}x"
+    assert "normalizer='softmax', impl='blocksparse'" in printed
+
+
+def test_the_checkouts_benchmark_refuses_what_git_does_not_know(capsys):
+    with pytest.raises(ValueError, match=r"`refs` holds 'no-such-commit', which is not a commit"):
+        bench.main(["checkouts", "--refs", "no-such-commit"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["checkouts", "--rounds", "0"])
+    assert exit_info.value.code == 2
+    assert "rounds must be a positive integer" in capsys.readouterr().err

@@ -11,6 +11,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench forward_passes   # what a pass of the sparse forward costs
     python -m experiments.bench query_chunks     # impl='xla': query rows per chunk
     python -m experiments.bench selection        # BlockSelection: gather engine vs dense mask
+    python -m experiments.bench checkouts        # one attention call in several commits' library
 
 The default ``normalizers`` run takes minutes on a CPU (docs/benchmarks.md), most of it in optax's
 sort-based ``projection_simplex`` and the general-alpha entmax at n = 2048 and 4096.
@@ -30,7 +31,7 @@ from typing import Any
 
 import tyro
 
-from experiments.bench import attention, hardening, kernels, normalizers, passes
+from experiments.bench import attention, checkouts, hardening, kernels, normalizers, passes
 from experiments.common import timing
 
 __all__ = ["BENCHMARKS", "main", "parse"]
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, tuple[type, Callable[[Any, str], str]]] = {
     "pallas_tuning": (kernels.TuningConfig, kernels.run_tuning),
     "search_passes": (passes.SearchPassesConfig, passes.run_search_passes),
     "forward_passes": (kernels.ForwardPassesConfig, kernels.run_forward_passes),
+    "checkouts": (checkouts.CheckoutsConfig, checkouts.run_checkouts),
 }
 
 
