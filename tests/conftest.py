@@ -80,12 +80,12 @@ def jit_fast(fn, *args):
 if jax.default_backend() != "cpu":
     jax.config.update("jax_default_matmul_precision", "highest")
 
-# Python's cyclic garbage collector, at its default thresholds, runs a full collection every few
-# hundred thousand allocations, and tracing and lowering allocate millions of short-lived
-# objects: each full pass walks every object the process holds (jax, flax, tensorflow and the
-# modules collected), 0.4 s a pass in a worker, about 7% of a test file's time. Here it runs
+# Python's cyclic garbage collector: at its default thresholds it runs full collections often
+# while tracing and lowering allocate millions of short-lived objects, and each full pass walks
+# every object the process holds (jax, flax, tensorflow, the modules collected). Here it runs
 # rarely, and never over what was there when collection ended (frozen: immortal for the
-# collector). Nothing a test checks changes; a worker holds a few percent more memory.
+# collector). Nothing a test checks changes; a worker holds a little more memory. What the
+# passes cost: docs/benchmarks.md, "The test suite's time".
 gc.set_threshold(50_000, 20, 20)
 
 
