@@ -43,6 +43,21 @@ def _sub_jaxprs(value) -> Iterator[jex_core.Jaxpr]:
             yield from _sub_jaxprs(item)
 
 
+def all_equations(jaxpr) -> Iterator[jex_core.JaxprEqn]:
+    """Every equation of ``jaxpr``, those of its nested jaxprs (jits, scans, conditionals,
+    custom derivatives) included, each before the ones nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from all_equations(sub)
+
+
+def traced_equations(fn: Callable, *args, **kwargs) -> Iterator[jex_core.JaxprEqn]:
+    """:func:`all_equations` of the jaxpr ``fn(*args, **kwargs)`` traces to."""
+    return all_equations(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+
+
 def _equations(jaxpr, outer: str = "") -> Iterator[tuple[str, str]]:
     """(name stack, primitive name) of every equation, nested jaxprs included; a nested
     jaxpr's name stack is relative to its equation's, so the outer one is prefixed."""

@@ -30,7 +30,7 @@ from sparse_jax.models.cascade import (
 from sparse_jax.models.flops import kept_flops, model_flops
 from sparse_jax.models.gpt2 import GPT2Config
 from sparse_jax.training.checkpoint import Checkpointer
-from tests.engines import _sub_jaxprs
+from tests.engines import traced_equations
 
 SIZE = GPT2Config.preset("tiny", n_layer=3, n_positions=64)  # D 48, 3 heads of 16, 192 units
 KEEP = (1.0, 0.7, 0.5)
@@ -39,18 +39,11 @@ KEEP = (1.0, 0.7, 0.5)
 def _branch_counts(fn, *args) -> list[int]:
     """The number of branches of every ``lax.cond``/``lax.switch`` that ``fn(*args)`` traces
     to, nested ones included."""
-    counts = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "cond":
-                counts.append(len(eqn.params["branches"]))
-            for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return counts
+    return [
+        len(eqn.params["branches"])
+        for eqn in traced_equations(fn, *args)
+        if eqn.primitive.name == "cond"
+    ]
 
 
 def _closing_model(seed=0, head_logits=((2.0, -1.0, 1.0), (2.0, -1.0, 1.0)), **kwargs):

@@ -17,7 +17,7 @@ import sparse_jax as sj
 from sparse_jax.dispatch import ImplChoice, attention, attention_fn, attention_impl
 from sparse_jax.masks import causal, from_array, local, padding, per_head, sink, strided
 from tests.conftest import jit_fast
-from tests.engines import _sub_jaxprs, assert_engine
+from tests.engines import assert_engine, traced_equations
 
 CHUNK = 4  # small query chunk: Tq = 13 gives 4 chunks and 3 padded rows
 
@@ -569,18 +569,11 @@ def _chunking(fn, *args) -> tuple[list[int], set[tuple[int, ...]]]:
     """(lengths of the scans, shapes of the dot_general outputs) in ``fn``'s jaxpr, nested
     jaxprs included: the chunks impl='xla' ran and the scores each one formed."""
     lengths, shapes = [], set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":
-                lengths.append(eqn.params["length"])
-            if eqn.primitive.name == "dot_general":
-                shapes.add(tuple(eqn.outvars[0].aval.shape))
-            for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn in traced_equations(fn, *args):
+        if eqn.primitive.name == "scan":
+            lengths.append(eqn.params["length"])
+        if eqn.primitive.name == "dot_general":
+            shapes.add(tuple(eqn.outvars[0].aval.shape))
     return lengths, shapes
 
 

@@ -26,7 +26,7 @@ from sparse_jax.kernels import pallas_block_list_attention
 from sparse_jax.kernels.plan import block_list_arrays
 from sparse_jax.masks import causal as causal_mask
 from sparse_jax.masks import full as full_mask
-from tests.engines import _sub_jaxprs, assert_engine
+from tests.engines import assert_engine, traced_equations
 
 TOL = 2e-5
 
@@ -43,18 +43,11 @@ def _inputs(b, tq, tk, n, kh, d, seed=0):
 def _kernel_grids(fn, *args) -> dict[str, tuple[int, ...]]:
     """{name: grid} of the Pallas kernels ``fn(*args)`` traces (nested jaxprs included)."""
     found = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                info = eqn.params.get("name_and_src_info")
-                name = getattr(info, "name", None) or str(eqn.params.get("name"))
-                found[name] = tuple(eqn.params["grid_mapping"].grid)
-            for value in eqn.params.values():
-                for sub in _sub_jaxprs(value):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn in traced_equations(fn, *args):
+        if eqn.primitive.name == "pallas_call":
+            info = eqn.params.get("name_and_src_info")
+            name = getattr(info, "name", None) or str(eqn.params.get("name"))
+            found[name] = tuple(eqn.params["grid_mapping"].grid)
     return found
 
 
