@@ -1,5 +1,6 @@
-"""The programs the sparse normalizers compile to: the non-finite policy's +inf clamp runs only
-in the branch that needs it, and on CPU sparsemax attention's reverse pass leaves its matmuls
+"""The programs the normalizers compile to: the non-finite policy's +inf clamp runs only in the
+branch that needs it (masked softmax's too: docs/benchmarks.md, "The block-sparse engine against
+`2228944`"), and on CPU sparsemax attention's reverse pass leaves its matmuls
 alone (docs/benchmarks.md, "The non-finite policy behind one conditional"). Structure, not
 timings: the timings are ``python -m experiments.bench normalizers``."""
 
@@ -15,10 +16,12 @@ from jax.extend import core as jex_core
 
 import sparse_jax
 from sparse_jax.masks import causal
+from sparse_jax.normalizers import masked_softmax
 
 _BIG = float(jnp.finfo(jnp.float32).max)
 
 _NORMALIZERS = {
+    "softmax": lambda x, axis=-1: masked_softmax(x, jnp.bool_(True)),
     "sparsemax": sparse_jax.sparsemax,
     "entmax15": sparse_jax.entmax15,
     "entmax α=1.3": lambda x, axis=-1: sparse_jax.entmax(x, 1.3, axis),
