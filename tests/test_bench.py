@@ -158,6 +158,34 @@ def test_the_selection_benchmark_times_the_gather_engine_its_dense_mask_and_caus
     assert exit_info.value.code == 2
 
 
+def test_the_block_sizes_benchmark_times_each_block_and_names_the_hardened_heads_choice(capsys):
+    from sparse_jax.masks import causal, local, sink
+    from sparse_jax.models.flops import serving_block_size
+
+    bench.main(["block_sizes", "--shapes", "1x2x128x8", "--windows", "8", "--rounds", "2"])
+    printed = capsys.readouterr().out
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in printed.splitlines()
+        if line.startswith("| 1x2x128x8")
+    ]
+    window = causal() & local(7, 0)
+    masks = {"causal": causal(), "window(8)": window,
+             "sink(4) ∪ window(8)": window | (sink(4) & causal())}  # fmt: skip
+    assert [(row[1], row[2]) for row in rows] == [
+        (name, which) for name in masks for which in ("forward", "fwd+bwd")
+    ]
+    for row in rows:
+        assert int(row[6]) == serving_block_size(masks[row[1]], 128)[0]
+        cells = [float(c.split()[0].split("†")[0]) for c in row[3:6]]
+        ms = dict(zip((32, 64, 128), cells, strict=True))
+        want = ms[int(row[6])] / min(ms.values())
+        assert float(row[7].rstrip("x")) == pytest.approx(want, rel=0.05, abs=0.01)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["block_sizes", "--windows", "0"])
+    assert exit_info.value.code == 2
+
+
 def test_bad_query_chunks_flags_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["query_chunks", "--shapes", "2x2x64"])

@@ -18,6 +18,7 @@ from sparse_jax import masks
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention, default_query_chunk
 from sparse_jax.dynamic import BlockSelection
+from sparse_jax.models.flops import SERVING_BLOCKS, serving_block_size
 
 
 def _fmt_ratio(value: float, reference: float | None) -> str:
@@ -432,6 +433,105 @@ def run_selection(config: SelectionConfig, command: str) -> str:
         "sum(out * g) w.r.t. q, k, v; each cell the median of its calls, the three engines of "
         f"a row timed in alternation (up to {config.rounds} rounds, after compilation and a "
         "warm-up call).",
+        f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
+    ]
+    return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizesConfig:
+    """The block-sparse engine on one mask at each of the block sizes that
+    sparse_jax.models.flops.serving_block_size chooses among (SERVING_BLOCKS), the block sizes
+    of a cell timed in alternation, beside the one it chooses: the measurement behind the
+    hardened heads' blocks (a window at small blocks, full causal at large ones)."""
+
+    shapes: tuple[str, ...] = ("1x4x512x64", "1x4x2048x64")
+    """Self-attention shapes 'BxNxTxH' (the main job's hardened student serves 512)."""
+    windows: tuple[int, ...] = (8, 32, 128)
+    """Causal windows of w keys (causal & local(w - 1, 0)), one row each, beside full causal
+    and a sink of 4 keys joined to the first window."""
+    rounds: int = 9
+    """Rounds of the alternation (median reported)."""
+    budget_s: float = 20.0
+    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
+    seed: int = 0
+    """Seed of the random inputs."""
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        timing.check_counts(self, "rounds")
+        timing.check_count_tuples(self, "windows")
+        if not self.shapes:
+            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
+        for text in self.shapes:
+            _shape(text)
+        timing.check_seconds(self, "budget_s")
+
+
+def _block_size_masks(windows: tuple[int, ...]) -> dict[str, masks.Mask]:
+    out = {"causal": masks.causal()}
+    for w in windows:
+        out[f"window({w})"] = masks.causal() & masks.local(w - 1, 0)
+    if windows:
+        w = windows[len(windows) // 2] if len(windows) > 1 else windows[0]
+        out[f"sink(4) ∪ window({w})"] = out[f"window({w})"] | (masks.sink(4) & masks.causal())
+    return out
+
+
+def run_block_sizes(config: BlockSizesConfig, command: str) -> str:
+    """Returns the markdown of the block-size benchmark (see BlockSizesConfig)."""
+    start = time.perf_counter()
+    header = timing.environment_line(command)
+    timing.log(header)
+    sizes = SERVING_BLOCKS
+    headers = ["shape B x N x T x H", "mask", "pass", *(f"blocks {s}" for s in sizes),
+               "chosen", "chosen / fastest"]  # fmt: skip
+    rows, worst = [], 1.0
+    for text in config.shapes:
+        b, n, t, h = _shape(text)
+        keys = jax.random.split(jax.random.key(config.seed + t), 4)
+        q, k, v, go = (jax.random.normal(kk, (b, t, n, h), jnp.float32) for kk in keys)
+        for name, mask in _block_size_masks(config.windows).items():
+            chosen = serving_block_size(mask, t)[0]
+            for which in ("forward", "fwd+bwd"):
+                calls = []
+                for s in sizes:
+
+                    def fn(q, k, v, s=s, mask=mask):
+                        return attention(q, k, v, mask=mask, impl="blocksparse", block_size=(s, s))
+
+                    if which == "forward":
+                        calls.append((fn, (q, k, v)))
+                    else:
+
+                        def loss(q, k, v, g, fn=fn):
+                            return jnp.sum(fn(q, k, v) * g)
+
+                        calls.append((jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, go)))
+                stats = timing.time_interleaved(
+                    calls, rounds=config.rounds, min_rounds=min(3, config.rounds),
+                    budget_s=config.budget_s,
+                )  # fmt: skip
+                by_size = {s: st.median_s for s, st in zip(sizes, stats, strict=True)}
+                ratio = by_size[chosen] / min(by_size.values())
+                worst = max(worst, ratio)
+                rows.append([text, name, which, *(timing.format_ms(st) for st in stats),
+                             str(chosen), f"{ratio:.2f}x"])  # fmt: skip
+                timing.log(f"[{time.perf_counter() - start:6.0f} s] {text} {name} {which}: "
+                           + ", ".join(f"{s}: {by_size[s] * 1e3:.2f}" for s in sizes)
+                           + f" ms; chosen {chosen}")  # fmt: skip
+    table = timing.markdown_table(headers, rows, align="lll" + "r" * (len(headers) - 3))
+    elapsed = time.perf_counter() - start
+    notes = [
+        "impl='blocksparse' with square blocks of each size, float32; chosen = "
+        "serving_block_size(mask, T) (the largest block whose formed score entries are within "
+        "SERVING_SLACK of the fewest), what harden() gives a head with that mask in a layer "
+        "whose own blocks are one of these; fwd+bwd = "
+        "gradient of sum(out * g) w.r.t. q, k, v; each cell the median of its calls, the block "
+        f"sizes of a row timed in alternation (up to {config.rounds} rounds, after compilation "
+        "and a warm-up call).",
+        f"The chosen block's time is at most {worst:.2f}x the fastest's in every row.",
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
     ]
     return "\n".join([header, "", table, "", *(f"- {note}" for note in notes)]) + "\n"

@@ -11,6 +11,7 @@ Each subcommand prints one markdown table to stdout (progress goes to stderr)::
     python -m experiments.bench forward_passes   # what a pass of the sparse forward costs
     python -m experiments.bench query_chunks     # impl='xla': query rows per chunk
     python -m experiments.bench selection        # BlockSelection: gather engine vs dense mask
+    python -m experiments.bench block_sizes      # the block-sparse engine's blocks per mask
     python -m experiments.bench checkouts        # one attention call in several commits' library
 
 The default ``normalizers`` run takes minutes on a CPU (docs/benchmarks.md), most of it in optax's
@@ -42,6 +43,7 @@ BENCHMARKS: dict[str, tuple[type, Callable[[Any, str], str]]] = {
     "query_chunks": (attention.QueryChunksConfig, attention.run_query_chunks),
     "attention": (attention.AttentionConfig, attention.run_attention),
     "selection": (attention.SelectionConfig, attention.run_selection),
+    "block_sizes": (attention.BlockSizesConfig, attention.run_block_sizes),
     "hardening": (hardening.HardeningConfig, hardening.run_hardening),
     "kernels": (kernels.KernelsConfig, kernels.run_kernels),
     "pallas_tuning": (kernels.TuningConfig, kernels.run_tuning),

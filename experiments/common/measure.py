@@ -279,16 +279,17 @@ def block_maps(model, seq_len: int) -> dict:
     for block, spec in zip(model.h, model.specs, strict=True):
         heads = []
         if block.attn.num_heads:
-            bq, bk = spec.block_size
             core = block.attn.core
             for h, mask in enumerate(core.head_masks()):
+                fixed = isinstance(core, FixedAttention)
+                bq, bk = core.head_block_size(h) if fixed else spec.block_size
                 layout = mask.blocks(seq_len, seq_len, bq, bk)
                 head = {
                     "mask": repr(mask),
                     "block_size": [bq, bk],
                     "map": layout.block_mask()[0].tolist(),
                 }
-                chosen = core.head_selections(h) if isinstance(core, FixedAttention) else ()
+                chosen = core.head_selections(h) if fixed else ()
                 heads.append(head | ({"selections": [repr(s) for s in chosen]} if chosen else {}))
         blocks.append(heads)
     return {"seq_len": seq_len, "blocks": blocks}

@@ -169,7 +169,8 @@ def _plot_block_maps(summary, out: pathlib.Path) -> bool:
                 continue
             ax.imshow(heads[h]["map"], vmin=0, vmax=2, cmap="Greys")
             computed = sum(v > 0 for row in heads[h]["map"] for v in row)
-            ax.set_title(f"{_short(heads[h]['mask'])}\n{computed} blocks", fontsize=6)
+            size = heads[h].get("block_size", ["?"])[0]
+            ax.set_title(f"{_short(heads[h]['mask'])}\n{computed} blocks of {size}", fontsize=6)
             if h == 0:
                 ax.set_ylabel(f"block {i}", fontsize=7)
     fig.suptitle(

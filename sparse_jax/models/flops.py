@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from sparse_jax import masks as masks_lib
 from sparse_jax.blocksparse import blocksparse_cost
 from sparse_jax.dispatch import attention_impl
-from sparse_jax.validation import check_int
+from sparse_jax.validation import check_block_size, check_int
 
 __all__ = [
     "LayerFlops",
@@ -53,7 +53,17 @@ __all__ = [
     "mask_density",
     "model_flops",
     "selection_block_cost",
+    "serving_block_size",
 ]
+
+#: The block sizes :func:`serving_block_size` chooses among (square blocks).
+SERVING_BLOCKS = (32, 64, 128)
+#: How many more score entries than the fewest a larger block may form and still be chosen:
+#: larger blocks cost less per entry on the block-sparse engine (fewer gathers and steps), so a
+#: few padded entries are worth it; a narrow window at a large block forms twice the entries
+#: or more and is not (measured by ``python -m experiments.bench block_sizes``;
+#: docs/benchmarks.md, "Block sizes per head").
+SERVING_SLACK = 1.25
 
 
 def mask_density(mask: masks_lib.Mask, seq_len: int) -> float:
@@ -104,6 +114,35 @@ def selection_block_cost(selection: Any, seq_len: int, block_size: tuple[int, in
     """
     seq_len = check_int(seq_len, "seq_len", "selection_block_cost")
     return selection.formed(seq_len) / _formed(masks_lib.causal(), seq_len, block_size)
+
+
+def serving_block_size(
+    mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """The block size at which the block-sparse engine serves ``mask`` (intersected with causal)
+    at ``seq_len``: among the square blocks of :data:`SERVING_BLOCKS` no larger than
+    ``seq_len``, and ``block_size`` (the layer's own) when given, the largest whose formed score
+    entries are at most :data:`SERVING_SLACK` times the fewest any of them forms. Full causal
+    attention gets the largest block, a window narrower than a block a small one.
+
+    Example:
+      >>> from sparse_jax.masks import causal, local
+      >>> serving_block_size(causal(), 512), serving_block_size(causal() & local(31, 0), 512)
+      ((128, 128), (32, 32))
+      >>> serving_block_size(causal() & local(3, 0), 64, (4, 4))  # the layer's own blocks
+      (4, 4)
+    """
+    caller = "serving_block_size"
+    seq_len = check_int(seq_len, "seq_len", caller)
+    mask = mask & masks_lib.causal()
+    sizes = {(b, b) for b in SERVING_BLOCKS if b <= seq_len}
+    if block_size is not None:
+        sizes.add(check_block_size(block_size, caller))
+    sizes = sizes or {(min(SERVING_BLOCKS),) * 2}
+    formed = {size: _formed(mask, seq_len, size) for size in sizes}
+    fewest = min(formed.values())
+    near = [size for size in sizes if formed[size] <= SERVING_SLACK * fewest]
+    return max(near, key=lambda size: (size[0] * size[1], size))
 
 
 def _formed(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> int:

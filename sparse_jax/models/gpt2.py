@@ -250,6 +250,7 @@ class AttentionSpec:
     block_size: tuple[int, int] = (128, 128)  # block-sparse kernel blocks
     selections: tuple = ()  # fixed: BlockSelections whose chosen blocks heads add to `mask`
     selected: tuple[tuple[bool, ...], ...] | None = None  # fixed: [N, len(selections)] (all)
+    head_block_sizes: tuple[tuple[int, int], ...] | None = None  # fixed: blocks per head
 
     def __post_init__(self):
         caller = "AttentionSpec"
@@ -269,6 +270,14 @@ class AttentionSpec:
         object.__setattr__(self, "selections", tuple(self.selections))
         if self.selected is not None:
             object.__setattr__(self, "selected", tuple(tuple(row) for row in self.selected))
+        if self.head_block_sizes is not None:
+            object.__setattr__(
+                self, "head_block_sizes", tuple(tuple(pair) for pair in self.head_block_sizes)
+            )
+            if self.kind != "fixed":
+                raise ValueError(
+                    f"{caller}: `head_block_sizes` belong to kind 'fixed'; got kind {self.kind!r}"
+                )
         if self.selections and self.kind != "fixed":
             raise ValueError(
                 f"{caller}: `selections` belong to kind 'fixed' (a candidates spec lists them "
@@ -328,6 +337,7 @@ class SelfAttention(nnx.Module):
                 selections=spec.selections,
                 selected=spec.selected,
                 head_dim=h,
+                head_block_sizes=spec.head_block_sizes,
             )
         self.head_gate = (
             Gate(n, spec.head_gate, init=spec.gate_init) if n and spec.head_gate else None

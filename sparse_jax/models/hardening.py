@@ -48,7 +48,12 @@ import numpy as np
 from flax import nnx
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.models.flops import mask_block_cost, mask_density, selection_block_cost
+from sparse_jax.models.flops import (
+    mask_block_cost,
+    mask_density,
+    selection_block_cost,
+    serving_block_size,
+)
 from sparse_jax.models.gpt2 import GPT2, AttentionSpec
 from sparse_jax.models.layers import SELF, CandidateMaskAttention, Gate
 from sparse_jax.models.selections import union_density_bound
@@ -327,7 +332,11 @@ def harden(
       length: sequence length at which densities and costs are measured (default
         ``n_positions``; the serving length).
       impl: attention implementation of the hardened blocks (``"auto"``: block-sparse when
-        the mask leaves enough out).
+        the mask leaves enough out). On the block-sparse engine each head runs at the blocks
+        its mask wants at ``n_positions`` (:func:`~sparse_jax.models.flops.serving_block_size`
+        among its own ``block_size`` and 32 to 128: a window at small blocks, full causal at
+        large ones; ``FixedAttention``'s
+        ``head_block_sizes``); other engines, and the prices, use the layer's ``block_size``.
       price: what ``budget`` bounds: ``"density"`` (the mean density) or ``"blocks"`` (the
         mean block cost: the score entries the block-sparse kernel forms with each block's
         ``block_size``, relative to causal attention's; see
@@ -381,6 +390,11 @@ def harden(
                 block_size=spec.block_size,
                 selections=tuple(plan.selections[i][j] for j in used),
                 selected=tuple(map(tuple, picks[:, used].tolist())) if used else None,
+                head_block_sizes=(
+                    tuple(serving_block_size(m, cfg.n_positions, spec.block_size) for m in masks)
+                    if masks
+                    else None
+                ),
             )
         )
     hard = GPT2(config, specs, rngs=nnx.Rngs(0))
