@@ -5,6 +5,7 @@ query rows ``impl="xla"`` should take at once."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 import time
@@ -38,7 +39,51 @@ def _shape(text: str) -> tuple[int, int, int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class QueryChunksConfig:
+class _AlternatedShapes:
+    """The flags of the benchmarks that time several calls on each of some shapes, the calls of
+    a cell in alternation (experiments.common.timing.time_interleaved)."""
+
+    shapes: tuple[str, ...] = ()
+    """Self-attention shapes 'BxNxTxH' (batch x heads x length x head dim)."""
+    rounds: int = 7
+    """Rounds of the alternation (median reported)."""
+    budget_s: float = 20.0
+    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
+    seed: int = 0
+    """Seed of the random inputs."""
+    output: pathlib.Path | None = None
+    """Also write the markdown to this file."""
+
+    def __post_init__(self) -> None:
+        timing.check_counts(self, "rounds")
+        if not self.shapes:
+            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
+        for text in self.shapes:
+            _shape(text)
+        timing.check_seconds(self, "budget_s")
+
+
+def _timed_pass(config: _AlternatedShapes, fns, which: str, q, k, v, go) -> list:
+    """Each of ``fns`` (``(q, k, v) -> out``) timed in alternation (``config.rounds``,
+    ``config.budget_s``): the call itself (``"forward"``) or the gradient of ``sum(out * go)``
+    with respect to q, k, v (``"fwd+bwd"``)."""
+    calls = []
+    for fn in fns:
+        if which == "forward":
+            calls.append((fn, (q, k, v)))
+        else:
+
+            def loss(q, k, v, g, fn=fn):
+                return jnp.sum(fn(q, k, v) * g)
+
+            calls.append((jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, go)))
+    return timing.time_interleaved(
+        calls, rounds=config.rounds, min_rounds=min(3, config.rounds), budget_s=config.budget_s
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryChunksConfig(_AlternatedShapes):
     """impl='xla' (query-chunked dense attention) under the causal mask at several chunk budgets
     and at the default's chunk (sparse_jax.dispatch.default_query_chunk): a budget's chunk takes
     as many query rows as keep its scores [B, N, rows, Tk] within it, at least 8;
@@ -61,23 +106,12 @@ class QueryChunksConfig:
     """Normalizers to time at each shape."""
     rounds: int = 10
     """Rounds of the alternation (one call of each budget per round; median reported)."""
-    budget_s: float = 20.0
-    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
-    seed: int = 0
-    """Seed of the random inputs."""
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         timing.check_count_tuples(self, "budgets")
-        timing.check_counts(self, "rounds")
-        if not self.shapes:
-            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
-        for text in self.shapes:
-            _shape(text)
         if not self.normalizers:
             raise ValueError("normalizers must name at least one normalizer, got ()")
-        timing.check_seconds(self, "budget_s")
 
 
 def run_query_chunks(config: QueryChunksConfig, command: str) -> str:
@@ -357,7 +391,7 @@ def run_attention(config: AttentionConfig, command: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectionConfig:
+class SelectionConfig(_AlternatedShapes):
     """A BlockSelection (each query token's own key block and the best earlier blocks) run two
     ways: its gather engine (BlockSelection.attention: only the chosen blocks' scores) and the
     XLA engine on its dense [B, N, T, T] mask, beside causal attention on the XLA engine; the
@@ -369,22 +403,10 @@ class SelectionConfig:
     """Earlier key blocks each query chooses (--student.select-blocks)."""
     block: int = 16
     """Keys per block (--student.select-block)."""
-    rounds: int = 7
-    """Rounds of the alternation (median reported)."""
-    budget_s: float = 20.0
-    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
-    seed: int = 0
-    """Seed of the random inputs."""
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "keep_blocks", "block", "rounds")
-        if not self.shapes:
-            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
-        for text in self.shapes:
-            _shape(text)
-        timing.check_seconds(self, "budget_s")
+        timing.check_counts(self, "keep_blocks", "block")
+        super().__post_init__()
 
 
 def run_selection(config: SelectionConfig, command: str) -> str:
@@ -405,20 +427,7 @@ def run_selection(config: SelectionConfig, command: str) -> str:
         keys = jax.random.split(jax.random.key(config.seed + t), 4)
         q, k, v, go = (jax.random.normal(kk, (b, t, n, h), jnp.float32) for kk in keys)
         for which in ("forward", "fwd+bwd"):
-            calls = []
-            for fn in engines.values():
-                if which == "forward":
-                    calls.append((fn, (q, k, v)))
-                else:
-
-                    def loss(q, k, v, g, fn=fn):
-                        return jnp.sum(fn(q, k, v) * g)
-
-                    calls.append((jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, go)))
-            stats = timing.time_interleaved(
-                calls, rounds=config.rounds, min_rounds=min(3, config.rounds),
-                budget_s=config.budget_s,
-            )  # fmt: skip
+            stats = _timed_pass(config, engines.values(), which, q, k, v, go)
             ratio = stats[0].median_s / stats[1].median_s
             rows.append([text, which, f"{selection.formed(t) / t**2:.3f}",
                          *(timing.format_ms(s) for s in stats), f"{ratio:.2f}x"])  # fmt: skip
@@ -439,7 +448,7 @@ def run_selection(config: SelectionConfig, command: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizesConfig:
+class BlockSizesConfig(_AlternatedShapes):
     """The block-sparse engine on one mask at each of the block sizes that
     sparse_jax.models.flops.serving_block_size chooses among (SERVING_BLOCKS), the block sizes
     of a cell timed in alternation, beside the one it chooses: the measurement behind the
@@ -449,24 +458,13 @@ class BlockSizesConfig:
     """Self-attention shapes 'BxNxTxH' (the main job's hardened student serves 512)."""
     windows: tuple[int, ...] = (8, 32, 128)
     """Causal windows of w keys (causal & local(w - 1, 0)), one row each, beside full causal
-    and a sink of 4 keys joined to the first window."""
+    and a sink of 4 keys joined to the middle window."""
     rounds: int = 9
     """Rounds of the alternation (median reported)."""
-    budget_s: float = 20.0
-    """Stop a cell's rounds (after 3) once its timed calls have used this many seconds."""
-    seed: int = 0
-    """Seed of the random inputs."""
-    output: pathlib.Path | None = None
-    """Also write the markdown to this file."""
 
     def __post_init__(self) -> None:
-        timing.check_counts(self, "rounds")
         timing.check_count_tuples(self, "windows")
-        if not self.shapes:
-            raise ValueError("shapes must name at least one shape 'BxNxTxH', got ()")
-        for text in self.shapes:
-            _shape(text)
-        timing.check_seconds(self, "budget_s")
+        super().__post_init__()
 
 
 def _block_size_masks(windows: tuple[int, ...]) -> dict[str, masks.Mask]:
@@ -494,25 +492,12 @@ def run_block_sizes(config: BlockSizesConfig, command: str) -> str:
         q, k, v, go = (jax.random.normal(kk, (b, t, n, h), jnp.float32) for kk in keys)
         for name, mask in _block_size_masks(config.windows).items():
             chosen = serving_block_size(mask, t)[0]
+            fns = [
+                functools.partial(attention, mask=mask, impl="blocksparse", block_size=(s, s))
+                for s in sizes
+            ]
             for which in ("forward", "fwd+bwd"):
-                calls = []
-                for s in sizes:
-
-                    def fn(q, k, v, s=s, mask=mask):
-                        return attention(q, k, v, mask=mask, impl="blocksparse", block_size=(s, s))
-
-                    if which == "forward":
-                        calls.append((fn, (q, k, v)))
-                    else:
-
-                        def loss(q, k, v, g, fn=fn):
-                            return jnp.sum(fn(q, k, v) * g)
-
-                        calls.append((jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, go)))
-                stats = timing.time_interleaved(
-                    calls, rounds=config.rounds, min_rounds=min(3, config.rounds),
-                    budget_s=config.budget_s,
-                )  # fmt: skip
+                stats = _timed_pass(config, fns, which, q, k, v, go)
                 by_size = {s: st.median_s for s, st in zip(sizes, stats, strict=True)}
                 ratio = by_size[chosen] / min(by_size.values())
                 worst = max(worst, ratio)

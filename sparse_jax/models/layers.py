@@ -96,6 +96,12 @@ from sparse_jax.models.flops import (
     mask_density,
     selection_block_cost,
 )
+from sparse_jax.models.head_blocks import (
+    attention_by_block_size,
+    block_groups,
+    check_head_block_sizes,
+    formed_by_block_size,
+)
 from sparse_jax.models.selections import (
     block_scores,
     check_selections,
@@ -173,24 +179,6 @@ def mask_at(
     return mask.predicate(q_pos[:, None], kv_pos[None, :]) & written
 
 
-def _check_head_block_sizes(
-    sizes: Any, num_heads: int, block_size: tuple[int, int], caller: str
-) -> tuple[tuple[int, int], ...] | None:
-    """``head_block_sizes`` as a tuple of ``num_heads`` pairs, or None when absent or every
-    head's is ``block_size``."""
-    if sizes is None:
-        return None
-    if not isinstance(sizes, (tuple, list)) or len(sizes) != num_heads:
-        raise ValueError(
-            f"{caller}: `head_block_sizes` must hold one (block_q, block_kv) pair per head "
-            f"({num_heads}); got {sizes!r}"
-        )
-    pairs = tuple(
-        check_block_size(pair, f"{caller} (head_block_sizes[{h}])") for h, pair in enumerate(sizes)
-    )
-    return None if all(pair == tuple(block_size) for pair in pairs) else pairs
-
-
 def _check_threshold(threshold: Any, caller: str) -> float:
     if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, numbers.Real):
         raise TypeError(
@@ -222,13 +210,10 @@ class FixedAttention(nnx.Module):
       selected: bool ``[N, len(selections)]``: which heads add which selection (default: all).
       head_dim: ``H``; needed only for a :class:`~sparse_jax.block_gate.LearnedBlockSelection`
         among ``selections``, whose gate (``selector_gates[str(j)]``) ranks its blocks.
-      head_block_sizes: ``N`` pairs ``(block_q, block_kv)``, one per head, for calls that run the
-        block-sparse engine (``impl`` ``"blocksparse"``, or ``"auto"`` choosing it with
-        ``block_size``): heads of equal block size run together, each group at its own blocks
-        (:func:`~sparse_jax.models.flops.serving_block_size` is what
-        :func:`~sparse_jax.models.harden` chooses: a window runs at small blocks and a full
-        causal head beside it at large ones). Other engines, and calls with ``selections``,
-        use ``block_size`` for every head. None: ``block_size`` everywhere.
+      head_block_sizes: ``N`` pairs ``(block_q, block_kv)``, one per head, for calls whose
+        engine (with ``block_size``) is block-sparse: each group of equal blocks runs as one
+        call (:mod:`~sparse_jax.models.head_blocks`); other engines, and ``selections``, use
+        ``block_size``. None: ``block_size`` for every head.
 
     Call: ``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``.
 
@@ -265,7 +250,7 @@ class FixedAttention(nnx.Module):
             )
         self.mask = mask
         self.impl, self.block_size = impl, tuple(block_size)
-        self.head_block_sizes = _check_head_block_sizes(
+        self.head_block_sizes = check_head_block_sizes(
             head_block_sizes, self.num_heads, self.block_size, caller
         )
         self.selections, self.selected = check_selections(selections, selected, num_heads, impl)
@@ -450,7 +435,6 @@ class FixedAttention(nnx.Module):
                 alone[h].formed(seq_len) if h in alone else seq_len * seq_len
                 for h in range(self.num_heads)
             )
-        normalizer = self.alpha() if self.alpha_logit is not None else self.normalizer
         formed, _, impl = attention_scores(
             self.mask,
             seq_len,
@@ -459,26 +443,14 @@ class FixedAttention(nnx.Module):
             head_dim=head_dim,
             impl=self.impl,
             block_size=self.block_size,
-            normalizer=normalizer,
+            normalizer=self.alpha() if self.alpha_logit is not None else self.normalizer,
         )
         if impl != "blocksparse" or self.head_block_sizes is None:
             return formed
-        return sum(
-            attention_scores(
-                mask,
-                seq_len,
-                batch=batch,
-                num_heads=len(heads),
-                head_dim=head_dim,
-                impl="blocksparse",
-                block_size=size,
-            )[0]
-            for size, heads, mask in self._block_groups()
-        )
+        return formed_by_block_size(self._block_groups(), seq_len, batch, head_dim)
 
     def head_block_size(self, head: int) -> tuple[int, int]:
-        """The blocks of head ``head`` on the block-sparse engine (``head_block_sizes``'s
-        entry, else ``block_size``).
+        """Head ``head``'s blocks on the block-sparse engine (else ``block_size``).
 
         Example:
           >>> attn = FixedAttention(2, block_size=(64, 64), head_block_sizes=[(128, 128), (32, 32)])
@@ -489,39 +461,9 @@ class FixedAttention(nnx.Module):
             return self.block_size
         return self.head_block_sizes[head]
 
-    def _block_groups(self) -> list[tuple[tuple[int, int], list[int], masks_lib.Mask]]:
-        """``(block size, heads, their mask)`` per group of heads of equal block size, in
-        order of the group's first head."""
-        sizes: dict[tuple[int, int], list[int]] = {}
-        for h in range(self.num_heads):
-            sizes.setdefault(self.head_block_size(h), []).append(h)
-        masks = self.head_masks()
-        groups = []
-        for size, heads in sizes.items():
-            own = [masks[h] for h in heads]
-            mask = own[0] if all(m == own[0] for m in own) else masks_lib.per_head(own)
-            groups.append((size, heads, mask))
-        return groups
-
-    def _by_block_size(self, q, k, v, normalizer, offset: int):
-        """The block-sparse engine on each group of heads at its own block size
-        (``head_block_sizes``), outputs put back in head order."""
-        outs, order = [], []
-        for size, heads, mask in self._block_groups():
-            index = np.asarray(heads)
-            norm = normalizer
-            if isinstance(norm, jax.Array) and norm.ndim == 1:
-                norm = norm[index]
-            mask = mask.with_offset(offset) if offset else mask
-            qh, kh, vh = (x[:, :, index] for x in (q, k, v))
-            outs.append(
-                attention(
-                    qh, kh, vh, mask=mask, normalizer=norm, impl="blocksparse", block_size=size
-                )
-            )
-            order += heads
-        out = jnp.concatenate(outs, axis=2)
-        return out if order == sorted(order) else out[:, :, np.argsort(order)]
+    def _block_groups(self) -> list:
+        """:func:`~sparse_jax.models.head_blocks.block_groups` of this layer's heads."""
+        return block_groups(self.head_masks(), [*map(self.head_block_size, range(self.num_heads))])
 
     def __call__(self, q, k, v, *, q_offset: Any = None, rngs: nnx.Rngs | None = None):
         """``q [B, T, N, H]``, ``k, v [B, S, N, H]`` -> ``(out [B, T, N, H], {})``; see
@@ -534,18 +476,11 @@ class FixedAttention(nnx.Module):
             m = mask_at(self.mask, tq, tk, q_offset)
             return attention(q, k, v, mask=m, normalizer=normalizer, impl="xla"), {}
         mask = self.mask.with_offset(tk - tq) if tk != tq else self.mask
-        if self.head_block_sizes is not None:
-            engine = attention_impl(
-                q,
-                k,
-                v,
-                mask=mask,
-                normalizer=normalizer,
-                impl=self.impl,
-                block_size=self.block_size,
-            ).impl
-            if engine == "blocksparse":
-                return self._by_block_size(q, k, v, normalizer, tk - tq), {}
+        if self.head_block_sizes is not None:  # per-head blocks, if the engine is block-sparse
+            how = {"normalizer": normalizer, "impl": self.impl, "block_size": self.block_size}
+            if attention_impl(q, k, v, mask=mask, **how).impl == "blocksparse":
+                groups = self._block_groups()
+                return attention_by_block_size(q, k, v, groups, normalizer, tk - tq), {}
         out = attention(
             q, k, v, mask=mask, normalizer=normalizer, impl=self.impl, block_size=self.block_size
         )
