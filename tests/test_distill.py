@@ -609,6 +609,34 @@ def test_threshold_against_budget_hardens_the_student_both_ways(tmp_path):
     assert f"| --harden.budget | {out['budget']['kl']:.4f} |" in text
 
 
+def test_the_windows_and_sinks_contrast_takes_out_every_candidate_that_reaches_far(tmp_path):
+    """The report's contrast for a student without selections: the same student hardened with
+    full causal and the strided pattern taken out (they reach the middle of a sequence at the
+    serving length), each head on its strongest window or sink; the student unchanged."""
+    from flax import nnx
+
+    from sparse_jax.models import GPT2, GPT2Config, harden
+
+    config = distill.parse(_args(tmp_path))
+    bank = distill_phases.candidate_bank(config)  # sink(4), windows of 4 and 8, strided, causal
+    serve = config.student.serve_len_factor * config.data.seq_len
+    assert [distill_phases.reaches_far(c, serve) for c in bank] == [False] * 3 + [True] * 2
+    spec = distill_phases.student_spec(config)
+    student = GPT2(GPT2Config.preset("tiny"), spec, rngs=nnx.Rngs(0))
+    for block in student.h:  # strongest: causal, strided, the window of 8; then another
+        logits = np.full(block.attn.core.logits[...].shape, -5.0, np.float32)
+        logits[0, 4], logits[0, 1] = 5.0, 2.0  # causal, then the window of 4
+        logits[1, 3], logits[1, 0] = 5.0, 2.0  # strided, then the sink
+        logits[2, 2] = 5.0  # the window of 8
+        block.attn.core.logits[...] = logits
+    local = distill_phases.harden_to_local(config, student)
+    for block in local.h:
+        assert block.attn.core.head_masks() == (bank[1], bank[0], bank[2])
+    assert harden(student).h[0].attn.core.head_masks()[0] == bank[4]  # the student unchanged
+    # A model of fixed layers (nothing learned to choose among) has no such contrast.
+    assert distill_phases.harden_to_local(config, harden(student)) is None
+
+
 def test_select_blocks_adds_a_selection_that_hardening_keeps(tmp_path):
     """--student.select-blocks puts a BlockSelection last in the student's bank; a head that
     keeps it is hardened with it, and the summary's masks and block maps say so."""

@@ -25,8 +25,9 @@ line per step and evaluation), ``checkpoints/``, ``summary.json`` and ``report.m
 split, KL, attention density, FLOPs per token, attention time and tokens/s of the dense teacher and
 the hardened student at the run's length and at the serving length (--student.serve-len-factor x
 it), the blocks each hardened head computes there, greedy and sampled continuations, the
-passkey recall of each model (with ``--student.select-blocks``, also of the student hardened
-without its block selection, for contrast), and for a planted teacher the heads whose planted
+passkey recall of each model (for contrast also of the student hardened to its windows and
+sinks alone, and with ``--student.select-blocks`` without its block selection), and for a
+planted teacher the heads whose planted
 mask the student found, all measured in this run (experiments.common.measure).
 
 On several hosts the same command runs in every process (``jax.distributed`` is initialised from
@@ -108,6 +109,9 @@ def run(config: DistillConfig) -> dict:
     contrast = distill_phases.harden_without_selections(config, student)
     if contrast is not None:  # the same student hardened without its selections
         models["hardened without selection"] = contrast
+    local = distill_phases.harden_to_local(config, student)
+    if local is not None:  # ... and to its windows and sinks alone
+        models["hardened to windows and sinks"] = local
     recall_table = distill_phases.recall_table(r, models)
     lap("recall")
     summary = {

@@ -53,7 +53,7 @@ from sparse_jax.models import (
     student_from_teacher,
 )
 from sparse_jax.models.hf import PretrainedFileError
-from sparse_jax.models.layers import CandidateMaskAttention, default_candidates
+from sparse_jax.models.layers import CandidateMaskAttention, default_candidates, mask_at
 from sparse_jax.training import loop, sharding
 from sparse_jax.training.losses import cross_entropy_loss, distillation_loss, sparsity_penalty
 
@@ -543,6 +543,42 @@ def harden_student(config: DistillConfig, student: GPT2, *, by_budget: bool = Tr
         serve_len = c.student.serve_len_factor * c.data.seq_len
         return harden(student, budget=c.harden.budget, length=serve_len, price="blocks")
     return harden(student, budget=c.harden.budget, length=c.data.seq_len)
+
+
+def reaches_far(candidate, length: int) -> bool:
+    """Whether a candidate lets the last query of a ``length``-token sequence see a key in the
+    middle half of it (positions ``length // 4`` to ``3 * length // 4``): full causal attention,
+    strided patterns and block selections (which may choose any earlier block) do; causal
+    windows shorter than a quarter of the sequence and sinks do not.
+
+    Example:
+      >>> reaches_far(masks.causal(), 512), reaches_far(masks.causal() & masks.local(31, 0), 512)
+      (True, False)
+    """
+    if isinstance(candidate, BlockSelection):
+        return True
+    last = np.asarray(mask_at(candidate & masks.causal(), 1, length)).reshape(-1, length)
+    return bool(last[:, length // 4 : 3 * length // 4].any())
+
+
+def harden_to_local(config: DistillConfig, student: GPT2) -> GPT2 | None:
+    """The contrast that shows what retrieval needs: the same student hardened as --harden.*
+    say with every candidate that reaches far (:func:`reaches_far` at the serving length: full
+    causal, strided, selections) taken out of each head's choice, so that each head keeps
+    among its windows and sinks; without the fine-tune. None when the bank has no such
+    candidate."""
+    serve_len = config.student.serve_len_factor * config.data.seq_len
+    copy = nnx.clone(student)
+    found = False
+    for block in copy.h:
+        core = block.attn.core if block.attn.num_heads else None
+        if not isinstance(core, CandidateMaskAttention):
+            continue
+        far = [j for j, c in enumerate(core.candidates) if reaches_far(c, serve_len)]
+        if far and len(far) < len(core.candidates):
+            core.logits[...] = core.logits[...].at[..., far].set(-1e9)  # weight 0
+            found = True
+    return harden_student(config, copy) if found else None
 
 
 def harden_without_selections(config: DistillConfig, student: GPT2) -> GPT2 | None:
