@@ -145,13 +145,13 @@ def test_serving_block_size_is_the_largest_within_the_slack_of_the_fewest_entrie
             fewest = min(formed.values())
             want = max(b for b in SERVING_BLOCKS if formed[b] <= SERVING_SLACK * fewest)
             assert serving_block_size(mask, n) == (want, want), (mask, n)
-    assert serving_block_size(CAUSAL, 512) == (128, 128)
+    assert serving_block_size(CAUSAL, 2048) == (128, 128)
     assert serving_block_size(causal() & local(31, 0), 512) == (32, 32)
 
 
 def test_harden_gives_each_head_its_serving_blocks_and_the_same_logits():
     config = GPT2Config.preset("tiny")  # 3 heads of 16, 2 blocks
-    config = GPT2Config(**{**config.__dict__, "n_positions": 256})
+    config = GPT2Config(**{**config.__dict__, "n_positions": 1024})
     window = causal() & local(15, 0)
     spec = AttentionSpec(
         kind="candidates", candidates=(causal(), window), granularity="head", block_size=(64, 64)
@@ -165,9 +165,9 @@ def test_harden_gives_each_head_its_serving_blocks_and_the_same_logits():
         assert (
             core.head_block_sizes
             == (
-                serving_block_size(causal(), 256),
-                serving_block_size(window, 256),
-                serving_block_size(window, 256),
+                serving_block_size(causal(), 1024),
+                serving_block_size(window, 1024),
+                serving_block_size(window, 1024),
             )
             == ((128, 128), (32, 32), (32, 32))
         )

@@ -456,9 +456,9 @@ class BlockSizesConfig(_AlternatedShapes):
 
     shapes: tuple[str, ...] = ("1x4x512x64", "1x4x2048x64")
     """Self-attention shapes 'BxNxTxH' (the main job's hardened student serves 512)."""
-    windows: tuple[int, ...] = (8, 32, 128)
-    """Causal windows of w keys (causal & local(w - 1, 0)), one row each, beside full causal
-    and a sink of 4 keys joined to the middle window."""
+    windows: tuple[int, ...] = (8, 32, 128, 512)
+    """Causal windows of w keys (causal & local(w - 1, 0)), each alone and with a sink of 4
+    keys, beside full causal attention."""
     rounds: int = 9
     """Rounds of the alternation (median reported)."""
 
@@ -470,10 +470,9 @@ class BlockSizesConfig(_AlternatedShapes):
 def _block_size_masks(windows: tuple[int, ...]) -> dict[str, masks.Mask]:
     out = {"causal": masks.causal()}
     for w in windows:
-        out[f"window({w})"] = masks.causal() & masks.local(w - 1, 0)
-    if windows:
-        w = windows[len(windows) // 2] if len(windows) > 1 else windows[0]
-        out[f"sink(4) ∪ window({w})"] = out[f"window({w})"] | (masks.sink(4) & masks.causal())
+        window = masks.causal() & masks.local(w - 1, 0)
+        out[f"window({w})"] = window
+        out[f"sink(4) ∪ window({w})"] = window | (masks.sink(4) & masks.causal())
     return out
 
 
