@@ -59,12 +59,11 @@ __all__ = [
 #: The block sizes :func:`serving_block_size` chooses among (square blocks).
 SERVING_BLOCKS = (32, 64, 128)
 #: How many more score entries than the fewest a larger block may form and still be chosen:
-#: larger blocks cost less per entry on the block-sparse engine where they save row groups
-#: (full causal attention at 2048 tokens), so a few padded entries are worth it; a narrow
-#: window at a large block forms twice the entries or more, and a sink beside a wide window
-#: 1.2x, and neither is (measured by ``python -m experiments.bench block_sizes``;
-#: docs/benchmarks.md, "Block sizes per head").
-SERVING_SLACK = 1.15
+#: a larger block costs less per entry on the block-sparse engine (about 1.4x less at 128 than
+#: at 32, fewer gathers and row groups), so a few padded entries are worth it; a narrow window
+#: at a large block forms twice the entries or more and is not (measured by
+#: ``python -m experiments.bench block_sizes``; docs/benchmarks.md, "Block sizes per head").
+SERVING_SLACK = 1.25
 
 
 def mask_density(mask: masks_lib.Mask, seq_len: int) -> float:
@@ -128,7 +127,7 @@ def serving_block_size(
 
     Example:
       >>> from sparse_jax.masks import causal, local
-      >>> serving_block_size(causal(), 2048), serving_block_size(causal() & local(31, 0), 2048)
+      >>> serving_block_size(causal(), 512), serving_block_size(causal() & local(31, 0), 512)
       ((128, 128), (32, 32))
       >>> serving_block_size(causal() & local(3, 0), 64, (4, 4))  # the layer's own blocks
       (4, 4)
