@@ -565,8 +565,8 @@ def harden_to_local(config: DistillConfig, student: GPT2) -> GPT2 | None:
     """The contrast that shows what retrieval needs: the same student hardened as --harden.*
     say with every candidate that reaches far (:func:`reaches_far` at the serving length: full
     causal, strided, selections) taken out of each head's choice, so that each head keeps
-    among its windows and sinks; without the fine-tune. None when the bank has no such
-    candidate."""
+    among its windows and sinks; without the fine-tune. None when no layer learns among both
+    kinds (a bank of far candidates only, or of near ones only, or a model of fixed layers)."""
     serve_len = config.student.serve_len_factor * config.data.seq_len
     copy = nnx.clone(student)
     found = False
