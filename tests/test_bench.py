@@ -661,7 +661,7 @@ def test_the_checkouts_benchmark_times_each_commits_own_library(monkeypatch, cap
 
     monkeypatch.setattr(checkouts, "time_commit", spy)
     flags = ["--refs", "HEAD", "HEAD", "--length", "64", "--heads", "1", "--head-dim", "8",
-             "--block", "16", "--rounds", "1", "--repeats", "2"]  # fmt: skip
+             "--block", "16", "--window", "8", "--rounds", "1", "--repeats", "2"]  # fmt: skip
     bench.main(["checkouts", *flags])
     printed = capsys.readouterr().out
     folders = [folder for folder, _ in measured]
@@ -678,13 +678,15 @@ def test_the_checkouts_benchmark_times_each_commits_own_library(monkeypatch, cap
         assert cells[2] == f"{1e3 * times['fwd']:.1f}"
         assert cells[3] == f"{1e3 * times['fwd+bwd']:.1f}"
         assert cells[4] == f"{times['fwd+bwd'] / first:.2f}x"
-    assert "normalizer='softmax', impl='blocksparse'" in printed
+        assert cells[5] == f"{times['fwd'] / measured[0][1]['fwd']:.2f}x"
+    assert "mask=causal & local(7, 0), normalizer='softmax', impl='blocksparse'" in printed
 
 
 def test_the_checkouts_benchmark_refuses_what_git_does_not_know(capsys):
     with pytest.raises(ValueError, match=r"`refs` holds 'no-such-commit', which is not a commit"):
         bench.main(["checkouts", "--refs", "no-such-commit"])
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["checkouts", "--rounds", "0"])
-    assert exit_info.value.code == 2
-    assert "rounds must be a positive integer" in capsys.readouterr().err
+    for flag in ("--rounds", "--window"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(["checkouts", flag, "0"])
+        assert exit_info.value.code == 2
+        assert f"{flag[2:]} must be a positive integer" in capsys.readouterr().err

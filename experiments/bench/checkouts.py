@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in a fresh process whose working directory holds one commit's sparse_jax/ (first on
 # sys.path under `python -c`). Only the public API that every commit since the engines landed
-# has: sparse_jax.attention and masks.causal. Prints one JSON line: the least time of each call.
+# has: sparse_jax.attention, masks.causal and masks.local. Prints one JSON line: the least time
+# of each call.
 CHILD = r"""
 import json, sys, time
 import jax, jax.numpy as jnp
@@ -30,9 +31,12 @@ from sparse_jax import masks
 
 a = json.loads(sys.argv[1])
 extra = {"block_size": (a["block"], a["block"])} if a["impl"] == "blocksparse" else {}
+mask = masks.causal()
+if a["window"] is not None:
+    mask = mask & masks.local(a["window"] - 1, 0)
 
 def call(q, k, v):
-    return sparse_jax.attention(q, k, v, mask=masks.causal(), normalizer=a["normalizer"],
+    return sparse_jax.attention(q, k, v, mask=mask, normalizer=a["normalizer"],
                                 impl=a["impl"], **extra)
 
 def loss(q, k, v, g):
@@ -57,7 +61,8 @@ print(json.dumps({"library": sparse_jax.__file__, **least}))
 
 @dataclasses.dataclass(frozen=True)
 class CheckoutsConfig:
-    """``sparse_jax.attention(q, k, v, mask=masks.causal(), ...)`` forward and forward+backward
+    """``sparse_jax.attention(q, k, v, mask=masks.causal(), ...)`` (or a causal sliding window)
+    forward and forward+backward
     (``jax.grad`` to q, k, v), timed in the library of each commit in ``refs``: each commit's
     ``sparse_jax/`` is extracted from git (``git archive``: commits, not the working tree) and
     imported in a fresh process; the processes run one commit after the other, ``rounds``
@@ -83,6 +88,9 @@ class CheckoutsConfig:
     head_dim: int = 64
     block: int = 64
     """Query and key block of the block-sparse engine (unused by ``xla``)."""
+    window: int | None = None
+    """A causal sliding window of this many keys (the query's own and those before it) instead
+    of the whole causal mask."""
     rounds: int = 3
     """Processes per commit."""
     repeats: int = 9
@@ -92,6 +100,8 @@ class CheckoutsConfig:
 
     def __post_init__(self):
         timing.check_counts(self, "length", "heads", "head_dim", "block", "rounds", "repeats")
+        if self.window is not None:
+            timing.check_counts(self, "window")
         if not self.refs:
             raise ValueError("refs is empty: name at least one commit")
 
@@ -131,7 +141,8 @@ def time_commit(folder: Path, config: CheckoutsConfig) -> dict[str, float]:
     ``fwd+bwd``. RuntimeError if it fails or timed another copy of the library."""
     request = {
         name: getattr(config, name)
-        for name in ("impl", "normalizer", "length", "heads", "head_dim", "block", "repeats")
+        for name in ("impl", "normalizer", "length", "heads", "head_dim", "block", "window",
+                     "repeats")
     }
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     child = subprocess.run(
@@ -163,13 +174,15 @@ def run_checkouts(config: CheckoutsConfig, command: str) -> str:
     rows = []
     for i in order:
         per_round = " / ".join(f"{1e3 * t['fwd+bwd']:.0f}" for t in times[i])
-        ratio = least[i]["fwd+bwd"] / least[0]["fwd+bwd"]
+        ratio, fwd_ratio = (least[i][name] / least[0][name] for name in ("fwd+bwd", "fwd"))
         rows.append([config.refs[i], commits[i][:10], f"{1e3 * least[i]['fwd']:.1f}",
-                     f"{1e3 * least[i]['fwd+bwd']:.1f}", f"{ratio:.2f}x", per_round])  # fmt: skip
+                     f"{1e3 * least[i]['fwd+bwd']:.1f}", f"{ratio:.2f}x", f"{fwd_ratio:.2f}x",
+                     per_round])  # fmt: skip
     headers = ["ref", "commit", "fwd ms", "fwd+bwd ms", f"fwd+bwd vs {config.refs[0]}",
-               "fwd+bwd ms per process"]  # fmt: skip
+               f"fwd vs {config.refs[0]}", "fwd+bwd ms per process"]  # fmt: skip
+    mask = "causal" if config.window is None else f"causal & local({config.window - 1}, 0)"
     setting = (
-        f"`attention(q, k, v, mask=causal, normalizer={config.normalizer!r}, impl="
+        f"`attention(q, k, v, mask={mask}, normalizer={config.normalizer!r}, impl="
         f"{config.impl!r})`, q, k, v [1, {config.length}, {config.heads}, {config.head_dim}] "
         f"float32"
         + (f", blocks {config.block}" if config.impl == "blocksparse" else "")
@@ -177,5 +190,5 @@ def run_checkouts(config: CheckoutsConfig, command: str) -> str:
     )
     return (
         f"{timing.environment_line(command)}\n\n{setting}\n\n"
-        f"{timing.markdown_table(headers, rows, 'llrrrl')}\n"
+        f"{timing.markdown_table(headers, rows, 'llrrrrl')}\n"
     )
