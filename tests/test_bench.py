@@ -675,8 +675,8 @@ def test_the_checkouts_benchmark_times_each_commits_own_library(monkeypatch, cap
     for row, (_, times) in zip(rows, measured, strict=True):
         cells = [c.strip() for c in row]
         assert cells[1] == head[:10]
-        assert cells[2] == f"{1e3 * times['fwd']:.1f}"
-        assert cells[3] == f"{1e3 * times['fwd+bwd']:.1f}"
+        assert cells[2] == checkouts._ms(times["fwd"])
+        assert cells[3] == checkouts._ms(times["fwd+bwd"])
         assert cells[4] == f"{times['fwd+bwd'] / first:.2f}x"
         assert cells[5] == f"{times['fwd'] / measured[0][1]['fwd']:.2f}x"
     assert "mask=causal & local(7, 0), normalizer='softmax', impl='blocksparse'" in printed
