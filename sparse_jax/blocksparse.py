@@ -251,7 +251,7 @@ def _layout_arrays(layout: BlockLayout, rows: np.ndarray, width: int, step: int,
 
 
 def nonfinite_values(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``v [B, Tk, K, Dv]`` -> (v with its non-finite entries zeroed, ``[B, Tk, K]`` score
+    """``v [B, Tk, K, Dv]`` -> (v with its non-finite value vectors zeroed, ``[B, Tk, K]`` score
     offsets: NaN at the keys whose value vector held a NaN or ±inf, 0 elsewhere).
 
     Why: ``p @ v`` computes ``0 * NaN = NaN``, so a non-finite value would reach every query row
@@ -260,12 +260,9 @@ def nonfinite_values(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     scores instead, the NaN reaches exactly the rows whose mask allows the key (the normalizers
     ignore masked scores), in every engine, for the cost of one fused addition.
     """
-    finite = jnp.isfinite(v)
-    # The entries, not their whole vectors: every row that weighs such a key is NaN through
-    # its score either way, and an elementwise select fuses where a vector-wide one (a
-    # reduction broadcast back) does not (docs/benchmarks.md, "The non-finite policy's cost").
-    clean = jnp.where(finite, v, jnp.zeros((), v.dtype))
-    return clean, jnp.where(jnp.all(finite, axis=-1), 0.0, jnp.nan)
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1)
+    clean = jnp.where(bad[..., None], jnp.zeros((), v.dtype), v)
+    return clean, jnp.where(bad, jnp.nan, 0.0)
 
 
 def widened(x: jax.Array, compute: Any) -> jax.Array:
