@@ -360,6 +360,7 @@ def test_resume_refuses_flags_that_change_the_run(tmp_path):
     assert (tmp_path / "run" / "config.json").read_text() == saved
     same = _args(tmp_path, "run", "--measure.report-prompts", "2", "--resume")
     distill.Run(distill.parse(same))  # no trained number changes
+    distill.Run(distill.parse([*same, "--measure.recall-sequences", "96"]))  # nor does this
     # A run written before a flag existed resumes when that flag is at its default.
     record = json.loads(saved)
     del record["loss"]["mask_density"]

@@ -233,7 +233,7 @@ def test_the_recall_table_measures_each_model_at_the_lengths_that_hold_a_passkey
     copier, near = NgramCopier(), NgramCopier(window=200)
     copier.config = near.config = GPT2Config.preset("cpu-small")  # 512 positions
     table = phases.recall_table(run, {"copier": copier, "near": near})
-    assert table["lengths"] == [128, 256, 512]
+    assert table["lengths"] == [128, 256, 512] and table["sequences"] == 3
     held_out = phases.recall_filler(run, "eval")
     again = measure.recall_accuracy(near, "byte", held_out, lengths=(128, 256, 512), count=3)
     assert table["models"]["near"] == {f"{t}@{d}": v for (t, d), v in again.items()}
@@ -245,7 +245,8 @@ def test_the_recall_table_measures_each_model_at_the_lengths_that_hold_a_passkey
     off = Run(
         _config(tmp_path, "--measure.recall-sequences", "0", "--run.dir", str(tmp_path / "c"))
     )
-    assert phases.recall_table(off, {"copier": copier}) == {"lengths": [], "models": {}}
+    assert phases.recall_table(off, {"copier": copier}) == {
+        "lengths": [], "sequences": 0, "models": {}}  # fmt: skip
 
 
 def test_the_report_shows_the_saved_recall_table(tmp_path):
@@ -258,7 +259,9 @@ def test_the_report_shows_the_saved_recall_table(tmp_path):
     assert "| model | n | depth 0.1 | depth 0.9 | mean |" in lines
     assert "| teacher | 128 | 100% | 50% | 75% |" in lines
     assert "| teacher | 512 | 25% | 75% | 50% |" in lines
-    assert not any("passkey sequences" in line for line in lines)
+    assert not any("passkey sequences" in line or "per length" in line for line in lines)
+    counted = report._recall_lines({"recall": {**summary["recall"], "sequences": 96}})
+    assert "96 sequences per length, 48 at each depth (--measure.recall-sequences)." in counted
     with_mixture = report._recall_lines({**summary, "student_recall_fraction": 0.5})
     assert "The student's batches held 50% passkey sequences (--train.recall-fraction)." in (
         with_mixture

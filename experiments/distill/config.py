@@ -590,7 +590,8 @@ class MeasureConfig(_Group):
     recall_sequences: int = 24
     """Passkey sequences per length (1x, 2x and 4x --data.seq-len, those within the teacher's
     positions that hold a passkey) in the recall table of teacher, student and hardened student,
-    stated at depths 0.1, 0.5 and 0.9 of held-out text; 0: no table."""
+    stated at depths 0.1, 0.5 and 0.9 of held-out text; 0: no table. A finished run resumed
+    with another value measures the table again (``--resume`` allows it: it trains nothing)."""
     planted_tolerance: float = 0.002
     """--teacher.source planted: a head that picked another candidate than its planted one
     counts as equivalent when that candidate costs no more kernel blocks and swapping it into

@@ -626,8 +626,8 @@ def recall_table(run: Run, models: dict[str, GPT2], count: int | None = None) ->
     """Passkey recall of each model (``count`` sequences per length, None:
     --measure.recall-sequences; depths 0.1, 0.5, 0.9 of the corpus's held-out text) at 1x, 2x and
     4x --data.seq-len, those within the teacher's positions that hold a passkey: ``{"lengths":
-    [...], "models": {name: {"T@depth": accuracy}}}``; ``lengths`` empty when none fits or the
-    table is off."""
+    [...], "sequences": count, "models": {name: {"T@depth": accuracy}}}``; ``lengths`` empty
+    when none fits or the table is off."""
     c = run.config
     count = c.measure.recall_sequences if count is None else count
     positions = min(m.config.n_positions for m in models.values())
@@ -635,7 +635,7 @@ def recall_table(run: Run, models: dict[str, GPT2], count: int | None = None) ->
     n = c.data.seq_len
     lengths = [t for t in (n, 2 * n, 4 * n) if shortest <= t <= positions] if count else []
     if not lengths:
-        return {"lengths": [], "models": {}}
+        return {"lengths": [], "sequences": 0, "models": {}}
     held_out = recall_filler(run, "eval")
     out = {}
     for name, model in models.items():
@@ -643,4 +643,4 @@ def recall_table(run: Run, models: dict[str, GPT2], count: int | None = None) ->
             model, c.data.tokenizer, held_out, lengths=lengths, count=count
         )
         out[name] = {f"{t}@{d}": accuracy for (t, d), accuracy in table.items()}
-    return {"lengths": lengths, "models": out}
+    return {"lengths": lengths, "sequences": count, "models": out}

@@ -340,6 +340,10 @@ def _recall_lines(summary) -> list[str]:
             row = " | ".join(f"{x:.0%}" for x in cells)
             lines.append(f"| {name} | {n} | {row} | {sum(cells) / len(cells):.0%} |")
     lines += ["", "Depth: where the key is stated, as a fraction of the text around it."]
+    if table.get("sequences"):  # runs of before the count was recorded lack it
+        each = table["sequences"] / len(depths)
+        lines += [f"{table['sequences']} sequences per length, {each:.3g} at each depth "
+                  "(--measure.recall-sequences)."]  # fmt: skip
     fraction = summary.get("student_recall_fraction")
     if fraction is not None:
         lines += [f"The student's batches held {fraction:.0%} passkey sequences "

@@ -74,7 +74,8 @@ def resolve_run_dir(config: DistillConfig, now: float | None = None) -> pathlib.
     return pathlib.Path("runs") / time.strftime("distill-%Y%m%d-%H%M%S", stamp)
 
 
-# Flags that may differ between a run and its resumption (they change no trained number); the
+# Flags that may differ between a run and its resumption (they change no trained number: a
+# finished run resumed with more passkey sequences measures its recall table again on them); the
 # data description follows from the data flags (and names the cache folder).
 _RESUME_FREE = (
     "config",
@@ -83,6 +84,7 @@ _RESUME_FREE = (
     "run.cache_dir",
     "run.max_minutes",
     "measure.report_prompts",
+    "measure.recall_sequences",
     "data_description",
 )
 
