@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import bench
+from experiments.common import timing
 
 
 def test_normalizers_benchmark_prints_a_table_with_every_row(tmp_path, capsys):
@@ -675,8 +676,8 @@ def test_the_checkouts_benchmark_times_each_commits_own_library(monkeypatch, cap
     for row, (_, times) in zip(rows, measured, strict=True):
         cells = [c.strip() for c in row]
         assert cells[1] == head[:10]
-        assert cells[2] == checkouts._ms(times["fwd"])
-        assert cells[3] == checkouts._ms(times["fwd+bwd"])
+        assert cells[2] == timing.ms_text(1e3 * times["fwd"])
+        assert cells[3] == timing.ms_text(1e3 * times["fwd+bwd"])
         assert cells[4] == f"{times['fwd+bwd'] / first:.2f}x"
         assert cells[5] == f"{times['fwd'] / measured[0][1]['fwd']:.2f}x"
     assert "mask=causal & local(7, 0), normalizer='softmax', impl='blocksparse'" in printed

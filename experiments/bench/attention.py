@@ -379,9 +379,7 @@ def run_attention(config: AttentionConfig, command: str) -> str:
         "temporaries), not RSS; naive = jax.nn.dot_product_attention(implementation='xla') "
         "with a causal mask, compiled only (the O(n^2) memory a plain dense implementation "
         "needs); density ratio = bs fwd+bwd / (density x dense causal fwd+bwd).",
-        f"ms = median of up to {config.repeats} calls after compilation and a warm-up call; "
-        f"†k = only k calls (budget {config.budget_s:g} s, or †1: warm-up > "
-        f"{config.slow_s:g} s).",
+        config.dagger_note(),
         *findings["speed"],
         *findings["density"],
         *findings["normalizer"],

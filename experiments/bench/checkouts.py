@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 import os
 import subprocess
 import sys
@@ -159,17 +158,6 @@ def time_commit(folder: Path, config: CheckoutsConfig) -> dict[str, float]:
     return result
 
 
-def _ms(seconds: float) -> str:
-    """Milliseconds to three significant digits, at least one decimal.
-
-    >>> [_ms(s) for s in (0.000123, 0.00247, 0.0247, 0.247, 2.5)]
-    ['0.123', '2.47', '24.7', '247.0', '2500.0']
-    """
-    ms = 1e3 * seconds
-    decimals = max(1, 2 - math.floor(math.log10(ms))) if ms > 0 else 1
-    return f"{ms:.{decimals}f}"
-
-
 def run_checkouts(config: CheckoutsConfig, command: str) -> str:
     """Times the call in each commit (see :class:`CheckoutsConfig`); returns the markdown."""
     commits = [resolve_commit(ref) for ref in config.refs]
@@ -184,11 +172,11 @@ def run_checkouts(config: CheckoutsConfig, command: str) -> str:
     least = [{name: min(t[name] for t in times[i]) for name in ("fwd", "fwd+bwd")} for i in order]
     rows = []
     for i in order:
-        per_round = " / ".join(_ms(t["fwd+bwd"]) for t in times[i])
+        per_round = " / ".join(timing.ms_text(1e3 * t["fwd+bwd"]) for t in times[i])
         ratio, fwd_ratio = (least[i][name] / least[0][name] for name in ("fwd+bwd", "fwd"))
-        rows.append([config.refs[i], commits[i][:10], _ms(least[i]["fwd"]),
-                     _ms(least[i]["fwd+bwd"]), f"{ratio:.2f}x", f"{fwd_ratio:.2f}x",
-                     per_round])  # fmt: skip
+        fwd, both = (timing.ms_text(1e3 * least[i][name]) for name in ("fwd", "fwd+bwd"))
+        rows.append([config.refs[i], commits[i][:10], fwd, both, f"{ratio:.2f}x",
+                     f"{fwd_ratio:.2f}x", per_round])  # fmt: skip
     headers = ["ref", "commit", "fwd ms", "fwd+bwd ms", f"fwd+bwd vs {config.refs[0]}",
                f"fwd vs {config.refs[0]}", "fwd+bwd ms per process"]  # fmt: skip
     mask = "causal" if config.window is None else f"causal & local({config.window - 1}, 0)"

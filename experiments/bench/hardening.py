@@ -177,6 +177,7 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
         "implementation forms); forward ms = whole model; attention ms = one block's attention "
         "alone (dense causal vs the hardened per-head pattern); attn ratio = hardened attention "
         "/ (density x dense attention); peak MiB = XLA buffer assignment of the forward pass.",
+        config.dagger_note(),
         *findings,
         f"Total wall time {elapsed:.0f} s; load average at the end {timing.load_average()}.",
     ]

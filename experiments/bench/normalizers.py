@@ -290,10 +290,8 @@ def run_normalizers(config: NormalizersConfig, command: str) -> str:
         f"(a) = normalizer alone on scores [{b}, {h}, n, n]; (b) = whole attention, q, k, v "
         f"[{b}, n, {h}, {d}], {'causal' if config.causal else 'no'} mask, {config.dtype}; "
         "fwd+bwd = gradient of sum(out * g) w.r.t. the scores (a) or q, k, v (b).",
-        f"ms = median of {config.repeats} calls after compilation and one warm-up call; †k = "
-        f"median of only k calls: the cell's timed calls passed {config.budget_s:g} s, or †1: "
-        f"its warm-up call took > {config.slow_s:g} s and is the one sample. Peak MiB = "
-        "arguments + outputs + temporaries of XLA's compiled buffer assignment, not RSS.",
+        f"{config.dagger_note()} Peak MiB = arguments + outputs + temporaries of XLA's "
+        "compiled buffer assignment, not RSS.",
         f"mask_mode={config.mask_mode}; projection_simplex = optax.projections."
         "projection_simplex vmapped over rows, masked scores set to row min - 1e4.",
         *notes,

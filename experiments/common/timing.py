@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import numbers
 import os
 import pathlib
@@ -260,11 +261,22 @@ def load_average() -> str:
         return "unknown"
 
 
+def ms_text(ms: float) -> str:
+    """Milliseconds to 3 significant digits (no decimals from 100 ms on).
+
+    >>> [ms_text(x) for x in (0.123, 2.471, 24.71, 247.1)]
+    ['0.123', '2.47', '24.7', '247']
+    """
+    if ms >= 100:
+        return f"{ms:.0f}"
+    decimals = 2 - math.floor(math.log10(ms)) if ms > 0 else 2
+    return f"{ms:.{decimals}f}"
+
+
 def format_ms(stats: TimingStats) -> str:
-    """The median in ms with 3 significant digits; ``†k`` when only k calls were timed."""
-    ms = stats.median_ms
-    text = f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
-    return text + (f"†{len(stats.times_s)}" if stats.truncated else "")
+    """The median in ms with 3 significant digits (:func:`ms_text`); ``†k`` when only k calls
+    were timed (:meth:`TimingFlags.dagger_note` says why)."""
+    return ms_text(stats.median_ms) + (f"†{len(stats.times_s)}" if stats.truncated else "")
 
 
 def log(message: str) -> None:
@@ -298,6 +310,18 @@ class TimingFlags:
     def __post_init__(self) -> None:
         check_counts(self, "repeats")
         check_seconds(self, "slow_s", "budget_s")
+
+    def dagger_note(self) -> str:
+        """What a table's times are, and what its daggers (:func:`format_ms`) mean.
+
+        >>> TimingFlags(repeats=3, slow_s=2.0, budget_s=5.0).dagger_note()[:60]
+        'ms = median of 3 calls after compilation and one warm-up cal'
+        """
+        return (
+            f"ms = median of {self.repeats} calls after compilation and one warm-up call; †k = "
+            f"median of only k calls: the cell's timed calls passed {self.budget_s:g} s, or †1: "
+            f"its warm-up call took > {self.slow_s:g} s and is the one sample."
+        )
 
 
 def is_count(value: Any) -> bool:
