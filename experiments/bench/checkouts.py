@@ -62,14 +62,13 @@ print(json.dumps({"library": sparse_jax.__file__, **least}))
 @dataclasses.dataclass(frozen=True)
 class CheckoutsConfig:
     """``sparse_jax.attention(q, k, v, mask=masks.causal(), ...)`` (or a causal sliding window)
-    forward and forward+backward
-    (``jax.grad`` to q, k, v), timed in the library of each commit in ``refs``: each commit's
-    ``sparse_jax/`` is extracted from git (``git archive``: commits, not the working tree) and
-    imported in a fresh process; the processes run one commit after the other, ``rounds``
-    times, in reversed order every other round, so that a machine getting slower moves all
-    commits alike. Each process times ``repeats`` calls of each after one warm-up; a commit's
-    figure is the least over all its calls (the machine's noise only adds time). Needs a git
-    checkout (a clone of the repository).
+    forward and forward+backward (``jax.grad`` to q, k, v), timed in the library of each commit
+    in ``refs``: each commit's ``sparse_jax/`` is extracted from git (``git archive``: commits,
+    not the working tree) and imported in a fresh process; the processes run one commit after
+    the other, ``rounds`` times, in reversed order every other round, so that a machine getting
+    slower moves all commits alike. Each process times ``repeats`` calls of each after one
+    warm-up; a commit's figure is the least over all its calls (the machine's noise only adds
+    time). Needs a git checkout (a clone of the repository).
 
     Example::
 
