@@ -691,3 +691,58 @@ def test_the_checkouts_benchmark_refuses_what_git_does_not_know(capsys):
             bench.main(["checkouts", flag, "0"])
         assert exit_info.value.code == 2
         assert f"{flag[2:]} must be a positive integer" in capsys.readouterr().err
+
+
+def test_the_hardening_benchmark_times_each_models_own_attention_core(monkeypatch, capsys):
+    """The attention column times block 0's core of each model as the model runs it (the
+    dense one's xla engine; the hardened pattern on the block-sparse engine, each head at the
+    blocks harden() chose), and the ratio is recomputed from the timed calls and the FLOPs."""
+    from experiments.bench import hardening
+    from tests.engines import engines_used
+
+    timed, counted = [], []
+    time_fn, model_flops = timing.time_fn, hardening.model_flops
+
+    def spy_time(fn, *args, **kwargs):
+        timed.append((fn, args, time_fn(fn, *args, **kwargs)))
+        return timed[-1][2]
+
+    def spy_flops(model, n):
+        counted.append(model_flops(model, n))
+        return counted[-1]
+
+    monkeypatch.setattr(timing, "time_fn", spy_time)
+    monkeypatch.setattr(hardening, "model_flops", spy_flops)
+    flags = ["--lengths", "128", "--layers", "1", "--width", "32", "--heads", "4",
+             "--block", "16", "--repeats", "1"]  # fmt: skip
+    bench.main(["hardening", *flags])
+    printed = capsys.readouterr().out
+    (_, _, forward_dense), (_, _, forward_hard), dense_call, hard_call = timed
+    assert engines_used(dense_call[0], *dense_call[1]) == {"xla"}
+    assert engines_used(hard_call[0], *hard_call[1]) == {"blocksparse"}
+    # ... through the layer's per-head blocks: one engine call per group of equal blocks.
+    from sparse_jax.models import layers
+
+    groups, by_block_size = [], layers.attention_by_block_size
+
+    def spy_groups(q, k, v, groups_, *args):
+        groups.append([size for size, _, _ in groups_])
+        return by_block_size(q, k, v, groups_, *args)
+
+    monkeypatch.setattr(layers, "attention_by_block_size", spy_groups)
+    jax.make_jaxpr(lambda *args: hard_call[0](*args))(*hard_call[1])  # a new trace, not cached
+    assert len(groups) == 1 and len(groups[0]) >= 2, groups  # the causal heads' and the rest
+    rows = {
+        cells[0]: cells[1:]
+        for line in printed.splitlines()
+        if line.startswith(("| dense", "| hardened"))
+        for cells in [[c.strip() for c in line.split("|")[1:-1]]]
+    }
+    assert rows["dense"][4] == timing.format_ms(forward_dense)
+    assert rows["dense"][6] == timing.format_ms(dense_call[2])
+    assert rows["hardened"][6] == timing.format_ms(hard_call[2])
+    assert rows["hardened"][4] == timing.format_ms(forward_hard)
+    density = counted[1].attention_density
+    ratio = hard_call[2].median_s / (density * dense_call[2].median_s)
+    assert rows["hardened"][7] == f"{ratio:.2f}"
+    assert "each head at the blocks harden() chose for it: head 0 " in printed

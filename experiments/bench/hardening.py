@@ -13,13 +13,20 @@ from flax import nnx
 
 from experiments.common import timing
 from sparse_jax import masks
-from sparse_jax.dispatch import attention
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
 from sparse_jax.models.flops import model_flops
 
 
-def _fmt_ratio(value: float, reference: float | None) -> str:
-    return "–" if reference is None else f"{value / reference:.2f}x"
+def attention_core_call(model: GPT2, q, k, v) -> tuple:
+    """``(fn, state, q, k, v)``: block 0's attention core of ``model`` (scores, normalizer,
+    values; no projections) as a function of its state and ``q, k, v [B, T, N, H]``, as
+    ``timing.time_fn`` takes it."""
+    graphdef, state = nnx.split(model.h[0].attn.core)
+
+    def core(state, q, k, v):
+        return nnx.merge(graphdef, state)(q, k, v)[0]
+
+    return core, state, q, k, v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,22 +115,20 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
 
             cells[label] = timing.time_fn(forward, state, ids, **limits)
             flops[label] = model_flops(model, n)
-        # Attention alone at the model's shapes: one block's q, k, v.
+        # Attention alone at the model's shapes: block 0's attention core (what the model
+        # runs: the dense one's causal xla engine, the hardened per-head pattern at its heads'
+        # blocks) on one block's q, k, v.
         hd = config.width // config.heads
         q, k, v = (
             jax.random.normal(kk, (1, n, config.heads, hd), jnp.float32)
             for kk in jax.random.split(jax.random.key(n + 1), 3)
         )
-        pattern = hard.h[0].attn.core.mask
-
-        def dense_attn(q, k, v):
-            return attention(q, k, v, mask=masks.causal(), impl="xla")
-
-        def hard_attn(q, k, v, pattern=pattern):
-            return attention(q, k, v, mask=pattern, impl="blocksparse", block_size=blocks)
-
-        attn_dense = timing.time_fn(dense_attn, q, k, v, **limits)
-        attn_hard = timing.time_fn(hard_attn, q, k, v, **limits)
+        attn_dense = timing.time_fn(*attention_core_call(dense, q, k, v), **limits)
+        attn_hard = timing.time_fn(*attention_core_call(hard, q, k, v), **limits)
+        core = hard.h[0].attn.core
+        head_blocks = ", ".join(
+            f"head {h} {core.head_block_size(h)[0]}" for h in range(config.heads)
+        )
         density = flops["hardened"].attention_density
         ratio = attn_hard.median_s / (density * attn_dense.median_s)
         for label in ("dense", "hardened"):
@@ -171,11 +176,12 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
         f"{config.vocab}, random weights, batch 1, float32. Hardened = harden() of a candidate "
         "student whose weights pick, per head, full causal (a quarter of the heads) or sink(4) "
         f"+ a causal window sized for ~{config.density:.0%} mean density; its blocks run "
-        f"impl='auto' (block-sparse, blocks {config.block}); dense = impl='xla' with the same "
-        "weights.",
+        f"impl='auto' (block-sparse, layer blocks {config.block}, each head at the blocks "
+        f"harden() chose for it: {head_blocks}); dense = impl='xla' with the same weights.",
         "GFLOPs = analytic forward FLOPs (sparse_jax.models.flops: matmuls, the score entries each "
-        "implementation forms); forward ms = whole model; attention ms = one block's attention "
-        "alone (dense causal vs the hardened per-head pattern); attn ratio = hardened attention "
+        "implementation forms); forward ms = whole model; attention ms = block 0's attention "
+        "core alone, as the model runs it (dense causal vs the hardened per-head pattern at its "
+        "heads' blocks); attn ratio = hardened attention "
         "/ (density x dense attention); peak MiB = XLA buffer assignment of the forward pass.",
         config.dagger_note(),
         *findings,
