@@ -149,6 +149,43 @@ def test_serving_block_size_is_the_largest_within_the_slack_of_the_fewest_entrie
     assert serving_block_size(causal() & local(31, 0), 512) == (32, 32)
 
 
+def test_serving_block_size_takes_no_block_whose_widest_row_outgrows_a_step(monkeypatch):
+    """Causal attention at 8,192 tokens: one query block of 128 against its 64 key blocks forms
+    2**20 scores, past the CPU engine's step of 2**19, so blocks of 64 serve it (their widest
+    row, 2**19, fits); at 4,096 the row of 128 fits and 128 stays. With a smaller step every
+    square block's widest row is recomputed from the layout and the rule followed."""
+    import jax
+
+    from sparse_jax import blocksparse
+    from sparse_jax.models import flops
+
+    step = blocksparse.STEP_SCORES.get(jax.default_backend(), blocksparse.STEP_SCORES["default"])
+    if step == 2**19:  # the CPU's
+        assert serving_block_size(CAUSAL, 8192) == (64, 64)
+        assert serving_block_size(CAUSAL, 4096) == (128, 128)
+
+    def widest(mask, n, b):
+        layout = mask.blocks(n, n, b, b)
+        return b * b * max(width for _, width in blocksparse.row_groups(layout))
+
+    for budget in (2**13, 2**15, 2**16):
+        monkeypatch.setitem(flops.STEP_SCORES, jax.default_backend(), budget)
+        for mask in (CAUSAL, (sink(4) & causal()) | (causal() & local(255, 0))):
+            n = 1024
+            formed = {b: formed_scores(mask, n, b) for b in SERVING_BLOCKS}
+            near = [b for b in SERVING_BLOCKS if formed[b] <= SERVING_SLACK * min(formed.values())]
+            fits = [b for b in near if widest(mask, n, b) <= budget]
+            want = max(fits) if fits else min(near, key=lambda b: (widest(mask, n, b), formed[b]))
+            assert serving_block_size(mask, n) == (want, want), (mask, budget)
+    assert serving_block_size(CAUSAL, 1024) == (64, 64)  # 2**16: 64 x 1024 fits, 128 x 1024 not
+
+
+def formed_scores(mask, n: int, b: int) -> int:
+    return blocksparse_cost(
+        mask.blocks(n, n, b, b), batch=1, num_heads=1, head_dim=1
+    ).computed_scores
+
+
 def test_harden_gives_each_head_its_serving_blocks_and_the_same_logits():
     config = GPT2Config.preset("tiny")  # 3 heads of 16, 2 blocks
     config = GPT2Config(**{**config.__dict__, "n_positions": 1024})

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_jax import masks as masks_lib
-from sparse_jax.blocksparse import blocksparse_cost
+from sparse_jax.blocksparse import STEP_SCORES, blocksparse_cost, row_groups
 from sparse_jax.dispatch import attention_impl
 from sparse_jax.validation import check_block_size, check_int
 
@@ -122,8 +122,16 @@ def serving_block_size(
     """The block size at which the block-sparse engine serves ``mask`` (intersected with causal)
     at ``seq_len``: among the square blocks of :data:`SERVING_BLOCKS` no larger than
     ``seq_len``, and ``block_size`` (the layer's own) when given, the largest whose formed score
-    entries are at most :data:`SERVING_SLACK` times the fewest any of them forms. Full causal
-    attention gets the largest block, a window narrower than a block a small one.
+    entries are at most :data:`SERVING_SLACK` times the fewest any of them forms, and whose
+    widest query block forms at most the engine's step of scores on this backend
+    (``STEP_SCORES``; else the one of those whose widest query block forms the fewest). Full
+    causal attention gets the largest block up to the length where one row of such blocks
+    outgrows a step, a window narrower than a block a small one.
+
+    Why the step: the engine splits its work into steps of whole query blocks; a query block
+    wider than a step is a step of its own, its scores no longer cache-sized, and on CPU causal
+    attention at 8,192 tokens ran 1.8x slower at blocks of 128 than at 64 (docs/benchmarks.md,
+    "Block sizes per head").
 
     Example:
       >>> from sparse_jax.masks import causal, local
@@ -142,7 +150,19 @@ def serving_block_size(
     formed = {size: _formed(mask, seq_len, size) for size in sizes}
     fewest = min(formed.values())
     near = [size for size in sizes if formed[size] <= SERVING_SLACK * fewest]
-    return max(near, key=lambda size: (size[0] * size[1], size))
+    step = STEP_SCORES.get(jax.default_backend(), STEP_SCORES["default"])
+    widest = {size: _widest_row(mask, seq_len, size) for size in near}
+    fits = [size for size in near if widest[size] <= step]
+    if not fits:
+        return min(near, key=lambda size: (widest[size], formed[size], size))
+    return max(fits, key=lambda size: (size[0] * size[1], size))
+
+
+def _widest_row(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> int:
+    """Score entries the block-sparse kernel forms for one query block of the widest row group
+    (one batch element, one head)."""
+    layout = mask.blocks(seq_len, seq_len, *block_size)
+    return block_size[0] * block_size[1] * max(width for _, width in row_groups(layout))
 
 
 def _formed(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> int:
