@@ -508,7 +508,8 @@ def run_block_sizes(config: BlockSizesConfig, command: str) -> str:
     notes = [
         "impl='blocksparse' with square blocks of each size, float32; chosen = "
         "serving_block_size(mask, T) (the largest block whose formed score entries are within "
-        "SERVING_SLACK of the fewest), what harden() gives a head with that mask in a layer "
+        "SERVING_SLACK of the fewest and whose widest query block forms at most the engine's "
+        "step of scores), what harden() gives a head with that mask in a layer "
         "whose own blocks are one of these; fwd+bwd = "
         "gradient of sum(out * g) w.r.t. q, k, v; each cell the median of its calls, the block "
         f"sizes of a row timed in alternation (up to {config.rounds} rounds, after compilation "
