@@ -130,8 +130,8 @@ def serving_block_size(
 
     Why the step: the engine splits its work into steps of whole query blocks; a query block
     wider than a step is a step of its own, its scores no longer cache-sized, and on CPU causal
-    attention at 8,192 tokens ran 1.8x slower at blocks of 128 than at 64 (docs/benchmarks.md,
-    "Block sizes per head").
+    attention at 8,192 tokens runs slower at blocks of 128 than at 64 (docs/benchmarks.md,
+    "At 4,096 and 8,192 tokens: no block wider than a step").
 
     Example:
       >>> from sparse_jax.masks import causal, local
