@@ -12,21 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.common import timing
+from experiments.common.measure import attention_core_call
 from sparse_jax import masks
 from sparse_jax.models import GPT2, AttentionSpec, GPT2Config, harden
 from sparse_jax.models.flops import model_flops
-
-
-def attention_core_call(model: GPT2, q, k, v) -> tuple:
-    """``(fn, state, q, k, v)``: block 0's attention core of ``model`` (scores, normalizer,
-    values; no projections) as a function of its state and ``q, k, v [B, T, N, H]``, as
-    ``timing.time_fn`` takes it."""
-    graphdef, state = nnx.split(model.h[0].attn.core)
-
-    def core(state, q, k, v):
-        return nnx.merge(graphdef, state)(q, k, v)[0]
-
-    return core, state, q, k, v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +112,8 @@ def run_hardening(config: HardeningConfig, command: str) -> str:
             jax.random.normal(kk, (1, n, config.heads, hd), jnp.float32)
             for kk in jax.random.split(jax.random.key(n + 1), 3)
         )
-        attn_dense = timing.time_fn(*attention_core_call(dense, q, k, v), **limits)
-        attn_hard = timing.time_fn(*attention_core_call(hard, q, k, v), **limits)
+        calls = [attention_core_call(m.h[0].attn.core, q, k, v) for m in (dense, hard)]
+        attn_dense, attn_hard = (timing.time_fn(fn, *args, **limits) for fn, args in calls)
         core = hard.h[0].attn.core
         head_blocks = ", ".join(
             f"head {h} {core.head_block_size(h)[0]}" for h in range(config.heads)

@@ -33,6 +33,7 @@ from sparse_jax.training.losses import cross_entropy_loss, distillation_loss
 from sparse_jax.training.sharding import local_model
 
 __all__ = [
+    "attention_core_call",
     "attention_time",
     "block_maps",
     "candidate_weights",
@@ -175,24 +176,30 @@ def _forward_call(model, seq_len: int, vocab: int):
     return forward, (state, ids)
 
 
+def attention_core_call(core, q, k, v) -> tuple:
+    """``(fn, (state, q, k, v))``: an attention core alone (scores, normalizer, values; no
+    projections), as the model runs it, as a function of its state and ``q, k, v [B, T, N,
+    H]``."""
+    graphdef, state = nnx.split(core)
+
+    def call(state, q, k, v):
+        return nnx.merge(graphdef, state)(q, k, v)[0]
+
+    return call, (state, q, k, v)
+
+
 def _attention_calls(model, seq_len: int) -> list:
-    """``(fn, args)`` per block with heads: the block's attention core alone (scores,
-    normalizer, values; no projections) on random ``[1, seq_len, heads, head_dim]`` queries,
-    keys and values."""
+    """:func:`attention_core_call` per block with heads, on random ``[1, seq_len, heads,
+    head_dim]`` queries, keys and values."""
     calls = []
     for i, block in enumerate(model.h):
         heads = block.attn.num_heads
         if not heads:
             continue
-        graphdef, state = nnx.split(block.attn.core)
         keys = jax.random.split(jax.random.key(i), 3)
         shape = (1, seq_len, heads, model.config.head_dim)
         q, k, v = (jax.random.normal(key, shape) for key in keys)
-
-        def core(state, q, k, v, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(q, k, v)[0]
-
-        calls.append((core, (state, q, k, v)))
+        calls.append(attention_core_call(block.attn.core, q, k, v))
     return calls
 
 
