@@ -568,15 +568,25 @@ def harden_to_local(config: DistillConfig, student: GPT2) -> GPT2 | None:
     among its windows and sinks; without the fine-tune. None when no layer learns among both
     kinds (a bank of far candidates only, or of near ones only, or a model of fixed layers)."""
     serve_len = config.student.serve_len_factor * config.data.seq_len
+
+    def far(core):
+        out = [j for j, c in enumerate(core.candidates) if reaches_far(c, serve_len)]
+        return out if len(out) < len(core.candidates) else []
+
+    return _harden_without(config, student, far)
+
+
+def _harden_without(config: DistillConfig, student: GPT2, dropped) -> GPT2 | None:
+    """A copy of ``student`` hardened as --harden.* say with the candidates ``dropped(core)``
+    names (indices) taken out of each CandidateMaskAttention layer's choice (weight 0), without
+    the fine-tune; None when no layer drops any."""
     copy = nnx.clone(student)
     found = False
     for block in copy.h:
         core = block.attn.core if block.attn.num_heads else None
-        if not isinstance(core, CandidateMaskAttention):
-            continue
-        far = [j for j, c in enumerate(core.candidates) if reaches_far(c, serve_len)]
-        if far and len(far) < len(core.candidates):
-            core.logits[...] = core.logits[...].at[..., far].set(-1e9)  # weight 0
+        drop = dropped(core) if isinstance(core, CandidateMaskAttention) else []
+        if drop:
+            core.logits[...] = core.logits[...].at[..., drop].set(-1e9)  # weight 0
             found = True
     return harden_student(config, copy) if found else None
 
@@ -586,15 +596,7 @@ def harden_without_selections(config: DistillConfig, student: GPT2) -> GPT2 | No
     hardened as --harden.* say with every BlockSelection taken out of each head's choice (its
     weight set to 0, so each head keeps among its static candidates), without the fine-tune.
     None when the student has no selection to take out."""
-    copy = nnx.clone(student)
-    found = False
-    for block in copy.h:
-        core = block.attn.core if block.attn.num_heads else None
-        chosen = list(core.selection_indices) if isinstance(core, CandidateMaskAttention) else []
-        if chosen:
-            core.logits[...] = core.logits[...].at[..., chosen].set(-1e9)  # weight 0
-            found = True
-    return harden_student(config, copy) if found else None
+    return _harden_without(config, student, lambda core: list(core.selection_indices))
 
 
 def hardened(run: Run, student: GPT2, teacher: GPT2) -> GPT2:
