@@ -147,27 +147,30 @@ def serving_block_size(
     if block_size is not None:
         sizes.add(check_block_size(block_size, caller))
     sizes = sizes or {(min(SERVING_BLOCKS),) * 2}
-    formed = {size: _formed(mask, seq_len, size) for size in sizes}
+    layouts = {size: mask.blocks(seq_len, seq_len, *size) for size in sizes}
+    formed = {size: _layout_formed(layout) for size, layout in layouts.items()}
     fewest = min(formed.values())
     near = [size for size in sizes if formed[size] <= SERVING_SLACK * fewest]
     step = STEP_SCORES.get(jax.default_backend(), STEP_SCORES["default"])
-    widest = {size: _widest_row(mask, seq_len, size) for size in near}
+    widest = {size: _widest_row(layouts[size]) for size in near}
     fits = [size for size in near if widest[size] <= step]
     if not fits:
         return min(near, key=lambda size: (widest[size], formed[size], size))
     return max(fits, key=lambda size: (size[0] * size[1], size))
 
 
-def _widest_row(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> int:
-    """Score entries the block-sparse kernel forms for one query block of the widest row group
-    (one batch element, one head)."""
-    layout = mask.blocks(seq_len, seq_len, *block_size)
-    return block_size[0] * block_size[1] * max(width for _, width in row_groups(layout))
+def _widest_row(layout) -> int:
+    """Score entries the block-sparse kernel forms for one query block of ``layout``'s widest
+    row group (one batch element, one head)."""
+    return layout.block_q * layout.block_kv * max(width for _, width in row_groups(layout))
 
 
 def _formed(mask: masks_lib.Mask, seq_len: int, block_size: tuple[int, int]) -> int:
     """Score entries the block-sparse kernel forms for ``mask`` (one batch element, one head)."""
-    layout = mask.blocks(seq_len, seq_len, *block_size)
+    return _layout_formed(mask.blocks(seq_len, seq_len, *block_size))
+
+
+def _layout_formed(layout) -> int:
     return blocksparse_cost(layout, batch=1, num_heads=1, head_dim=1).computed_scores
 
 
