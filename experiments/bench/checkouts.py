@@ -138,10 +138,8 @@ def extract_library(commit: str, folder: Path) -> Path:
 def time_commit(folder: Path, config: CheckoutsConfig) -> dict[str, float]:
     """One process importing ``folder``'s sparse_jax: the least seconds of ``fwd`` and
     ``fwd+bwd``. RuntimeError if it fails or timed another copy of the library."""
-    request = {"repeats": config.repeats} | {
-        name: getattr(config, name)
-        for name in ("impl", "normalizer", "length", "heads", "head_dim", "block", "window")
-    }
+    names = ("impl", "normalizer", "length", "heads", "head_dim", "block", "window", "repeats")
+    request = {name: getattr(config, name) for name in names}
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     child = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(request)],
