@@ -274,6 +274,22 @@ def test_flops_per_token_counts_what_each_row_keeps(closing):
     assert model.flops_per_token(_ids()) == pytest.approx(total / (3 * 32))
 
 
+def test_flops_as_run_count_every_slot_each_block_ran_on(closing):
+    model, _, aux = closing
+    pruned = model.prune()
+    _, _, slots = pruned.logits(_ids(), return_kept=True)
+    assert slots[2] < 32  # the last block ran on fewer slots than tokens
+    heads, units = [3, 2, 1], model.units_kept()
+    total = 2 * 32 * 48 * 101  # the output layer, over every token
+    for block in range(3):
+        n, h, u = slots[block], heads[block], units[block]
+        total += 2 * n * 48 * 4 * h * 16 + 2 * 2 * 16 * h * n * (n + 1) // 2 + 2 * 2 * n * 48 * u
+    assert pruned.flops_as_run(_ids()).total == total
+    # Above what the rows keep (the empty slots), below the dense model.
+    kept = max(r.total for r in pruned.flops(_ids()))
+    assert kept < total < cascade_flops(SIZE, 32, [32] * 3, [3] * 3, [192] * 3)
+
+
 def test_gradients_reach_every_gate_and_the_multipliers_ascend():
     model = _closing_model()
     ids = _ids(2, 16)
@@ -441,9 +457,18 @@ def test_the_experiment_runs_end_to_end_and_resumes(tmp_path, caplog, capsys):
     assert summary["dense"]["flops_per_token"] == pytest.approx(dense)
     assert len(summary["keep_ratio"]) == 2 and summary["keep_ratio"][0] == 1.0
     assert set(summary["speed"]) == {"8", "32"}
+    report = (tmp_path / "run" / "report.md").read_text()
+    for length, speed in summary["speed"].items():
+        n = int(length)
+        dense_n = cascade_flops(g, n, [n, n], [3, 3], [192, 192]) / n
+        run_n = speed["pruned_run_flops_per_token"]
+        assert speed["dense_flops_per_token"] == pytest.approx(dense_n)
+        assert speed["pruned_flops_per_token"] <= run_n <= dense_n
+        row = f"FLOPs per token at n={n}, as run (pruned: every slot of each block)"
+        cells = f"{dense_n / 1e6:.2f} M | {run_n / 1e6:.2f} M | {run_n / dense_n:.3f} |"
+        assert f"| {row} | {cells}" in report
     # The pruned model ran in fixed slots: the keep target plus the slack, block 1 whole.
     assert summary["capacity"] == [1.0, 0.4625] and summary["overflows"] >= 0
-    report = (tmp_path / "run" / "report.md").read_text()
     ratio = summary["pruned"]["ppl"] / summary["dense"]["ppl"]
     assert (
         f"| {summary['dense']['ppl']:.3f} | {summary['pruned']['ppl']:.3f} | {ratio:.3f} |"

@@ -128,12 +128,12 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
     dense_nll, _ = measure.evaluate_lm(dense, windows)
     cascade_nll, _ = measure.evaluate_lm(cascade, windows)  # rngs=None: hard gates
     ids = jnp.asarray(windows[:, :-1])
-    dense_flops = (
-        cascade_flops(
-            g, t, [t] * g.n_layer, [g.n_head] * g.n_layer, [g.inner(i) for i in range(g.n_layer)]
-        )
-        / t
-    )
+
+    def dense_flops(length: int) -> float:  # per token
+        units = [g.inner(i) for i in range(g.n_layer)]
+        layers = [length] * g.n_layer, [g.n_head] * g.n_layer, units
+        return cascade_flops(g, length, *layers) / length
+
     pruned = cascade.prune()
     keep = cascade.keep_ratio(ids)
     graphdef, state = nnx.split(dense)
@@ -142,11 +142,17 @@ def _measure(cfg, data, dense, cascade, windows) -> dict:
     for length in (t, 4 * t):
         text_ids = jnp.asarray(_long_text(data, length, 1))
         timed = _tokens_per_s({"dense": dense_fn, "pruned": pruned.logits}, text_ids)
-        speed[str(length)] = {f"{name}_tokens_per_s": v for name, v in timed.items()}
+        speed[str(length)] = {f"{name}_tokens_per_s": v for name, v in timed.items()} | {
+            # What each model computes on the timed sequence: the pruned one's kept tokens, and
+            # the slots it ran on (the speed-up a machine bound by FLOPs would give).
+            "dense_flops_per_token": dense_flops(length),
+            "pruned_flops_per_token": pruned.flops_per_token(text_ids),
+            "pruned_run_flops_per_token": pruned.flops_as_run(text_ids).total / length,
+        }
     return {
         "dense": {
             "ppl": math.exp(dense_nll),
-            "flops_per_token": dense_flops,
+            "flops_per_token": dense_flops(t),
             "tokens_per_s": speed[str(t)]["dense_tokens_per_s"],
         },
         "pruned": {

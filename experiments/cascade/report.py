@@ -65,6 +65,15 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
                 "{:.0f}".format,
             )
         )
+        if "pruned_run_flops_per_token" in v:  # (runs measured before it have no such figure)
+            rows.append(
+                (
+                    f"FLOPs per token at n={length}, as run (pruned: every slot of each block)",
+                    v["dense_flops_per_token"],
+                    v["pruned_run_flops_per_token"],
+                    mflops,
+                )
+            )
     lines = ["# CANDS cascade against the dense baseline", "", s["data"], ""]
     lines += ["| | dense | pruned cascade | pruned / dense |", "|:--|--:|--:|--:|"]
     lines += [f"| {n} | {f(a)} | {f(b)} | {b / a:.3f} |" for n, a, b, f in rows]
@@ -81,7 +90,10 @@ def write_report(folder: pathlib.Path, s: dict) -> None:
         f"more and ran on more slots: {s['overflows']}); FLOPs: "
         "sparse_jax.models.flops.kept_flops (causal attention among kept tokens); tokens/s: "
         "one sequence of evaluation text, median of 7 rounds after warm-up, each round calling "
-        "the dense and the pruned model in turn, routing included.",
+        "the dense and the pruned model in turn, routing included. FLOPs as run: those of the "
+        "timed sequence, each pruned block counted over all the slots it ran on, empty ones "
+        "included (PrunedCascadeLM.flops_as_run); dense over pruned is the speed-up a machine "
+        "bound by its FLOPs would give, beside the measured tokens/s.",
         "",
         "![gates and kept tokens](gates.png)",
         "",

@@ -805,6 +805,27 @@ class PrunedCascadeLM:
         reports = self.flops(ids)
         return sum(r.total for r in reports) / (len(reports) * ids.shape[1])
 
+    def flops_as_run(self, ids) -> ModelFlops:
+        """Forward FLOPs of one row of ``ids [B, T]`` as this model computes it: each block on
+        all the slots it ran on for this batch, empty ones included (causal attention over the
+        slots), with the heads and units it keeps. Above :meth:`flops` by the empty slots;
+        ``model_flops / flops_as_run`` is the speed-up a machine bound by its FLOPs would give.
+
+        Example:
+          >>> from flax import nnx
+          >>> cfg = CascadeConfig(GPT2Config.preset("tiny"), keep_ratios=(1.0, 0.5),
+          ...                     capacity=(1.0, 0.75))
+          >>> pruned = CascadeLM(cfg, rngs=nnx.Rngs(0)).prune()
+          >>> ids = jnp.zeros((1, 16), jnp.int32)
+          >>> pruned.flops_as_run(ids).total == cascade_flops(
+          ...     cfg.gpt2, 16, [16, 16], pruned.heads_kept(), pruned.units_kept())
+          True
+        """
+        _, _, slots = self.logits(ids, return_kept=True)
+        return kept_flops(
+            self.config.gpt2, ids.shape[1], slots, self.heads_kept(), self.units_kept()
+        )
+
 
 def _ln_params(ln) -> tuple[jax.Array, jax.Array, float]:
     return jnp.asarray(ln.scale[...]), jnp.asarray(ln.bias[...]), float(ln.epsilon)
