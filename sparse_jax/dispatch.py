@@ -561,9 +561,13 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
     def chunk(q_c, start, mask_c, bias_c):
         # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
         c = q_c.shape[1]
-        s = shared_einsum(
-            "bckgh,bskh->bkgcs", q_c.reshape(b, c, kh, g, h), k_in, k.dtype, compute, precision
-        ).reshape(b, n, c, tk)
+        # The queries go to [B, Kh, G, C, H] first, so that the product comes out in the
+        # scores' order: asked for in another order, XLA transposes the scores themselves
+        # (measured at 512 keys: the whole forward 15% slower).
+        q_t = jnp.transpose(q_c.reshape(b, c, kh, g, h), (0, 2, 3, 1, 4))
+        s = shared_einsum("bkgch,bskh->bkgcs", q_t, k_in, k.dtype, compute, precision).reshape(
+            b, n, c, tk
+        )
         s = s * jnp.asarray(scale, compute) + key_nan.astype(compute)
         if bias_c is not None:
             s = s + bias_c.astype(compute)
@@ -579,13 +583,14 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
             allowed = m if allowed is None else allowed & m
         p = normalize(s, allowed, normalizer)  # [B, N, C, Tk]
         out = shared_einsum(
-            "bkgcs,bskh->bckgh",
+            "bkgcs,bskh->bkgch",
             p.reshape(b, kh, g, c, tk).astype(v.dtype),
             v_in,
             v.dtype,
             compute,
             precision,
-        ).reshape(b, c, n, hv)
+        )
+        out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, c, n, hv)
         result = {"out": out.astype(q.dtype)}
         if return_weights:
             result["weights"] = p.astype(q.dtype)
