@@ -275,7 +275,7 @@ def test_flops_per_token_counts_what_each_row_keeps(closing):
 
 
 def test_flops_as_run_count_every_slot_each_block_ran_on(closing):
-    model, _, aux = closing
+    model, _, _ = closing
     pruned = model.prune()
     _, _, slots = pruned.logits(_ids(), return_kept=True)
     assert slots[2] < 32  # the last block ran on fewer slots than tokens
