@@ -27,7 +27,7 @@ def _score_blocks(fn, *args) -> set[tuple[int, int]]:
     for eqn in traced_equations(fn, *args):
         scope = str(eqn.source_info.name_stack)
         if eqn.primitive.name == "dot_general" and "sparse_jax/blocksparse" in scope:
-            if "->bacgikj" in scope:
+            if "->bagcikj" in scope:
                 shape = eqn.outvars[0].aval.shape
                 found.add((shape[-3], shape[-1]))
     return found
