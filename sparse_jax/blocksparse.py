@@ -395,13 +395,8 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
             sel = (slice(None), slice(None), idx[0])
         kg, vg, nan_g = kb[sel], vb[sel], key_nan[sel]
         qg = jnp.moveaxis(qb[rows], 0, 3)  # [B, A, G', step, bq, D]
-        # The products are taken with the step axis before G' (the order XLA forms them in:
-        # asked for in another, it transposes the scores themselves; measured: the forward of
-        # 8 steps of 128-blocks 18% slower) and swapped back, free when G' is 1.
-        s = shared_einsum(
-            "bacgid,backjd->bacgikj", jnp.swapaxes(qg, 2, 3), kg, k.dtype, compute, precision
-        )
-        s = jnp.swapaxes(s, 2, 3) * jnp.asarray(scale, compute) + nan_g[:, :, None, :, None]
+        s = shared_einsum("bagcid,backjd->bagcikj", qg, kg, k.dtype, compute, precision)
+        s = s * jnp.asarray(scale, compute) + nan_g[:, :, None, :, None]
         if bias is not None:
             s = s + _gather_bias(bias, rows, idx, p_)
         # Element mask of the gathered blocks [H, step, K, bq, bkv] -> scores' layout.
@@ -430,14 +425,8 @@ def _run(q, k, v, layout, mask, bias, normalizer, scale, plan: _Plan, return_wei
         allowed = allowed.reshape(*allowed.shape[:5], width * p_.bkv)
         p = normalize(s_rows, allowed, normalizer).reshape(s.shape)
         out = shared_einsum(
-            "bacgikj,backje->bacgie",
-            jnp.swapaxes(p.astype(v.dtype), 2, 3),
-            vg,
-            v.dtype,
-            compute,
-            precision,
-        )
-        out = jnp.swapaxes(out, 2, 3).astype(q.dtype)
+            "bagcikj,backje->bagcie", p.astype(v.dtype), vg, v.dtype, compute, precision
+        ).astype(q.dtype)
         return (out, p.astype(q.dtype)) if return_weights else out
 
     outs, weights, all_rows = [], [], []
