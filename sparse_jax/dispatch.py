@@ -562,8 +562,8 @@ def _xla_attention(args: _Args, *, return_weights: bool, precision: Any) -> Any:
         # q_c [B, C, N, H] -> scores [B, N, C, Tk] in float32.
         c = q_c.shape[1]
         # The queries go to [B, Kh, G, C, H] first, so that the product comes out in the
-        # scores' order: asked for in another order, XLA transposes the scores themselves
-        # (measured at 512 keys: the whole forward 15% slower).
+        # scores' order: asked for in another order, XLA:CPU transposes the scores themselves
+        # (docs/benchmarks.md, "The dense reference's products in the order XLA forms them").
         q_t = jnp.transpose(q_c.reshape(b, c, kh, g, h), (0, 2, 3, 1, 4))
         s = shared_einsum("bkgch,bskh->bkgcs", q_t, k_in, k.dtype, compute, precision).reshape(
             b, n, c, tk
