@@ -808,8 +808,8 @@ class PrunedCascadeLM:
     def flops_as_run(self, ids) -> ModelFlops:
         """Forward FLOPs of one row of ``ids [B, T]`` as this model computes it: each block on
         all the slots it ran on for this batch, empty ones included (causal attention over the
-        slots), with the heads and units it keeps. Above :meth:`flops` by the empty slots;
-        ``model_flops / flops_as_run`` is the speed-up a machine bound by its FLOPs would give.
+        slots), with the heads and units it keeps. Above :meth:`flops` by the empty slots. The
+        dense model's FLOPs over these are the speed-up a machine bound by its FLOPs would give.
 
         Example:
           >>> from flax import nnx
